@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Local launcher: creates/uses ./.venv, installs the project, then runs one job.
+#   launch/local.sh demo   [gin overrides...]  CPU RL demo (sparse-rollout GRPO on the synthetic task)
+#   launch/local.sh test   [pytest args...]    the whole test suite (what CI runs)
+#   launch/local.sh sparrow <subcommand> ...   any CLI command inside the venv
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[local.sh] creating .venv with $($PY --version)"
+  $PY -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+stamp=.venv/.sparrow-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[local.sh] installing sparrow-jax and test dependencies into .venv"
+  python -m pip install -q --upgrade pip
+  # torch==2.13.0 first: it resolves to the local CPU wheel (no CUDA downloads).
+  python -m pip install -q "torch==2.13.0"
+  python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+job=${1:-demo}; shift || true
+case "$job" in
+  demo)
+    exec sparrow train configs/demo_cpu.gin "$@" ;;
+  test)
+    bash .ci/compile_env.sh
+    set +e
+    python -m pytest "$@"
+    rc=$?
+    # pytest exit 5 = no tests collected: that is a failure for us, never a silent pass.
+    if [ $rc -eq 5 ]; then echo "[local.sh] pytest collected no tests: failing"; exit 1; fi
+    exit $rc ;;
+  sparrow)
+    exec sparrow "$@" ;;
+  *)
+    echo "usage: launch/local.sh {demo|test|sparrow ...}" >&2; exit 2 ;;
+esac
