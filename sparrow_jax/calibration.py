@@ -1,0 +1,155 @@
+"""Pure parts of offline calibration: pick a schedule from a budget x bin tail table, and plot it.
+
+The calibration driver (someone else's CLI) decodes prompts at each candidate budget, measures
+alpha per token against the dense policy, and fills ``tails[i, j]`` = the per-bin tail
+(``mismatch.tail_by_bin``) of bin ``j`` at budget ``budgets[i]`` (NaN where a bin had no
+tokens). This module turns that table into a ``Schedule`` and a heatmap PNG.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from sparrow_jax.schedule import DENSE_BUDGET, Schedule
+
+__all__ = ["pick_schedule", "write_heatmap"]
+
+
+def pick_schedule(
+    tails: Any,
+    budgets: Sequence[int],
+    target: float = 0.86,
+    fallback: str = "max",
+    *,
+    bin_size: int = 2000,
+    block_size: int = 16,
+    monotone: bool = True,
+    name: str = "calibrated",
+) -> tuple[Schedule, dict[str, Any]]:
+    """Per bin, the cheapest budget whose tail meets ``target``.
+
+    Tails need not be monotone in the budget (they are noisy estimates), so the rule is
+    "cheapest budget meeting the target", not a bisection.
+
+    Args:
+      tails: ``[num_budgets, num_bins]`` tail alpha; NaN = no data.
+      budgets: ``[num_budgets]`` tokens (any order; multiples of ``block_size``).
+      target: required tail alpha.
+      fallback: for a bin with data where no budget meets the target: ``"max"`` takes the
+        largest budget, ``"dense"`` takes ``DENSE_BUDGET``; the bin is flagged either way.
+      monotone: make budgets non-decreasing over bins (cumulative max), as the published
+        tables are; raising a budget never hurts the tail.
+    Returns:
+      (schedule, info) with info ``unmet_bins`` (bins where nothing met the target),
+      ``no_data_bins`` (inherited from the previous bin; leading ones from the first bin with
+      data), ``ok`` (no unmet bins) and ``picked`` (per-bin choice before monotone/filling).
+    """
+    tails = np.asarray(tails, np.float64)
+    budgets_arr = np.asarray(budgets, np.int64).reshape(-1)
+    if tails.ndim != 2 or tails.shape[0] != budgets_arr.size:
+        raise ValueError(
+            f"tails must be [num_budgets={budgets_arr.size}, num_bins], got {tails.shape}"
+        )
+    if fallback not in ("max", "dense"):
+        raise ValueError(f"fallback must be 'max' or 'dense', got {fallback!r}")
+    order = np.argsort(budgets_arr, kind="stable")
+    budgets_arr, tails = budgets_arr[order], tails[order]
+    has_data = np.isfinite(tails).any(axis=0)
+    if not has_data.any():
+        raise ValueError("tail table holds no data (all NaN)")
+    fallback_budget = int(budgets_arr[-1]) if fallback == "max" else DENSE_BUDGET
+    # NaN >= target is False, so a missing cell never "meets" the target.
+    meets = np.nan_to_num(tails, nan=-np.inf) >= target
+    picked = np.full(tails.shape[1], -1, np.int64)
+    unmet = []
+    for j in np.flatnonzero(has_data):
+        rows = np.flatnonzero(meets[:, j])
+        if rows.size:
+            picked[j] = budgets_arr[rows[0]]  # sorted ascending: first = cheapest
+        else:
+            picked[j] = fallback_budget
+            unmet.append(int(j))
+    chosen = picked.copy()
+    first = int(np.flatnonzero(has_data)[0])
+    chosen[:first] = chosen[first]
+    for j in range(first + 1, chosen.size):
+        if chosen[j] < 0:
+            chosen[j] = chosen[j - 1]
+    if monotone:
+        chosen = np.maximum.accumulate(chosen)
+    schedule = Schedule(tuple(int(b) for b in chosen), bin_size, block_size, name)
+    info = {"unmet_bins": unmet, "no_data_bins": [int(j) for j in np.flatnonzero(~has_data)],
+            "ok": not unmet, "picked": picked, "target": target}
+    return schedule, info
+
+
+def write_heatmap(
+    path_png: str | os.PathLike,
+    tails: Any,
+    budgets: Sequence[int],
+    schedule: Schedule | None,
+    bin_size: int = 2000,
+    *,
+    target: float = 0.86,
+    title: str = "",
+) -> str:
+    """Heatmap of tail alpha (rows = budgets, columns = bins) with the schedule drawn on it.
+
+    Cells meeting ``target`` are outlined by a contour at ``target``; NaN cells are grey; the
+    schedule is a white step line through the chosen budget of each bin. Uses the Agg canvas
+    directly (no pyplot), so it works headless and leaves global matplotlib state alone.
+
+    Returns:
+      the path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    import matplotlib as mpl
+
+    tails = np.asarray(tails, np.float64)
+    budgets_arr = np.asarray(budgets, np.int64).reshape(-1)
+    order = np.argsort(budgets_arr, kind="stable")
+    budgets_arr, tails = budgets_arr[order], tails[order]
+    num_budgets, num_bins = tails.shape
+
+    fig = Figure(figsize=(max(6.0, 0.45 * num_bins + 2), max(4.0, 0.3 * num_budgets + 1.5)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    cmap = mpl.colormaps["viridis"].with_extremes(bad="#bbbbbb")
+    finite = tails[np.isfinite(tails)]
+    # Colour range focused around the target: everything below 0.5 is simply "far off".
+    vmin = max(0.5, float(min(finite.min(), target - 0.05))) if finite.size else 0.5
+    img = ax.imshow(np.ma.masked_invalid(tails), origin="lower", aspect="auto", cmap=cmap,
+                    vmin=vmin, vmax=1.0, interpolation="nearest")
+    fig.colorbar(img, ax=ax, label="tail alpha (per-bin quantile)")
+    if finite.size and np.nanmin(tails) < target <= np.nanmax(tails):
+        # Masked (NaN) cells are left out of the contour instead of faking a boundary there.
+        ax.contour(np.arange(num_bins), np.arange(num_budgets), np.ma.masked_invalid(tails),
+                   levels=[target], colors="red", linewidths=1.2)
+    for i in range(num_budgets):  # value labels: the table is small (~18 x 20)
+        for j in range(num_bins):
+            if np.isfinite(tails[i, j]):
+                ax.text(j, i, f"{tails[i, j]:.2f}", ha="center", va="center", fontsize=5,
+                        color="white" if tails[i, j] < (vmin + 1.0) / 2 else "black")
+    if schedule is not None:
+        # Fractional row position so budgets between grid rows are drawn where they belong.
+        rows = np.interp(np.asarray(schedule.budgets[:num_bins], np.float64), budgets_arr,
+                         np.arange(num_budgets))
+        ax.step(np.arange(rows.size), rows, where="mid", color="white", linewidth=2.0)
+        ax.plot(np.arange(rows.size), rows, "o", color="white", markersize=3)
+    ax.set_xticks(np.arange(num_bins))
+    ax.set_xticklabels([f"{j * bin_size // 1000}k" + ("+" if j == num_bins - 1 else "")
+                        for j in range(num_bins)], fontsize=6, rotation=90)
+    ax.set_yticks(np.arange(num_budgets))
+    ax.set_yticklabels([str(b) for b in budgets_arr], fontsize=6)
+    ax.set_xlabel("total cached length bin")
+    ax.set_ylabel("KV budget (tokens)")
+    sched_label = f", white: schedule {schedule.name}" if schedule is not None else ""
+    ax.set_title(title or f"tail alpha per bin and budget (red: target {target}{sched_label})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path_png), dpi=120)
+    return os.fspath(path_png)
