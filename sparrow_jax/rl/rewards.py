@@ -1,0 +1,365 @@
+"""Verifiable rewards: a name -> function registry and a process pool with hard per-item timeouts.
+
+A reward function has the signature
+    fn(completion_text: str, ground_truth: str, *, prompt: str = "", meta: dict | None = None)
+        -> float
+and is registered with `@register_reward("name")`. Names resolve through `get_reward`, which
+also accepts "package.module:name" (imports the module first, so user rewards can be referenced
+from gin files without touching this package).
+
+`RewardPool` scores a batch of items. With `processes > 0` every item runs in a separate worker
+process started with a *spawn* (or forkserver) context - the trainer holds JAX/XLA threads, which
+must never be forked - and an item that overruns `timeout_s` gets reward 0 while its worker is
+killed and replaced, so a hostile or huge answer cannot stall training.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import math
+import multiprocessing
+import multiprocessing.connection
+import signal
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import gin
+import numpy as np
+
+RewardFn = Callable[..., float]
+
+# Modules that register rewards when imported; loaded lazily on the first unknown name so that
+# importing this module stays cheap (no sympy) and free of import cycles.
+_BUILTIN_REWARD_MODULES = ("sparrow_jax.data.synthetic",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    fn: RewardFn
+    preload: tuple[str, ...]  # heavy modules a pool worker imports before reporting ready
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_reward(name: str, *, preload: Sequence[str] = ()) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering `fn` under `name`. `preload`: modules pool workers import at start
+    (so the first item's timeout is not eaten by e.g. importing sympy)."""
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        old = _REGISTRY.get(name)
+        # Re-importing the same module (spawned workers, pytest) re-registers the same function.
+        same = old is not None and (old.fn.__module__, old.fn.__qualname__) == (
+            fn.__module__,
+            fn.__qualname__,
+        )
+        if old is not None and not same:
+            raise ValueError(
+                f"reward {name!r} is already registered by {old.fn.__module__}.{old.fn.__qualname__}"
+            )
+        _REGISTRY[name] = _Entry(fn, tuple(preload))
+        return fn
+
+    return decorator
+
+
+def _lookup(name: str) -> _Entry:
+    if ":" in name:
+        module, name = name.rsplit(":", 1)
+        importlib.import_module(module)
+    if name not in _REGISTRY:
+        for module in _BUILTIN_REWARD_MODULES:
+            importlib.import_module(module)
+    if name not in _REGISTRY:
+        known = ", ".join(sorted(_REGISTRY)) or "(none)"
+        raise KeyError(f"unknown reward {name!r}; registered rewards: {known}")
+    return _REGISTRY[name]
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function registered as `name` (or "module.path:name")."""
+    return _lookup(name).fn
+
+
+def reward_names() -> list[str]:
+    """Names of all registered rewards (after loading the built-in reward modules)."""
+    for module in _BUILTIN_REWARD_MODULES:
+        importlib.import_module(module)
+    return sorted(_REGISTRY)
+
+
+@gin.configurable
+def make_reward_fn(name: str = "math_verify") -> RewardFn:
+    """gin factory: `make_reward_fn.name = "synthetic_exact"`."""
+    return get_reward(name)
+
+
+# ----------------------------------------------------------------------------- math_verify
+
+
+def extract_last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, nested braces included.
+
+    Also accepts the brace-less form `\\boxed 5`. Returns None when there is no box or the last
+    one is unterminated (a truncated generation has no answer; we do not fall back to an earlier
+    box, which might be a scratch value).
+    """
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
+    if i < len(text) and text[i] == " ":
+        # "\boxed 5": the answer is the next whitespace/`$`-delimited token.
+        rest = text[i:].lstrip(" ")
+        token = rest.split("$", 1)[0].split()
+        return token[0] if token else None
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth = 0
+    j = i
+    while j < len(text):
+        ch = text[j]
+        if ch == "\\":
+            j += 2  # an escaped character (e.g. `\{`) never opens or closes the box
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+        j += 1
+    return None
+
+
+def _normalize_plain(s: str) -> str:
+    return "".join(s.split()).rstrip(".").strip("$")
+
+
+@register_reward("math_verify", preload=("math_verify",))
+def math_verify_reward(
+    completion_text: str, ground_truth: str, *, prompt: str = "", meta: dict | None = None
+) -> float:
+    """1.0 iff the last boxed answer of the completion equals the ground truth per math-verify
+    (symbolic/numeric equivalence: "\\frac{1}{2}" == "0.5"), else 0.0."""
+    del prompt, meta
+    answer = extract_last_boxed(completion_text)
+    if answer is None or not answer.strip():
+        return 0.0
+    from math_verify import parse, verify  # lazy: sympy is slow to import
+
+    # math-verify's own timeouts use SIGALRM, which only works on the main thread.
+    main = threading.current_thread() is threading.main_thread()
+    limit = 5 if main else None
+    gt = str(ground_truth).strip()
+    gold_box = extract_last_boxed(gt)
+    if gold_box is not None:
+        gt = gold_box
+    gold = parse(gt if "$" in gt else f"${gt}$", parsing_timeout=limit)
+    pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=limit)
+    if gold and pred and verify(gold, pred, timeout_seconds=limit):
+        return 1.0
+    # Non-math ground truths (names, labels) that math-verify cannot parse: exact text match.
+    return 1.0 if _normalize_plain(answer) == _normalize_plain(gt) else 0.0
+
+
+# ----------------------------------------------------------------------------- worker pool
+
+
+def _worker_main(conn: Any, fn: RewardFn, preload: tuple[str, ...]) -> None:
+    """Worker loop: import, report ready, then score items until told to stop."""
+    # Ctrl-C goes to the whole process group; the parent decides when workers die.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for module in preload:
+        importlib.import_module(module)
+    conn.send(("ready",))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        idx, completion, truth, prompt, meta = msg
+        try:
+            value = float(fn(completion, truth, prompt=prompt, meta=meta))
+            if not math.isfinite(value):
+                raise ValueError(f"non-finite reward {value}")
+            conn.send((idx, True, value))
+        except Exception as e:  # noqa: BLE001 - any reward bug must cost one item, not the run
+            conn.send((idx, False, f"{type(e).__name__}: {e}"[:500]))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, fn: RewardFn, preload: tuple[str, ...]):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, fn, preload), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.job: tuple[int, float] | None = None  # (item index, deadline)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+Item = tuple  # (completion, ground_truth[, prompt[, meta]])
+
+
+@gin.configurable
+class RewardPool:
+    """Scores (completion, ground_truth[, prompt[, meta]]) items; see the module docstring.
+
+    processes=0 evaluates in-process (cheap rewards, tests); `timeout_s` is then not enforced.
+    Use as a context manager or call `close()`.
+    """
+
+    def __init__(
+        self,
+        reward: str | RewardFn = "math_verify",
+        *,
+        processes: int = 4,
+        timeout_s: float = 10.0,
+        start_method: str = "spawn",
+        startup_timeout_s: float = 120.0,
+    ):
+        if start_method not in ("spawn", "forkserver"):
+            # fork would copy the trainer's JAX runtime threads/locks into the child.
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+        if isinstance(reward, str):
+            entry = _lookup(reward)
+            self._fn, self._preload = entry.fn, entry.preload
+        else:
+            self._fn, self._preload = reward, ()
+        self.processes = processes
+        self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._ctx = multiprocessing.get_context(start_method)
+        self._workers = [self._spawn() for _ in range(processes)]
+        self.total = collections.Counter()
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self._fn, self._preload)
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for w in self._workers:
+            w.process.join(timeout=2)
+            w.kill()
+        self._workers = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def score(self, items: Sequence[Item]) -> tuple[np.ndarray, dict[str, Any]]:
+        """Rewards `[len(items)]` float32 and info {timeouts, errors, restarts, seconds,
+        timed_out (indices), failed (indices)}. Failed or timed-out items score 0."""
+        t0 = time.monotonic()
+        items = [_normalize_item(it) for it in items]
+        rewards = np.zeros(len(items), np.float32)
+        info: dict[str, Any] = {"timeouts": 0, "errors": 0, "restarts": 0, "timed_out": [], "failed": []}
+        if self.processes == 0:
+            for i, (completion, truth, prompt, meta) in enumerate(items):
+                try:
+                    value = float(self._fn(completion, truth, prompt=prompt, meta=meta))
+                    if not math.isfinite(value):
+                        raise ValueError(f"non-finite reward {value}")
+                    rewards[i] = value
+                except Exception as e:  # noqa: BLE001
+                    info["errors"] += 1
+                    info["failed"].append(i)
+                    info.setdefault("first_error", f"{type(e).__name__}: {e}"[:500])
+        else:
+            self._score_in_pool(items, rewards, info)
+        info["seconds"] = time.monotonic() - t0
+        self.total.update({k: info[k] for k in ("timeouts", "errors", "restarts")})
+        return rewards, info
+
+    def _score_in_pool(self, items: list, rewards: np.ndarray, info: dict[str, Any]) -> None:
+        pending = collections.deque(range(len(items)))
+        started = time.monotonic()
+        while pending or any(w.job for w in self._workers):
+            now = time.monotonic()
+            for k, w in enumerate(self._workers):
+                if w.ready and w.job is None and pending:
+                    i = pending.popleft()
+                    try:
+                        w.conn.send((i, *items[i]))
+                    except OSError:
+                        # The worker died while idle: requeue the item on a fresh worker.
+                        pending.appendleft(i)
+                        self._replace(k, info)
+                        continue
+                    # The deadline starts at dispatch, so queueing time never counts.
+                    w.job = (i, now + self.timeout_s)
+            deadlines = [w.job[1] for w in self._workers if w.job]
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.5
+            ready = multiprocessing.connection.wait([w.conn for w in self._workers], timeout=wait_s)
+            for k, w in enumerate(self._workers):
+                if w.conn not in ready:
+                    continue
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):
+                    # Crashed (segfault, OOM kill): its item fails, the worker is replaced.
+                    if w.job is not None:
+                        self._fail(w.job[0], info, "errors", "failed")
+                    elif not w.ready:
+                        raise RuntimeError("a reward worker died during start-up (import error?)")
+                    self._replace(k, info)
+                    continue
+                if msg == ("ready",):
+                    w.ready = True
+                    continue
+                i, ok, value = msg
+                w.job = None
+                if ok:
+                    rewards[i] = value
+                else:
+                    self._fail(i, info, "errors", "failed")
+                    info.setdefault("first_error", value)
+            now = time.monotonic()
+            for k, w in enumerate(self._workers):
+                if w.job is not None and now >= w.job[1]:
+                    self._fail(w.job[0], info, "timeouts", "timed_out")
+                    self._replace(k, info)
+            if not any(w.ready for w in self._workers) and now - started > self.startup_timeout_s:
+                raise RuntimeError(f"no reward worker became ready in {self.startup_timeout_s}s")
+
+    def _fail(self, i: int, info: dict[str, Any], counter: str, indices: str) -> None:
+        info[counter] += 1
+        info[indices].append(i)
+
+    def _replace(self, k: int, info: dict[str, Any]) -> None:
+        # A stuck worker cannot be interrupted cooperatively; kill it and start a fresh one.
+        self._workers[k].kill()
+        self._workers[k] = self._spawn()
+        info["restarts"] += 1
+
+
+def _normalize_item(item: Item) -> tuple[str, str, str, dict | None]:
+    if not 2 <= len(item) <= 4:
+        raise ValueError(f"a reward item is (completion, ground_truth[, prompt[, meta]]), got {item!r:.200}")
+    completion, truth = item[0], item[1]
+    prompt = item[2] if len(item) > 2 else ""
+    meta = item[3] if len(item) > 3 else None
+    return str(completion), str(truth), str(prompt), meta
