@@ -18,7 +18,6 @@ instead of ``[..., T, V]`` (at V = 152K, T = 32K one f32 copy is ~20 GB per sequ
 from __future__ import annotations
 
 import functools
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -268,7 +267,7 @@ def mismatch_summary(
     positions: Array,
     mask: Array | None,
     *,
-    thresholds: Sequence[float] = (0.5, 0.8, 0.9, 0.99),
+    thresholds: tuple[float, ...] = (0.5, 0.8, 0.9, 0.99),
     logp_sparse: Array | None = None,
     logp_dense: Array | None = None,
     bin_size: int = 2000,
@@ -279,7 +278,7 @@ def mismatch_summary(
 
     Args:
       alpha, positions, mask: ``[...]`` as in ``tail_by_bin``.
-      thresholds: static; reports the fraction of tokens with alpha < each threshold.
+      thresholds: static tuple (hashable); the fraction of tokens with alpha < each one.
       logp_sparse, logp_dense: optional ``[...]`` log-probs of the sampled tokens under the
         rollout (sparse) and the dense policy; adds stats of ``log_ratio = dense - sparse``
         (the log of the truncated-IS weight before capping).
@@ -336,7 +335,7 @@ def noise_floor(
     tokens: Array | None = None,
     temperature: float | Array = 1.0,
     chunk_size: int | None = None,
-    thresholds: Sequence[float] = (0.5, 0.8, 0.9, 0.99),
+    thresholds: tuple[float, ...] = (0.5, 0.8, 0.9, 0.99),
     bin_size: int = 2000,
     quantile: float = 0.05,
     num_bins: int = 20,
@@ -361,7 +360,7 @@ def noise_floor(
         lp_a = token_logprobs(logits_a, tokens, temperature=temperature)
         lp_b = token_logprobs(logits_b, tokens, temperature=temperature)
     return mismatch_summary(
-        alpha, positions, mask, thresholds=tuple(thresholds), logp_sparse=lp_a,
+        alpha, positions, mask, thresholds=thresholds, logp_sparse=lp_a,
         logp_dense=lp_b, bin_size=bin_size, quantile=quantile, num_bins=num_bins,
     )
 
