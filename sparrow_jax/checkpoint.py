@@ -1,0 +1,407 @@
+"""Checkpointing of a run with orbax: params + optimizer state + JSON extras + operative gin config.
+
+Layout (one orbax step directory per saved step, under ``run_dir/checkpoints``)::
+
+    run_dir/checkpoints/<step>/params/            # StandardSave of the params pytree (OCDBT)
+    run_dir/checkpoints/<step>/opt_state/         # StandardSave of the optax state pytree
+    run_dir/checkpoints/<step>/extra/metadata     # JSON: data-iterator state, controller, rng, ...
+    run_dir/checkpoints/<step>/operative_config/operative_config.gin   # gin text, if given
+
+Why the gin file is an orbax *item* (a tiny custom handler) and not a file written next to the
+step afterwards: orbax writes every item into ``<step>.orbax-checkpoint-tmp`` and renames the
+directory only when all items are committed, so the config is finalized atomically with the
+weights, is deleted together with its step by ``max_to_keep``, works unchanged with async saves
+and multiple processes (process 0 writes it), and a file dropped into a step directory by hand
+could race orbax's finalize/delete threads.
+
+Atomicity: a crash mid-save leaves only a ``<step>.orbax-checkpoint-tmp`` directory, which step
+discovery ignores (``latest_step`` is the last finalized step) and which is removed when the next
+manager opens the directory (``cleanup_tmp_directories``). Old steps are deleted only after the
+new one is finalized, so even ``max_to_keep=1`` never leaves the run without a good checkpoint.
+
+Preemption: once ``jax.distributed`` is initialized, JAX's preemption notifier swallows SIGTERM
+and only reports it through ``reached_preemption(step)``. The train loop must therefore call
+:meth:`CheckpointManager.should_stop_for_preemption` every step (on all processes, same step) and,
+when it returns True, save with ``force=True``, ``close()`` and exit. Single-process runs get the
+same behaviour with ``catch_sigterm=True``.
+
+Restoring needs an abstract target (``jax.ShapeDtypeStruct`` with ``sharding``) so arrays land on
+the *current* mesh, which may differ from the one that saved them; see :func:`abstract_like` and
+:func:`abstract_with_shardings`.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import signal
+import tempfile
+import threading
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+if TYPE_CHECKING:  # etils comes with orbax; only its Path type is named here
+    from etils import epath
+
+__all__ = ["CheckpointManager", "abstract_like", "abstract_with_shardings", "decode_extra",
+           "encode_extra", "save_json_atomic", "write_text_atomic"]
+
+PyTree = Any
+CHECKPOINT_SUBDIR = "checkpoints"
+OPERATIVE_CONFIG_FILE = "operative_config.gin"
+_ITEMS = ("params", "opt_state", "extra", "operative_config")
+
+
+# -- atomic small-file writes ---------------------------------------------------------------------
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Writes ``text`` to ``path`` via a temp file in the same directory + ``os.replace``.
+
+    Readers see either the old or the new content, never a torn file.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # data on disk before the rename makes it visible
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Atomically writes ``encode_extra(obj)`` as indented JSON (bytes/arrays/keys allowed)."""
+    write_text_atomic(path, json.dumps(encode_extra(obj), indent=2, sort_keys=True) + "\n")
+
+
+# -- JSON encoding of the "extra" dict ------------------------------------------------------------
+
+_BYTES, _ARRAY, _KEY = "__bytes_b64__", "__ndarray__", "__prng_key__"
+
+
+def encode_extra(obj: Any) -> Any:
+    """Makes ``obj`` JSON-serializable, reversibly for the types a train loop keeps in ``extra``.
+
+    * ``bytes`` (e.g. a grain iterator state) -> ``{"__bytes_b64__": "<base64>"}``
+    * typed PRNG key arrays (``jax.random.key``) -> ``{"__prng_key__": [uint32...], "impl": ...}``
+    * other NumPy/JAX arrays -> ``{"__ndarray__": nested lists, "dtype": ..., "shape": [...]}``
+    * NumPy scalars -> Python scalars; tuples -> lists (JSON has no tuple).
+
+    Dict keys must be ``str``: ``json`` would silently turn ``1`` into ``"1"``.
+    """
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"extra dict keys must be str, got {k!r}")
+            out[k] = encode_extra(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [encode_extra(v) for v in obj]
+    if isinstance(obj, (bytes, bytearray)):
+        return {_BYTES: base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, jax.Array) and jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
+        data = np.asarray(jax.random.key_data(obj))
+        return {_KEY: data.tolist(), "impl": str(jax.random.key_impl(obj)), "shape": list(data.shape)}
+    if isinstance(obj, (np.ndarray, jax.Array)):
+        arr = np.asarray(obj)
+        return {_ARRAY: arr.tolist(), "dtype": arr.dtype.str, "shape": list(arr.shape)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def decode_extra(obj: Any) -> Any:
+    """Inverse of :func:`encode_extra` (tuples come back as lists; keys as ``jax.random.key``)."""
+    if isinstance(obj, list):
+        return [decode_extra(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if _BYTES in obj:
+        return base64.b64decode(obj[_BYTES])
+    if _KEY in obj:
+        data = np.asarray(obj[_KEY], dtype=np.uint32).reshape(obj["shape"])
+        return jax.random.wrap_key_data(data, impl=obj["impl"])
+    if _ARRAY in obj:
+        return np.asarray(obj[_ARRAY], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"])
+    return {k: decode_extra(v) for k, v in obj.items()}
+
+
+# -- abstract restore targets ---------------------------------------------------------------------
+
+
+def abstract_like(tree: PyTree) -> PyTree:
+    """Replaces each ``jax.Array`` leaf by ``ShapeDtypeStruct(shape, dtype, sharding=leaf.sharding)``.
+
+    NumPy arrays and Python scalars are kept (orbax restores them as such); existing
+    ``ShapeDtypeStruct`` leaves pass through. Works on NNX ``State`` (Variables are pytree nodes).
+    """
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+def abstract_with_shardings(tree: PyTree, shardings: jax.sharding.Sharding | PyTree) -> PyTree:
+    """Abstract target for restoring ``tree``'s shapes/dtypes onto new ``shardings``.
+
+    Args:
+      tree: arrays or ``ShapeDtypeStruct`` leaves (e.g. ``nnx.state(nnx.eval_shape(make_model))``).
+      shardings: one ``Sharding`` for every leaf, or a pytree with ``tree``'s structure whose leaves
+        are ``Sharding`` (or ``None`` to keep the leaf's own sharding).
+
+    Returns:
+      ``tree`` with ``ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if isinstance(shardings, jax.sharding.Sharding):
+        sh_leaves: list[Any] = [shardings] * len(leaves)
+    else:
+        # flatten_up_to accepts None (or anything) where ``tree`` has a leaf.
+        sh_leaves = treedef.flatten_up_to(shardings)
+    out = []
+    for x, sh in zip(leaves, sh_leaves):
+        sh = sh if sh is not None else getattr(x, "sharding", None)
+        out.append(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh))
+    return jax.tree.unflatten(treedef, out)
+
+
+# -- the gin-config item: a minimal text CheckpointHandler ----------------------------------------
+
+
+class _TextHandler(ocp.handlers.CheckpointHandler):
+    """Saves one string as ``operative_config.gin`` inside the item directory (process 0 only)."""
+
+    def save(self, directory: epath.Path, args: "_TextSave") -> None:
+        if jax.process_index() == 0:
+            (directory / OPERATIVE_CONFIG_FILE).write_text(args.text)
+
+    def restore(self, directory: epath.Path, args: "_TextRestore | None" = None) -> str:
+        return (directory / OPERATIVE_CONFIG_FILE).read_text()
+
+
+@ocp.args.register_with_handler(_TextHandler, for_save=True)
+@dataclasses.dataclass
+class _TextSave(ocp.args.CheckpointArgs):
+    text: str
+
+
+@ocp.args.register_with_handler(_TextHandler, for_restore=True)
+@dataclasses.dataclass
+class _TextRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+# -- the manager ----------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Saves/restores ``(params, opt_state, extra, operative_config)`` per step of a run.
+
+    Every process must call ``save``/``restore``/``should_stop_for_preemption`` (orbax syncs them
+    and writes from the right processes); arrays may be sharded across processes.
+
+    Args:
+      run_dir: run directory; checkpoints go to ``run_dir/checkpoints``.
+      max_to_keep: keep only the newest N finalized steps (``None``: keep all).
+      save_interval_steps: ``save`` is a no-op unless ``step % save_interval_steps == 0``, or
+        ``force=True``, or a preemption was signalled, or the run has no checkpoint yet (orbax's
+        InitialSavePolicy: the first ``save`` of a fresh run always writes).
+      enable_async: write in a background thread after the device->host copy. Off by default: on
+        CPU there is no device transfer to overlap, and sync saves make "returned == on disk".
+        When on, ``close()`` (or ``wait_until_finished()``) must be called before exiting.
+      catch_sigterm: in single-process runs, turn SIGTERM into ``should_stop_for_preemption() ==
+        True`` (multi-process runs get this from JAX's preemption notifier). The previous handler
+        is restored by ``close()``. Only possible from the main thread.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 3,
+        save_interval_steps: int = 1,
+        enable_async: bool = False,
+        catch_sigterm: bool = False,
+    ) -> None:
+        self.run_dir = os.fspath(run_dir)
+        self.directory = os.path.join(self.run_dir, CHECKPOINT_SUBDIR)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=enable_async,
+            # Remove <step>.orbax-checkpoint-tmp leftovers of a crashed save (runs in the
+            # background; the next save waits for it).
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._mngr = ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
+        self._sigterm = threading.Event()
+        self._prev_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
+        self._sigterm_installed = False
+        if catch_sigterm and jax.process_count() == 1:
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError("catch_sigterm=True needs the main thread (signal handlers)")
+            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_installed = True
+        self._closed = False
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        # Only set a flag: saving from inside a signal handler could interleave with a step.
+        self._sigterm.set()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        """Newest finalized step, or ``None`` if the run has no checkpoint yet."""
+        return self._mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """All finalized steps, ascending."""
+        return sorted(self._mngr.all_steps())
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` would write (interval reached, or preemption)."""
+        return self._sigterm.is_set() or self._mngr.should_save(step)
+
+    def should_stop_for_preemption(self, step: int) -> bool:
+        """True once a preemption (SIGTERM) was signalled: save with ``force=True`` and exit.
+
+        Call every step on every process with the same ``step``: with ``jax.distributed`` this is
+        a sync point where all processes agree on the step to stop at.
+        """
+        return self._sigterm.is_set() or self._mngr.reached_preemption(step)
+
+    def step_dir(self, step: int) -> str:
+        """Directory of a finalized step (``run_dir/checkpoints/<step>``)."""
+        return os.path.join(self.directory, str(step))
+
+    # -- save / restore --------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        params: PyTree,
+        opt_state: PyTree,
+        extra: dict[str, Any] | None = None,
+        *,
+        operative_config: str | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves one step if due; returns whether a checkpoint was written (or started, if async).
+
+        Args:
+          step: training step to file the checkpoint under.
+          params: pytree of arrays (NNX ``State``, dict, ...), possibly sharded.
+          opt_state: optax state pytree.
+          extra: JSON-able dict, after :func:`encode_extra` (bytes, arrays, PRNG keys allowed).
+          operative_config: gin config text (``gin.operative_config_str()``), stored in the step.
+          force: save even if ``step`` is not on the save interval. An existing step is never
+            overwritten (returns False).
+        """
+        step = int(step)
+        if step in self._mngr.all_steps():
+            return False
+        force = force or self._sigterm.is_set()
+        items: dict[str, Any] = {
+            "params": ocp.args.StandardSave(params),
+            "opt_state": ocp.args.StandardSave(opt_state),
+            "extra": ocp.args.JsonSave(encode_extra(dict(extra or {}))),
+        }
+        if operative_config is not None:
+            items["operative_config"] = _TextSave(operative_config)
+        return bool(self._mngr.save(step, args=ocp.args.Composite(**items), force=force))
+
+    def _resolve_step(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no finalized checkpoint in {self.directory}")
+        elif int(step) not in self._mngr.all_steps():
+            raise FileNotFoundError(f"step {step} not in {self.directory}: {self.all_steps()}")
+        return int(step)
+
+    def restore(
+        self,
+        step: int | None = None,
+        abstract_params: PyTree | None = None,
+        abstract_opt_state: PyTree | None = None,
+    ) -> tuple[PyTree | None, PyTree | None, dict[str, Any]]:
+        """Restores ``(params, opt_state, extra)`` of ``step`` (default: latest finalized).
+
+        Args:
+          step: step to restore; ``None`` = :meth:`latest_step`.
+          abstract_params: target pytree with ``ShapeDtypeStruct(..., sharding=...)`` leaves (see
+            :func:`abstract_like`, :func:`abstract_with_shardings`); arrays are restored directly
+            into these shardings, so the mesh may differ from the saving run. The result has this
+            tree's structure (e.g. an NNX ``State``). ``None`` skips params (returns ``None``).
+          abstract_opt_state: same for the optimizer state; ``None`` skips it.
+
+        Returns:
+          ``(params, opt_state, extra)`` with ``extra`` decoded by :func:`decode_extra`.
+
+        Raises:
+          FileNotFoundError: no checkpoint, or ``step`` is not a finalized step.
+        """
+        step = self._resolve_step(step)
+        items: dict[str, Any] = {"extra": ocp.args.JsonRestore()}
+        if abstract_params is not None:
+            items["params"] = ocp.args.StandardRestore(abstract_params)
+        if abstract_opt_state is not None:
+            items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
+        out = self._mngr.restore(step, args=ocp.args.Composite(**items))
+        params = out["params"] if abstract_params is not None else None
+        opt_state = out["opt_state"] if abstract_opt_state is not None else None
+        return params, opt_state, decode_extra(out["extra"])
+
+    def read_operative_config(self, step: int | None = None) -> str | None:
+        """Gin config text saved with ``step`` (default latest), or ``None`` if none was given."""
+        path = os.path.join(self.step_dir(self._resolve_step(step)), "operative_config", OPERATIVE_CONFIG_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def wait_until_finished(self) -> None:
+        """Blocks until an async save has been finalized (no-op for sync saves)."""
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves, releases orbax resources, restores the SIGTERM handler."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._mngr.close()
+        finally:
+            if self._sigterm_installed:
+                # None means "installed from C"; SIG_DFL is the closest Python can restore.
+                prev = self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL
+                signal.signal(signal.SIGTERM, prev)
+                self._sigterm_installed = False
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
