@@ -1,1 +1,7 @@
 """Block-sparse and dense decode attention kernels (Pallas TPU, Pallas Triton, jax-triton) and their XLA references."""
+
+from pallas_kernels.dispatch import (BACKENDS, BackendUnavailableError, block_sparse_decode,
+                                     dense_decode, resolve_backend)
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "block_sparse_decode", "dense_decode",
+           "resolve_backend"]

@@ -1,0 +1,344 @@
+"""Decode-attention kernels vs the XLA reference and a float64 NumPy reference (CPU).
+
+Pallas kernels run in interpret mode, always inside jax.jit, at tiny shapes: interpret mode costs
+roughly grid steps x operand size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import dispatch
+from pallas_kernels.reference import all_blocks_selection
+
+BS = 16
+PALLAS = ["pallas_tpu", "pallas_triton"]
+ALL = ["xla"] + PALLAS
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def make_inputs(seed: int, *, b: int, hkv: int, g: int, s: int, d: int, dtype,
+                lengths: list[int]) -> tuple[jax.Array, ...]:
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, hkv * g, d)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(lengths, jnp.int32))
+
+
+def make_selection(seed: int, lengths: list[int], hkv: int, kk: int,
+                   empty_rows: tuple[tuple[int, int], ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """Random valid selections: ascending unique ids < ceil(len/bs), padding repeats the last."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    bi = np.zeros((b, hkv, kk), np.int32)
+    nb = np.zeros((b, hkv), np.int32)
+    for i, length in enumerate(lengths):
+        total = -(-length // BS)
+        for h in range(hkv):
+            n = 0 if (i, h) in empty_rows else int(rng.integers(1, min(kk, total) + 1)) if total else 0
+            ids = np.sort(rng.choice(total, n, replace=False)) if n else np.zeros(0, np.int32)
+            if n:
+                bi[i, h, :n] = ids
+                bi[i, h, n:] = ids[-1]
+            nb[i, h] = n
+    return jnp.asarray(bi), jnp.asarray(nb)
+
+
+def numpy_decode(q, k, v, bi, nb, lengths, scale=None):
+    """float64 reference: softmax over the tokens of the first nb selected blocks (< length)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    bi, nb, lengths = np.asarray(bi), np.asarray(nb), np.asarray(lengths)
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((b, hq, d))
+    lse = np.full((b, hq), -np.inf)
+    for i in range(b):
+        for h in range(hq):
+            kh = h // g
+            toks = np.concatenate([np.arange(j * BS, (j + 1) * BS) for j in bi[i, kh, :nb[i, kh]]]
+                                  + [np.zeros(0, np.int64)])
+            toks = toks[toks < lengths[i]]
+            if toks.size == 0:
+                continue
+            sc = k[i, kh, toks] @ q[i, h] * scale
+            m = sc.max()
+            p = np.exp(sc - m)
+            out[i, h] = p @ v[i, kh, toks] / p.sum()
+            lse[i, h] = m + np.log(p.sum())
+    return out, lse
+
+
+def numpy_dense(q, k, v, lengths, scale=None):
+    b, hkv, s, _ = k.shape
+    nblk = s // BS
+    bi = np.broadcast_to(np.arange(nblk), (b, hkv, nblk))
+    nb = np.broadcast_to((-(-np.asarray(lengths) // BS))[:, None], (b, hkv))
+    return numpy_decode(q, k, v, bi, nb, lengths, scale)
+
+
+def run_sparse(backend, q, k, v, bi, nb, lengths, **kw):
+    fn = jax.jit(lambda *a: pk.block_sparse_decode(*a, backend=backend,
+                                                   interpret=backend in PALLAS, **kw))
+    return fn(q, k, v, bi, nb, lengths)
+
+
+def run_dense(backend, q, k, v, lengths, **kw):
+    fn = jax.jit(lambda *a: pk.dense_decode(*a, backend=backend,
+                                            interpret=backend in PALLAS, **kw))
+    return fn(q, k, v, lengths)
+
+
+def tol(dtype) -> dict:
+    return dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=3e-2, atol=3e-2)
+
+
+def assert_close(got, want, dtype):
+    out, lse = (np.asarray(x, np.float64) for x in got)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    np.testing.assert_allclose(out, want[0], **tol(dtype))
+    np.testing.assert_allclose(lse, want[1], **tol(dtype))
+
+
+# ----------------------------------------------------------------------------- correctness
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("g", [1, 2, 4, 8])
+def test_xla_matches_numpy(g, dtype):
+    lengths = [1, 77, 128, 50]
+    q, k, v, ln = make_inputs(g, b=4, hkv=2, g=g, s=128, d=32, dtype=dtype, lengths=lengths)
+    bi, nb = make_selection(g, lengths, 2, 5, empty_rows=((3, 1),))
+    got = run_sparse("xla", q, k, v, bi, nb, ln)
+    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
+    assert_close(got, numpy_decode(q, k, v, bi, nb, ln), dtype)
+
+
+# One case per (group, dtype) pairing keeps interpret-mode time down while covering all groups.
+PALLAS_CASES = [(1, jnp.float32), (2, jnp.bfloat16), (4, jnp.float32), (8, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("g,dtype", PALLAS_CASES, ids=lambda x: str(getattr(x, "__name__", x)))
+@pytest.mark.parametrize("backend", PALLAS)
+def test_pallas_matches_numpy_and_xla(backend, g, dtype):
+    lengths = [93, 128]
+    q, k, v, ln = make_inputs(10 + g, b=2, hkv=2, g=g, s=128, d=32, dtype=dtype, lengths=lengths)
+    bi, nb = make_selection(g, lengths, 2, 5)
+    got = run_sparse(backend, q, k, v, bi, nb, ln)
+    assert got[0].dtype == dtype
+    assert_close(got, numpy_decode(q, k, v, bi, nb, ln), dtype)
+    ref = run_sparse("xla", q, k, v, bi, nb, ln)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(ref[0], np.float32),
+                               **tol(dtype))
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_all_blocks_equals_dense(backend):
+    """K = all blocks must reproduce dense attention (f32 relative error <= 1e-5)."""
+    lengths = [128, 45]
+    q, k, v, ln = make_inputs(3, b=2, hkv=2, g=2, s=128, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    bi, nb = all_blocks_selection(2, 2, 128, ln, BS)
+    sparse = run_sparse(backend, q, k, v, bi, nb, ln)
+    dense = run_dense("xla", q, k, v, ln)
+    want = numpy_dense(q, k, v, ln)
+    for got in (sparse, dense):
+        out = np.asarray(got[0], np.float64)
+        rel = np.linalg.norm(out - want[0]) / np.linalg.norm(want[0])
+        assert rel <= 1e-5, rel
+        np.testing.assert_allclose(np.asarray(got[1]), want[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", PALLAS)
+def test_pallas_dense_decode(backend):
+    lengths = [200, 17]
+    q, k, v, ln = make_inputs(4, b=2, hkv=1, g=4, s=256, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    assert_close(run_dense(backend, q, k, v, ln), numpy_dense(q, k, v, ln), jnp.float32)
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_empty_rows_give_zeros_and_neg_inf(backend):
+    lengths = [0, 60]
+    q, k, v, ln = make_inputs(5, b=2, hkv=2, g=2, s=64, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    bi, nb = make_selection(5, lengths, 2, 3, empty_rows=((1, 0),))
+    out, lse = (np.asarray(x) for x in run_sparse(backend, q, k, v, bi, nb, ln))
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    np.testing.assert_array_equal(out[0], 0.0)            # length == 0
+    np.testing.assert_array_equal(lse[0], -np.inf)
+    np.testing.assert_array_equal(out[1, :2], 0.0)        # num_blocks == 0 for KV head 0
+    np.testing.assert_array_equal(lse[1, :2], -np.inf)
+    assert np.isfinite(lse[1, 2:]).all()
+    dout, dlse = (np.asarray(x) for x in run_dense(backend, q, k, v, ln))
+    np.testing.assert_array_equal(dout[0], 0.0)
+    np.testing.assert_array_equal(dlse[0], -np.inf)
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_padding_and_custom_scale(backend):
+    """Extra padding (repeats of the last id) changes nothing; scale is honoured."""
+    lengths = [128, 70]
+    q, k, v, ln = make_inputs(6, b=2, hkv=1, g=2, s=128, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    bi = jnp.array([[[0, 3, 5, 5]], [[1, 4, 4, 4]]], jnp.int32)
+    nb = jnp.array([[3], [2]], jnp.int32)
+    longer = jnp.concatenate([bi, jnp.repeat(bi[..., -1:], 5, axis=-1)], axis=-1)
+    a = run_sparse(backend, q, k, v, bi, nb, ln, scale=0.3)
+    c = run_sparse(backend, q, k, v, longer, nb, ln, scale=0.3)
+    want = numpy_decode(q, k, v, bi, nb, ln, scale=0.3)
+    assert_close(a, want, jnp.float32)
+    assert_close(c, want, jnp.float32)
+
+
+def test_triton_split_k_merge():
+    """Forced split-K (including splits with no valid entry) matches the single-split result."""
+    lengths = [128, 33]
+    q, k, v, ln = make_inputs(7, b=2, hkv=1, g=2, s=128, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    bi, nb = all_blocks_selection(2, 1, 128, ln, BS)
+    from pallas_kernels.triton import block_sparse_decode_triton
+    fn = jax.jit(lambda *a: block_sparse_decode_triton(*a, blocks_per_step=2, num_splits=3,
+                                                       interpret=True))
+    assert_close(fn(q, k, v, bi, nb, ln), numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
+
+
+def test_tpu_multi_step_online_softmax():
+    """Several grid steps per row (P=2 blocks per step), rows that finish early (steps skipped
+    via pl.when, DMA index clamped), and a K that is not a multiple of P."""
+    lengths = [128, 40]
+    q, k, v, ln = make_inputs(8, b=2, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    bi, nb = make_selection(8, lengths, 2, 7)
+    from pallas_kernels.tpu import block_sparse_decode_tpu
+    fn = jax.jit(lambda *a: block_sparse_decode_tpu(*a, blocks_per_step=2, interpret=True))
+    assert_close(fn(q, k, v, bi, nb, ln), numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
+
+
+# ----------------------------------------------------------------------------- errors / dispatch
+
+def _small():
+    q, k, v, ln = make_inputs(0, b=2, hkv=2, g=2, s=64, d=32, dtype=jnp.float32,
+                              lengths=[64, 64])
+    bi, nb = all_blocks_selection(2, 2, 64, ln, BS)
+    return q, k, v, bi, nb, ln
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: (a[0][:, :3], *a[1:]), "multiple of Hkv"),
+    (lambda a: (a[0][:1], *a[1:]), "batch mismatch"),
+    (lambda a: (a[0], a[1][:, :, :40], a[2][:, :, :40], *a[3:]), "multiple of block_size"),
+    (lambda a: (a[0], a[1], a[2][..., :16], *a[3:]), "shapes differ"),
+    (lambda a: (a[0][..., :16], *a[1:]), "head_dim mismatch"),
+    (lambda a: (*a[:3], a[3][:, :1], *a[4:]), "block_indices"),
+    (lambda a: (*a[:4], a[4][:, :1], a[5]), "num_blocks"),
+    (lambda a: (*a[:5], a[5][:1]), "lengths"),
+])
+@pytest.mark.parametrize("backend", ALL)
+def test_bad_inputs_raise(backend, mutate, match):
+    args = mutate(_small())
+    with pytest.raises(ValueError, match=match):
+        pk.block_sparse_decode(*args, backend=backend, interpret=backend in PALLAS)
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        pk.block_sparse_decode(*_small(), backend="cuda")
+    with pytest.raises(ValueError, match="unknown backend"):
+        pk.dense_decode(*_small()[:3], _small()[5], backend="nope")
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_triton", "jax_triton"])
+def test_backend_unavailable_on_cpu_raises(backend):
+    assert jax.default_backend() == "cpu"
+    with pytest.raises(pk.BackendUnavailableError, match=f"'{backend}'.*platform 'cpu'"):
+        pk.block_sparse_decode(*_small(), backend=backend)
+    q, k, v, _, _, ln = _small()
+    with pytest.raises(pk.BackendUnavailableError, match="platform 'cpu'"):
+        pk.dense_decode(q, k, v, ln, backend=backend)
+    if backend == "jax_triton":   # no interpret mode either
+        with pytest.raises(pk.BackendUnavailableError, match="interpret"):
+            pk.block_sparse_decode(*_small(), backend=backend, interpret=True)
+
+
+def test_auto_picks_xla_on_cpu_and_logs_once(caplog):
+    dispatch._logged.clear()
+    with caplog.at_level(logging.INFO, logger="pallas_kernels.dispatch"):
+        assert pk.resolve_backend("auto") == "xla"
+        assert pk.resolve_backend("auto") == "xla"
+    assert sum("-> 'xla'" in r.getMessage() for r in caplog.records) == 1
+    assert pk.resolve_backend("auto", platform="tpu") == "pallas_tpu"
+    assert pk.resolve_backend("auto", platform="gpu") == "pallas_triton"
+    out, lse = run_sparse("auto", *_small())
+    ref = run_sparse("xla", *_small())
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref[0]))
+
+
+# ----------------------------------------------------------------------------- shard_map
+
+SHARD_SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P, AxisType
+    import pallas_kernels as pk
+    from pallas_kernels.reference import all_blocks_selection
+    assert len(jax.devices()) == 8
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.default_rng(0)
+    B, HKV, G, S, D = 4, 4, 2, 64, 32
+    q = jnp.asarray(rng.standard_normal((B, HKV * G, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, HKV, S, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, HKV, S, D)), jnp.float32)
+    ln = jnp.asarray([64, 50, 17, 33], jnp.int32)
+    bi = jnp.asarray(np.tile(np.array([0, 2, 3, 3], np.int32), (B, HKV, 1)))
+    nb = jnp.asarray(rng.integers(1, 4, (B, HKV)), jnp.int32)
+    specs = (P("data", "model"), P("data", "model"), P("data", "model"),
+             P("data", "model"), P("data", "model"), P("data"))
+    for backend in ("xla", "pallas_tpu", "pallas_triton"):
+        interp = backend != "xla"
+        f = lambda *a: pk.block_sparse_decode(*a, backend=backend, interpret=interp)
+        want = jax.jit(f)(q, k, v, bi, nb, ln)
+        sharded = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs,
+                                        out_specs=(P("data", "model"), P("data", "model")),
+                                        check_vma=False))
+        got = sharded(q, k, v, bi, nb, ln)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6, atol=1e-6)
+        g = lambda q, k, v, ln: pk.dense_decode(q, k, v, ln, backend=backend, interpret=interp)
+        dwant = jax.jit(g)(q, k, v, ln)
+        dgot = jax.jit(jax.shard_map(g, mesh=mesh, in_specs=specs[:3] + specs[5:],
+                                     out_specs=(P("data", "model"), P("data", "model")),
+                                     check_vma=False))(q, k, v, ln)
+        np.testing.assert_allclose(np.asarray(dgot[0]), np.asarray(dwant[0]), rtol=1e-6, atol=1e-6)
+        print("ok", backend)
+""")
+
+
+@pytest.mark.slow
+def test_shard_map_matches_unsharded():
+    """Batch over 'data', KV heads over 'model' on a 2x4 CPU mesh (8 forced host devices; the
+    flag must be set before jax is imported, hence the subprocess)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok ") == 3, r.stdout
