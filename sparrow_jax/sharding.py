@@ -121,9 +121,17 @@ def shard_model(model: nnx.Module, mesh: Mesh,
 
 @dataclasses.dataclass(frozen=True)
 class ShardingSpec:
-    """Mesh + rules bundle handed to the rollout engine and learner."""
+    """Mesh + rules bundle handed to the rollout engine and learner (hashable: a jit static arg)."""
     mesh: Mesh
-    rules: Mapping[str, str | None] = dataclasses.field(default_factory=lambda: dict(DEFAULT_RULES))
+    rule_items: tuple[tuple[str, str | None], ...] = tuple(DEFAULT_RULES.items())
+
+    @classmethod
+    def create(cls, mesh: Mesh, rules: Mapping[str, str | None] | None = None) -> "ShardingSpec":
+        return cls(mesh, tuple((rules or DEFAULT_RULES).items()))
+
+    @property
+    def rules(self) -> dict[str, str | None]:
+        return dict(self.rule_items)
 
     def sharding(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
         return named_sharding(logical_axes, shape, self.mesh, self.rules)

@@ -1,0 +1,218 @@
+"""GRPO learner: dense old-policy logprobs + mismatch in one pass, then an exact micro-batched
+AdamW update. Params and optimizer state keep the model's sharding.
+
+One RL step's learner work:
+  analyze(traj)  -> logp_old [B, T] (dense policy), alpha [B, T] (acceptance rate vs the sparse
+                    actor), used by the schedule controller through mismatch.tail_by_bin
+  update(batch)  -> micro-batches whose (loss_sum, grads) are summed against one global
+                    denominator, so the step equals the full-batch step exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from sparrow_jax import mismatch
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.rl import grpo
+from sparrow_jax.rollout.engine import Trajectories
+from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
+                                                trajectory_hidden)
+
+log = logging.getLogger(__name__)
+ALPHA_MODES = ("full", "topk", "none")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0
+    micro_batch_size: int = 0      # rows per micro-batch (multiple of the group size); 0 = all
+    logit_chunk: int = 256         # time steps per [B, chunk, V] logits slice
+    temperature: float = 1.0       # the sampling temperature: the policy is pi(.)^(1/T)
+    alpha_mode: str = "full"       # "full": exact full-vocabulary alpha via a sparse replay
+                                   # "topk": the paper's top-k lower bound (no extra forward)
+                                   # "none": skip the mismatch statistic
+
+    def __post_init__(self):
+        if self.alpha_mode not in ALPHA_MODES:
+            raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
+        if self.learning_rate <= 0 or self.micro_batch_size < 0 or self.logit_chunk <= 0:
+            raise ValueError(f"bad learner config {self}")
+
+
+def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
+    lr = (optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+          if cfg.warmup_steps else cfg.learning_rate)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LearnerBatch:
+    """Per-row learner inputs; rows of a GRPO group are consecutive."""
+    traj: Trajectories
+    logp_old: jax.Array      # [B, T] dense policy before the update
+    advantages: jax.Array    # [B]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseReplay:
+    """How the rollout selected blocks, to replay it teacher-forced (for alpha_mode='full')."""
+    bin_size: int
+    max_selected: int
+    block_size: int = 16
+    dense_layers: tuple[int, ...] = (0, 1)
+
+
+def _analyze(model: Qwen3ForCausalLM, traj: Trajectories, budgets, replay: SparseReplay | None,
+             cfg: LearnerConfig) -> dict[str, jax.Array]:
+    hidden_d = trajectory_hidden(model, traj)
+    hidden_s = None
+    if cfg.alpha_mode == "full" and replay is not None:
+        fn = sparse_attention_fn(budgets=budgets, bin_size=replay.bin_size,
+                                 prompt_lengths=traj.prompt_lengths,
+                                 max_selected=replay.max_selected, block_size=replay.block_size,
+                                 dense_layers=replay.dense_layers)
+        hidden_s = trajectory_hidden(model, traj, attention_fn=fn)
+    k = traj.topk_ids.shape[-1]
+
+    def chunk(h_d, tokens, top_v, top_i, h_s=None):
+        lp_d = jax.nn.log_softmax(model.logits(h_d) / cfg.temperature, axis=-1)
+        out = {"logp_old": jnp.take_along_axis(lp_d, tokens[..., None], -1)[..., 0]}
+        if cfg.alpha_mode == "topk":
+            dv, di = jax.lax.top_k(lp_d, k)
+            out["alpha"] = mismatch.acceptance_rate_topk(top_v, top_i, dv, di)
+        if h_s is not None:
+            lp_s = jax.nn.log_softmax(model.logits(h_s) / cfg.temperature, axis=-1)
+            out["alpha"] = mismatch.acceptance_rate_from_logprobs(lp_s, lp_d)
+            out["logp_sparse_replay"] = jnp.take_along_axis(lp_s, tokens[..., None], -1)[..., 0]
+        return out
+
+    arrays = [hidden_d, traj.tokens, traj.topk_logprobs, traj.topk_ids]
+    if hidden_s is not None:
+        arrays.append(hidden_s)
+    out = map_time_chunks(chunk, cfg.logit_chunk, *arrays)
+    return jax.tree.map(lambda x: jnp.where(traj.mask, x, 0.0), out)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "replay", "cfg"))
+def _analyze_jit(graphdef, state, traj, budgets, *, replay, cfg):
+    return _analyze(nnx.merge(graphdef, state), traj, budgets, replay, cfg)
+
+
+def _loss_terms(params, rest, graphdef, batch: LearnerBatch, denominator, tis_mean,
+                cfg: LearnerConfig, loss_cfg: grpo.LossConfig):
+    model = nnx.merge(graphdef, params, rest)
+    traj = batch.traj
+    hidden = trajectory_hidden(model, traj)
+
+    def chunk(h, tok):
+        lp = jax.nn.log_softmax(model.logits(h) / cfg.temperature, axis=-1)
+        return jnp.take_along_axis(lp, tok[..., None], -1)[..., 0]
+
+    logp = map_time_chunks(chunk, cfg.logit_chunk, hidden, traj.tokens)
+    loss_sum, _, sums = grpo.policy_loss_terms(
+        logp, batch.logp_old, traj.logprobs, batch.advantages, traj.mask,
+        clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
+        tis_cap=loss_cfg.tis_cap, aggregation=loss_cfg.aggregation, kl_coef=0.0,
+        token_rejection=loss_cfg.token_rejection, sequence_veto=loss_cfg.sequence_veto,
+        tis_renormalize=loss_cfg.tis_renormalize, tis_mean=tis_mean)
+    return loss_sum / denominator, sums
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "loss_cfg"))
+def _micro_grads(params, rest, batch, denominator, tis_mean, *, graphdef, cfg, loss_cfg):
+    grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
+    (loss, sums), grads = grad_fn(params, rest, graphdef, batch, denominator, tis_mean, cfg,
+                                  loss_cfg)
+    return loss, sums, grads
+
+
+@functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
+def _apply(params, opt_state, grads, *, tx):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+
+
+class Learner:
+    """Holds the policy (an NNX model updated in place) and its optimizer state."""
+
+    def __init__(self, model: Qwen3ForCausalLM, cfg: LearnerConfig,
+                 loss_cfg: grpo.LossConfig | None = None, *, group_size: int):
+        self.model, self.cfg = model, cfg
+        self.loss_cfg = loss_cfg or grpo.LossConfig()
+        self.group_size = group_size
+        if cfg.micro_batch_size and cfg.micro_batch_size % group_size:
+            raise ValueError(f"micro_batch_size={cfg.micro_batch_size} must be a multiple of the "
+                             f"group size {group_size} (groups are never split)")
+        self.tx = make_optimizer(cfg)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.opt_state = jax.jit(self.tx.init)(params)
+
+    @property
+    def params(self) -> nnx.State:
+        return nnx.state(self.model, nnx.Param)
+
+    def analyze(self, traj: Trajectories, budgets=None,
+                replay: SparseReplay | None = None) -> dict[str, jax.Array]:
+        """Dense logprobs of the sampled tokens (the PPO anchor) and per-token alpha."""
+        graphdef, state = nnx.split(self.model)
+        budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
+        return _analyze_jit(graphdef, state, traj, budgets, replay=replay, cfg=self.cfg)
+
+    def advantages(self, rewards) -> jax.Array:
+        return grpo.group_advantages(jnp.asarray(rewards, jnp.float32), self.group_size,
+                                     normalize_std=self.loss_cfg.normalize_std,
+                                     eps=self.loss_cfg.advantage_eps)
+
+    def grads(self, batch: LearnerBatch) -> tuple[Any, dict[str, jax.Array], jax.Array]:
+        """Exact full-batch gradient, accumulated over micro-batches. Returns (grads, metrics, loss)."""
+        traj, lc = batch.traj, self.loss_cfg
+        eff = grpo.effective_mask(batch.logp_old, traj.logprobs, traj.mask,
+                                  token_rejection=lc.token_rejection, sequence_veto=lc.sequence_veto)
+        denominator = jnp.maximum(grpo.loss_denominator(eff, lc.aggregation), 1.0)
+        tis_mean = jnp.float32(1.0)
+        if lc.tis_renormalize:
+            w_sum, n = grpo.tis_weight_sums(batch.logp_old, traj.logprobs, traj.mask,
+                                            tis_cap=lc.tis_cap, token_rejection=lc.token_rejection,
+                                            sequence_veto=lc.sequence_veto)
+            tis_mean = w_sum / jnp.maximum(n, 1)
+        rows = traj.tokens.shape[0]
+        mb = self.cfg.micro_batch_size or rows
+        if rows % mb:
+            raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={mb}")
+        params = self.params
+        total_loss, grads, sums = 0.0, None, None
+        for start in range(0, rows, mb):
+            part = jax.tree.map(lambda x: x[start:start + mb], batch)
+            loss, s, g = _micro_grads(params, self.rest, part, denominator, tis_mean,
+                                      graphdef=self.graphdef, cfg=self.cfg, loss_cfg=lc)
+            total_loss = total_loss + loss
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            sums = s if sums is None else grpo.merge_metric_sums(sums, s)
+        return grads, grpo.finalize_metrics(sums), total_loss
+
+    def update(self, batch: LearnerBatch) -> dict[str, float]:
+        grads, metrics, loss = self.grads(batch)
+        params, self.opt_state, gnorm = _apply(self.params, self.opt_state, grads, tx=self.tx)
+        nnx.update(self.model, params)
+        out = {f"loss/{k}": float(v) for k, v in metrics.items()}
+        out.update({"loss/policy": float(loss), "loss/grad_norm": float(gnorm)})
+        return out

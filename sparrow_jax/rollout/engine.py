@@ -1,0 +1,295 @@
+"""Rollout: dense prefill of the prompts, then one jitted `lax.while_loop` of block-sparse decode.
+
+The whole generation is a single compiled program: no host round trip per token. Budgets arrive
+as a traced `[num_bins]` array, so the schedule controller can change them every RL step without
+a recompile; only `max_budget` (the selection width) is static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels
+from sparrow_jax import selection
+from sparrow_jax.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, _MASK_VALUE
+from sparrow_jax.rollout.sampling import sample, topk_logprobs
+from sparrow_jax.sharding import ShardingSpec
+
+log = logging.getLogger(__name__)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Static settings of the rollout program (changing one recompiles)."""
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    mode: str = "sparse"                 # "sparse" | "dense"
+    dense_layers: tuple[int, ...] = (0, 1)
+    block_size: int = 16
+    max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
+    record_topk: int = 20
+    prefill_chunk: int = 2048
+    backend: str = "auto"                # kernel backend, see pallas_kernels.block_sparse_decode
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    scorer: str = "centroid"
+
+    def __post_init__(self):
+        if self.mode not in ("sparse", "dense"):
+            raise ValueError(f"RolloutConfig.mode must be 'sparse' or 'dense', got {self.mode!r}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.max_budget % self.block_size or self.max_budget < 3 * self.block_size:
+            raise ValueError(f"max_budget={self.max_budget} must be a multiple of block_size="
+                             f"{self.block_size} and >= 3 blocks (sink + 2 local)")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"bad sampling settings temperature={self.temperature} top_p={self.top_p}")
+        if self.scorer != "centroid":
+            raise ValueError(f"rollout scorer {self.scorer!r} not supported (the cache keeps "
+                             "centroids only); use scorer='centroid'")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Trajectories:
+    """What the learner needs from a rollout. B rows = prompts x group size (consecutive groups)."""
+    prompt_tokens: jax.Array    # [B, P] int32, right-padded
+    prompt_lengths: jax.Array   # [B] int32
+    tokens: jax.Array           # [B, T] int32 generated ids (pad after the end)
+    logprobs: jax.Array         # [B, T] f32 sparse actor's logprob of each token (as sampled)
+    topk_logprobs: jax.Array    # [B, T, k] f32 sparse actor's top-k (temperature, untruncated)
+    topk_ids: jax.Array         # [B, T, k] int32
+    budgets: jax.Array          # [B, T] int32 token budget used (0 = dense: prefill or dense mode)
+    cached_lengths: jax.Array   # [B, T] int32 total cached length when the token was produced
+    mask: jax.Array             # [B, T] bool: generated token (including the stop token)
+    response_lengths: jax.Array  # [B] int32
+
+
+def padded_length(n: int, block_size: int) -> int:
+    return -(-n // block_size) * block_size
+
+
+def budget_for_lengths(budgets: jax.Array, lengths: jax.Array, bin_size: int) -> jax.Array:
+    """budgets [num_bins] tokens, lengths [B] -> [B]: the budget of each row's length bin."""
+    bins = jnp.minimum(lengths // bin_size, budgets.shape[0] - 1)
+    return budgets[bins]
+
+
+# -- prefill ----------------------------------------------------------------------------------
+def _chunk_attention(q, k_cache, v_cache, start: int, lengths):
+    """Queries of one prompt chunk against the cache prefix. q [B, C, Hq, D], k/v [B, Hkv, S, D]."""
+    b, c, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    stop = start + c
+    k, v = k_cache[:, :, :stop], v_cache[:, :, :stop]
+    qg = q.reshape(b, c, hkv, hq // hkv, d)
+    s = jnp.einsum("bckgd,bksd->bkgcs", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    key_idx = jnp.arange(stop)
+    visible = (key_idx[None, :] <= (start + jnp.arange(c))[:, None])[None] & (
+        key_idx[None, None, :] < lengths[:, None, None])
+    s = jnp.where(visible[:, None, None], s, _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgcs,bksd->bckgd", p, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, c, hq, d).astype(q.dtype)
+
+
+def prefill(model: Qwen3ForCausalLM, prompt_tokens: jax.Array, prompt_lengths: jax.Array, *,
+            chunk: int) -> tuple[list, list, jax.Array]:
+    """Dense prefill in chunks. prompt_tokens [Bp, P] (P a multiple of the block size).
+
+    Returns per-layer K/V `[Bp, Hkv, P, D]` and the last prompt token's logits `[Bp, V]`.
+    """
+    cfg = model.config
+    bp, plen = prompt_tokens.shape
+    ks = [jnp.zeros((bp, cfg.num_key_value_heads, plen, cfg.head_dim), model.dtype)
+          for _ in range(cfg.num_hidden_layers)]
+    vs = [jnp.zeros_like(k) for k in ks]
+    hiddens = []
+    for start in range(0, plen, chunk):
+        stop = min(start + chunk, plen)
+        positions = jnp.broadcast_to(jnp.arange(start, stop), (bp, stop - start))
+
+        def attend(i, q, k, v, start=start):
+            ks[i] = jax.lax.dynamic_update_slice(ks[i], k.transpose(0, 2, 1, 3), (0, 0, start, 0))
+            vs[i] = jax.lax.dynamic_update_slice(vs[i], v.transpose(0, 2, 1, 3), (0, 0, start, 0))
+            return _chunk_attention(q, ks[i], vs[i], start, prompt_lengths)
+
+        hiddens.append(model.run_layers(model.embed(prompt_tokens[:, start:stop]), positions, attend))
+    hidden = jnp.concatenate(hiddens, axis=1)
+    last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    return ks, vs, model.logits(last)
+
+
+# -- decode -----------------------------------------------------------------------------------
+def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, *, sparse: bool,
+                      cfg: RolloutConfig, max_selected: int):
+    """One layer, one token. q [B, Hq, D]; returns (out [B, Hq, D], centroids)."""
+    if not sparse:
+        out, _ = pallas_kernels.dense_decode(q, k_cache, v_cache, lengths, backend=cfg.backend)
+        return out, centroids
+    centroids = selection.update_centroid(centroids, k_cache, lengths, block_size=cfg.block_size)
+    idx, num = selection.select_blocks(q, centroids, lengths, budget_blocks,
+                                       max_selected=max_selected, block_size=cfg.block_size)
+    out, _ = pallas_kernels.block_sparse_decode(q, k_cache, v_cache, idx, num, lengths,
+                                                block_size=cfg.block_size, backend=cfg.backend)
+    return out, centroids
+
+
+def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
+    """Runs per-layer decode attention under shard_map: batch over data, KV heads over model."""
+    if spec is None:
+        return fn
+    model_size = spec.mesh.shape.get("model", 1)
+    heads = "model" if num_kv_heads % model_size == 0 else None
+    data = spec.rules.get("batch")
+    kv, q, row = P(data, heads, None, None), P(data, heads, None), P(data)
+    return jax.shard_map(fn, mesh=spec.mesh, in_specs=(q, kv, kv, kv, row, row),
+                         out_specs=(q, kv), check_vma=False)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "group_size", "bin_size", "spec"))
+def _generate(graphdef, state, prompt_tokens, prompt_lengths, budgets, rng, *, cfg: RolloutConfig,
+              group_size: int, bin_size: int, spec: ShardingSpec | None):
+    model: Qwen3ForCausalLM = nnx.merge(graphdef, state)
+    mcfg = model.config
+    bp, plen = prompt_tokens.shape
+    b = bp * group_size
+    t_new = cfg.max_new_tokens
+    s_max = padded_length(plen + t_new, cfg.block_size)
+    max_selected = min(cfg.max_budget, s_max) // cfg.block_size
+
+    def constrain(x, axes):
+        return x if spec is None else jax.lax.with_sharding_constraint(x, spec.sharding(axes, x.shape))
+
+    ks, vs, first_logits = prefill(model, prompt_tokens, prompt_lengths, chunk=cfg.prefill_chunk)
+    # Group sampling: the n samples of a prompt share its prefill; copy the prompt cache n times.
+    rep = functools.partial(jnp.repeat, repeats=group_size, axis=0)
+    pad = ((0, 0), (0, 0), (0, s_max - plen), (0, 0))
+    k_layers = [constrain(jnp.pad(rep(k), pad), CACHE_AXES) for k in ks]
+    v_layers = [constrain(jnp.pad(rep(v), pad), CACHE_AXES) for v in vs]
+    cents = [constrain(selection.block_centroids(k, cfg.block_size), CACHE_AXES) for k in k_layers]
+    prompt_lengths = rep(prompt_lengths)
+    cache = KVCache(k=tuple(k_layers), v=tuple(v_layers), centroids=tuple(cents),
+                    lengths=prompt_lengths)
+
+    stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
+    k_rec = cfg.record_topk
+
+    def record(bufs, step, logits, rng, active):
+        tok, lp = sample(rng, logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        top_v, top_i = topk_logprobs(logits, k_rec, temperature=cfg.temperature)
+        tok = jnp.where(active, tok, cfg.pad_token_id)
+        tokens, logps, tv, ti = bufs
+        tokens = tokens.at[:, step].set(tok)
+        logps = logps.at[:, step].set(jnp.where(active, lp, 0.0))
+        tv = tv.at[:, step].set(top_v)
+        ti = ti.at[:, step].set(top_i)
+        return (tokens, logps, tv, ti), tok
+
+    bufs = (jnp.full((b, t_new), cfg.pad_token_id, jnp.int32), jnp.zeros((b, t_new), jnp.float32),
+            jnp.zeros((b, t_new, k_rec), jnp.float32), jnp.zeros((b, t_new, k_rec), jnp.int32))
+    active = jnp.ones((b,), bool)
+    rng, sub = jax.random.split(rng)
+    bufs, tok = record(bufs, 0, rep(first_logits), sub, active)
+    budget_rec = jnp.zeros((b, t_new), jnp.int32)
+    done = jnp.isin(tok, stop_ids) | (t_new <= 1)
+    resp_len = jnp.ones((b,), jnp.int32)
+
+    def sparse_layer(i):
+        return cfg.mode == "sparse" and i not in cfg.dense_layers
+
+    attn_fns = {sp: _sharded(functools.partial(_decode_attention, sparse=sp, cfg=cfg,
+                                               max_selected=max_selected), spec,
+                             mcfg.num_key_value_heads) for sp in (False, True)}
+
+    def cond(carry):
+        step, _, _, _, done, _, _, _ = carry
+        return (step < t_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, cache, tok, bufs, done, budget_rec, resp_len, rng = carry
+        lengths = cache.lengths + 1  # the fed token is written at index cache.lengths
+        budget = budget_for_lengths(budgets, lengths, bin_size)
+        budget_blocks = jnp.minimum(budget // cfg.block_size, max_selected).astype(jnp.int32)
+        k_new, v_new, c_new = list(cache.k), list(cache.v), list(cache.centroids)
+
+        def attend(i, q, k, v):
+            k_new[i] = write_token(k_new[i], k[:, 0], cache.lengths)
+            v_new[i] = write_token(v_new[i], v[:, 0], cache.lengths)
+            out, c_new[i] = attn_fns[sparse_layer(i)](q[:, 0], k_new[i], v_new[i], c_new[i],
+                                                      lengths, budget_blocks)
+            return out[:, None]
+
+        hidden = model.run_layers(model.embed(tok[:, None]), cache.lengths[:, None], attend)
+        logits = model.logits(hidden[:, 0])
+        active = ~done
+        rng, sub = jax.random.split(rng)
+        bufs, tok = record(bufs, step, logits, sub, active)
+        used = budget if cfg.mode == "sparse" else jnp.zeros_like(budget)
+        budget_rec = budget_rec.at[:, step].set(jnp.where(active, used, 0))
+        resp_len = resp_len + active
+        new_len = jnp.where(active, lengths, cache.lengths)
+        done = done | (active & (jnp.isin(tok, stop_ids) | (new_len + 1 > s_max)))
+        cache = KVCache(k=tuple(k_new), v=tuple(v_new), centroids=tuple(c_new), lengths=new_len)
+        return step + 1, cache, tok, bufs, done, budget_rec, resp_len, rng
+
+    carry = (jnp.int32(1), cache, tok, bufs, done, budget_rec, resp_len, rng)
+    _, cache, _, bufs, _, budget_rec, resp_len, _ = jax.lax.while_loop(cond, body, carry)
+    tokens, logps, top_v, top_i = bufs
+    steps = jnp.arange(t_new)
+    mask = steps[None, :] < resp_len[:, None]
+    return Trajectories(
+        prompt_tokens=rep(prompt_tokens), prompt_lengths=prompt_lengths, tokens=tokens,
+        logprobs=logps, topk_logprobs=top_v, topk_ids=top_i, budgets=budget_rec,
+        cached_lengths=prompt_lengths[:, None] + steps[None, :], mask=mask,
+        response_lengths=resp_len)
+
+
+def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
+             budgets, bin_size: int = 2000, group_size: int = 1, rng: jax.Array | None = None,
+             spec: ShardingSpec | None = None) -> Trajectories:
+    """Samples `group_size` completions per prompt.
+
+    prompt_tokens [Bp, P] int32 right-padded (P is padded up to a block multiple here),
+    prompt_lengths [Bp] (each >= 1), budgets [num_bins] int32 tokens per length bin (ignored in
+    dense mode). Rows of the result are grouped: rows g*n .. g*n+n-1 belong to prompt g.
+    """
+    prompt_tokens = np.asarray(prompt_tokens, np.int32)
+    prompt_lengths = np.asarray(prompt_lengths, np.int32)
+    if prompt_tokens.ndim != 2 or prompt_lengths.shape != prompt_tokens.shape[:1]:
+        raise ValueError(f"prompt_tokens must be [Bp, P] and prompt_lengths [Bp]; got "
+                         f"{prompt_tokens.shape} and {prompt_lengths.shape}")
+    if prompt_lengths.min() < 1 or prompt_lengths.max() > prompt_tokens.shape[1]:
+        raise ValueError(f"prompt_lengths must be in [1, {prompt_tokens.shape[1]}], "
+                         f"got {prompt_lengths.tolist()}")
+    budgets = np.asarray(budgets, np.int32)
+    if cfg.mode == "sparse" and budgets.max() > cfg.max_budget:
+        raise ValueError(f"schedule budget {budgets.max()} exceeds RolloutConfig.max_budget="
+                         f"{cfg.max_budget} (the static selection width); raise max_budget")
+    plen = padded_length(prompt_tokens.shape[1], cfg.block_size)
+    prompt_tokens = np.pad(prompt_tokens, ((0, 0), (0, plen - prompt_tokens.shape[1])),
+                           constant_values=cfg.pad_token_id)
+    b = prompt_tokens.shape[0] * group_size
+    if spec is not None and b % spec.mesh.shape[spec.rules.get("batch") or "data"]:
+        raise ValueError(f"rollout batch {b} is not divisible by the mesh's data axis "
+                         f"{dict(spec.mesh.shape)}")
+    check_cache_fits(model.config, b, padded_length(plen + cfg.max_new_tokens, cfg.block_size),
+                     model.dtype, spec, block_size=cfg.block_size)
+    graphdef, state = nnx.split(model)
+    rng = jax.random.key(0) if rng is None else rng
+    return _generate(graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths),
+                     jnp.asarray(budgets), rng, cfg=cfg, group_size=group_size, bin_size=bin_size,
+                     spec=spec)

@@ -1,0 +1,142 @@
+"""Teacher-forced forwards over finished trajectories: dense (the learner's policy) and sparse.
+
+The sparse forward reproduces the rollout's attention at every generated position in one
+whole-sequence pass: each query at position t selects among the blocks before it with the same
+rule, scores and budget the decode loop used (length t + 1, budget from the schedule bin), so its
+log-probabilities of the sampled tokens equal the rollout's recorded ones, and full-vocabulary
+acceptance rates can be computed exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from sparrow_jax import selection
+from sparrow_jax.model.qwen3 import _MASK_VALUE, Qwen3ForCausalLM, dense_causal_attention
+from sparrow_jax.rollout.engine import Trajectories, budget_for_lengths, padded_length
+
+
+def build_sequences(traj: Trajectories, block_size: int = 16) -> tuple[jax.Array, jax.Array]:
+    """Prompt ++ response per row, contiguous as in the KV cache.
+
+    Returns tokens [B, S] (S = P + T padded to a block multiple) and attention mask [B, S].
+    """
+    b, plen = traj.prompt_tokens.shape
+    t = traj.tokens.shape[1]
+    s = padded_length(plen + t, block_size)
+    seq = jnp.zeros((b, s), jnp.int32).at[:, :plen].set(
+        jnp.where(jnp.arange(plen)[None] < traj.prompt_lengths[:, None], traj.prompt_tokens, 0))
+    resp_idx = traj.prompt_lengths[:, None] + jnp.arange(t)[None]
+    seq = jnp.put_along_axis(seq, resp_idx, jnp.where(traj.mask, traj.tokens, 0), axis=1,
+                             inplace=False)
+    total = traj.prompt_lengths + traj.response_lengths
+    return seq, (jnp.arange(s)[None] < total[:, None]).astype(jnp.int32)
+
+
+def response_hidden(hidden: jax.Array, traj: Trajectories) -> jax.Array:
+    """hidden [B, S, H] -> [B, T, H]: the states whose logits predict each generated token."""
+    t = traj.tokens.shape[1]
+    idx = traj.prompt_lengths[:, None] - 1 + jnp.arange(t)[None]
+    return jnp.take_along_axis(hidden, idx[..., None], axis=1)
+
+
+def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: jax.Array,
+                        max_selected: int, block_size: int = 16,
+                        dense_layers: tuple[int, ...] = (0, 1)):
+    """A FullAttentionFn for `Qwen3ForCausalLM.hidden_states` that replays block top-k selection.
+
+    Queries inside the prompt (prefill) and all queries of dense layers attend densely.
+    """
+    def attend(layer_idx, q, k, v, positions, attention_mask):
+        if layer_idx in dense_layers:
+            return dense_causal_attention(layer_idx, q, k, v, positions, attention_mask)
+        b, t, hq, d = q.shape
+        hkv = k.shape[2]
+        kt = k.transpose(0, 2, 1, 3)                                   # [B, Hkv, S, D]
+        centroids = selection.block_centroids(kt, block_size)           # [B, Hkv, NB, D]
+        nb = centroids.shape[2]
+        scores = selection.centroid_scores(q, centroids[:, None])        # [B, T, Hkv, NB]
+        lengths = jnp.broadcast_to((positions + 1)[..., None], (b, t, hkv))
+        budget_blocks = (budget_for_lengths(budgets, positions + 1, bin_size) // block_size)
+        budget_blocks = jnp.broadcast_to(jnp.minimum(budget_blocks, max_selected)[..., None],
+                                         (b, t, hkv)).astype(jnp.int32)
+        idx, _ = selection.select_from_scores(scores, lengths, budget_blocks,
+                                              max_selected=max_selected, block_size=block_size)
+        # Padding repeats the last valid id, so scattering every entry marks exactly the selection.
+        chosen = jnp.put_along_axis(jnp.zeros((b, t, hkv, nb), bool), idx, True, axis=-1,
+                                    inplace=False)
+        chosen = jnp.repeat(chosen, block_size, axis=-1)                 # [B, T, Hkv, S]
+        key_idx = jnp.arange(t)
+        causal = key_idx[None, :] <= key_idx[:, None]                    # [T, S]
+        is_decode = positions >= prompt_lengths[:, None]                 # [B, T]
+        visible = causal[None, :, None, :] & jnp.where(is_decode[..., None, None], chosen, True)
+        visible = visible & attention_mask.astype(bool)[:, None, None, :]  # [B, T, Hkv, S]
+        qg = q.reshape(b, t, hkv, hq // hkv, d)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+        s = jnp.where(visible.transpose(0, 2, 1, 3)[:, :, None], s, _MASK_VALUE)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+        return out.reshape(b, t, hq, d).astype(q.dtype)
+    return attend
+
+
+def trajectory_hidden(model: Qwen3ForCausalLM, traj: Trajectories, *, attention_fn=None,
+                      block_size: int = 16) -> jax.Array:
+    """Final-normed hidden states that predict each generated token: [B, T, H]."""
+    seq, mask = build_sequences(traj, block_size)
+    positions = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
+    hidden = model.hidden_states(seq, positions, mask, attention_fn=attention_fn)
+    return response_hidden(hidden, traj)
+
+
+def token_logprobs(model: Qwen3ForCausalLM, hidden: jax.Array, tokens: jax.Array, *,
+                   temperature: float = 1.0, chunk: int = 256) -> jax.Array:
+    """hidden [B, T, H], tokens [B, T] -> log p(token) [B, T], logits built `chunk` steps at a time
+    so the full [B, T, V] tensor never exists."""
+    def one(h, tok):
+        logits = model.logits(h) / (temperature if temperature > 0 else 1.0)
+        return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[..., None], -1)[..., 0]
+    return map_time_chunks(one, chunk, hidden, tokens)
+
+
+def map_time_chunks(fn, chunk: int, *arrays: jax.Array):
+    """Applies fn to slices [:, i:i+chunk] of arrays shaped [B, T, ...]; concatenates on axis 1.
+
+    A static Python loop (not lax.map) so reverse-mode autodiff through it stays simple and
+    each chunk's [B, chunk, V] intermediate is freed before the next.
+    """
+    t = arrays[0].shape[1]
+    outs = [fn(*(a[:, i:i + chunk] for a in arrays)) for i in range(0, t, chunk)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "bin_size", "max_selected",
+                                             "block_size", "dense_layers", "sparse"))
+def _rollout_logprobs(graphdef, state, traj, budgets, *, bin_size, max_selected, block_size,
+                      dense_layers, sparse):
+    from flax import nnx
+    model = nnx.merge(graphdef, state)
+    fn = None
+    if sparse:
+        fn = sparse_attention_fn(budgets=budgets, bin_size=bin_size,
+                                 prompt_lengths=traj.prompt_lengths, max_selected=max_selected,
+                                 block_size=block_size, dense_layers=dense_layers)
+    hidden = trajectory_hidden(model, traj, attention_fn=fn, block_size=block_size)
+    return jnp.where(traj.mask, token_logprobs(model, hidden, traj.tokens), 0.0)
+
+
+def replay_logprobs(model: Qwen3ForCausalLM, traj: Trajectories, *, budgets=None,
+                    bin_size: int = 2000, max_budget: int = 4096, block_size: int = 16,
+                    dense_layers: tuple[int, ...] = (0, 1)) -> jax.Array:
+    """Teacher-forced log p of the generated tokens [B, T] (T = 1): dense if budgets is None,
+    else replaying the rollout's block-sparse attention."""
+    from flax import nnx
+    graphdef, state = nnx.split(model)
+    sparse = budgets is not None
+    budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
+    return _rollout_logprobs(graphdef, state, traj, budgets, bin_size=bin_size,
+                             max_selected=max_budget // block_size, block_size=block_size,
+                             dense_layers=tuple(dense_layers), sparse=sparse)

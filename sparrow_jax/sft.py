@@ -1,0 +1,151 @@
+"""`sparrow sft`: supervised warm-up of a small Qwen3 on the synthetic task, so the RL demo starts
+from a policy with non-zero reward and long (>= 1K token) generations.
+
+Two phases, measured to be the fast route (shared/DEMO_NOTES.md): short problems (few cycles)
+learn the lookup mechanics quickly; full-length problems then teach late positions, which short
+training does not generalise to. The result is a Hugging Face directory (config, safetensors,
+tokenizer) that `load_hf` and transformers both read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from pathlib import Path
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from sparrow_jax.data import synthetic
+from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
+from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
+
+log = logging.getLogger(__name__)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    output_dir: str = "checkpoints/demo_sft"
+    seed: int = 0
+    # Model (~0.8M params): 4 layers so layers 2-3 are sparse (0 and 1 always stay dense).
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    # Phase 1: short problems; phase 2: full length.
+    short_steps: int = 300
+    short_k_range: tuple[int, int] = (1, 4)
+    short_batch: int = 16
+    long_steps: int = 200
+    long_k_range: tuple[int, int] = (8, 13)
+    long_batch: int = 8
+    learning_rate: float = 1e-3
+    warmup_steps: int = 30
+    eval_problems: int = 16
+    log_every: int = 25
+
+
+def _pack(pairs, pad_id: int, block: int = 64):
+    """(prompt, target) id pairs -> tokens [B, L], loss mask [B, L] (1 where the next token is a
+    target token), L padded to a multiple of `block` (few shapes, few recompiles)."""
+    lengths = [len(p) + len(t) for p, t in pairs]
+    width = -(-max(lengths) // block) * block
+    tokens = np.full((len(pairs), width), pad_id, np.int32)
+    weights = np.zeros((len(pairs), width), np.float32)
+    for i, (p, t) in enumerate(pairs):
+        seq = np.concatenate([p, t])
+        tokens[i, :len(seq)] = seq
+        weights[i, len(p) - 1:len(seq) - 1] = 1.0  # position j predicts token j + 1
+    return tokens, weights
+
+
+def _loss(model: Qwen3ForCausalLM, tokens, weights):
+    logits = model(tokens, attention_mask=jnp.ones_like(tokens))
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+    w = weights[:, :-1]
+    correct = (jnp.argmax(logits[:, :-1], -1) == tokens[:, 1:]) * w
+    return jnp.sum(nll * w) / jnp.sum(w), jnp.sum(correct) / jnp.sum(w)
+
+
+@nnx.jit
+def _train_step(model, optimizer, tokens, weights):
+    (loss, acc), grads = nnx.value_and_grad(_loss, has_aux=True)(model, tokens, weights)
+    optimizer.update(model, grads)
+    return loss, acc
+
+
+def demo_model_config(cfg: SFTConfig, tokenizer) -> Qwen3Config:
+    return Qwen3Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
+                       intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, rope_theta=10000.0, tie_word_embeddings=True,
+                       max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def greedy_exact(model: Qwen3ForCausalLM, tokenizer, problems, max_new_tokens: int) -> float:
+    """Fraction of problems solved exactly by greedy dense decoding (the rollout engine)."""
+    from sparrow_jax.rollout import RolloutConfig, generate
+    prompts = [tokenizer.encode(p["prompt"]) for p in problems]
+    width = max(map(len, prompts))
+    toks = np.full((len(prompts), width), tokenizer.pad_token_id, np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p)] = p
+    rcfg = RolloutConfig(max_new_tokens=max_new_tokens, temperature=0.0, mode="dense",
+                         stop_token_ids=(tokenizer.eos_token_id,),
+                         pad_token_id=tokenizer.pad_token_id)
+    traj = generate(model, toks, [len(p) for p in prompts], cfg=rcfg, budgets=[4096])
+    tokens, lens = np.asarray(traj.tokens), np.asarray(traj.response_lengths)
+    solved = [synthetic.synthetic_exact_reward(tokenizer.decode(tokens[i, :lens[i]]), p["answer"],
+                                               prompt=p["prompt"])
+              for i, p in enumerate(problems)]
+    return float(np.mean(solved))
+
+
+def run_sft(cfg: SFTConfig) -> Path:
+    tokenizer = build_synthetic_tokenizer()
+    mcfg = demo_model_config(cfg, tokenizer)
+    model = Qwen3ForCausalLM(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
+    total = cfg.short_steps + cfg.long_steps
+    lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, min(cfg.warmup_steps, total - 1), total,
+                                            cfg.learning_rate * 0.1)
+    optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
+                                                 optax.adamw(lr, weight_decay=0.01)), wrt=nnx.Param)
+    log.info("sft: %.2fM params, %d short + %d full-length steps", mcfg.num_params() / 1e6,
+             cfg.short_steps, cfg.long_steps)
+    rng = np.random.default_rng(cfg.seed)
+    start = time.time()
+    with tqdm(total=total, desc="sft", unit="step") as bar:
+        for step in range(total):
+            short = step < cfg.short_steps
+            k_range = cfg.short_k_range if short else cfg.long_k_range
+            batch = cfg.short_batch if short else cfg.long_batch
+            problems = [synthetic.make_problem(rng, k_range) for _ in range(batch)]
+            tokens, weights = _pack(synthetic.sft_examples(tokenizer, problems=problems),
+                                    tokenizer.pad_token_id)
+            loss, acc = _train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(weights))
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total - 1:
+                bar.set_postfix(loss=f"{float(loss):.3f}", token_acc=f"{float(acc):.3f}",
+                                phase="short" if short else "full")
+    log.info("sft done in %.0f s", time.time() - start)
+    eval_problems = synthetic.make_problems(cfg.eval_problems, cfg.seed + 10_000, cfg.long_k_range)
+    max_new = synthetic.target_tokens(cfg.long_k_range[1]) + 16
+    exact = greedy_exact(model, tokenizer, eval_problems, max_new)
+    log.info("held-out greedy exact (K in %s): %.3f", cfg.long_k_range, exact)
+    out = save_hf(model, cfg.output_dir, tokenizer=tokenizer)
+    (out / "sft_summary.txt").write_text(
+        f"greedy_exact={exact:.4f} problems={cfg.eval_problems} k_range={cfg.long_k_range} "
+        f"steps={total} seconds={time.time() - start:.0f}\n")
+    return out

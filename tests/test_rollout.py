@@ -1,0 +1,141 @@
+"""Rollout engine: dense == transformers generate, sparse(budget >= length) == dense, recorded
+logprobs == teacher-forced forwards (dense and sparse replay), ragged/EOS/max length, seeds."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from hf_fixtures import make_tiny_qwen3
+from sparrow_jax.model import load_hf
+from sparrow_jax.rollout import RolloutConfig, generate
+from sparrow_jax.rollout.teacher_forced import replay_logprobs
+
+BIG = np.full(20, 4096, np.int32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    torch_model = make_tiny_qwen3(path, layers=3, vocab=96, hidden=48, heads=4, kv_heads=2)
+    return torch_model, load_hf(path, dtype=jnp.float32)
+
+
+def _prompts(rng, lengths, vocab=96):
+    width = max(lengths)
+    toks = np.zeros((len(lengths), width), np.int32)
+    for i, n in enumerate(lengths):
+        toks[i, :n] = rng.integers(3, vocab, n)
+    return toks, np.asarray(lengths, np.int32)
+
+
+def test_greedy_dense_matches_transformers_generate(tiny):
+    import torch
+    torch_model, model = tiny
+    toks, lens = _prompts(np.random.default_rng(0), [5, 19, 33])
+    cfg = RolloutConfig(max_new_tokens=24, temperature=0.0, mode="dense", backend="xla")
+    traj = generate(model, toks, lens, cfg=cfg, budgets=BIG)
+    for i, n in enumerate(lens):
+        with torch.no_grad():
+            ref = torch_model.generate(torch.tensor(toks[i:i + 1, :n], dtype=torch.long),
+                                       max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0).numpy()[0, n:]
+        assert np.asarray(traj.tokens[i]).tolist() == ref.tolist()
+    assert np.asarray(traj.mask).all()
+
+
+def test_sparse_with_large_budget_equals_dense(tiny):
+    _, model = tiny
+    toks, lens = _prompts(np.random.default_rng(1), [7, 40])
+    kw = dict(max_new_tokens=60, temperature=1.0, backend="xla", max_budget=4096)
+    rng = jax.random.key(3)
+    dense = generate(model, toks, lens, cfg=RolloutConfig(mode="dense", **kw), budgets=BIG,
+                     group_size=2, rng=rng)
+    sparse = generate(model, toks, lens, cfg=RolloutConfig(mode="sparse", **kw), budgets=BIG,
+                      group_size=2, rng=rng)
+    np.testing.assert_array_equal(np.asarray(sparse.tokens), np.asarray(dense.tokens))
+    np.testing.assert_allclose(np.asarray(sparse.logprobs), np.asarray(dense.logprobs), atol=1e-5)
+
+
+def test_recorded_logprobs_equal_teacher_forced_dense(tiny):
+    _, model = tiny
+    toks, lens = _prompts(np.random.default_rng(2), [9, 26, 3])
+    cfg = RolloutConfig(max_new_tokens=40, temperature=1.0, mode="dense", backend="xla")
+    traj = generate(model, toks, lens, cfg=cfg, budgets=BIG, group_size=2, rng=jax.random.key(0))
+    replay = replay_logprobs(model, traj)
+    np.testing.assert_allclose(np.asarray(replay), np.asarray(traj.logprobs), atol=1e-5)
+
+
+def test_teacher_forced_sparse_replays_rollout(tiny):
+    _, model = tiny
+    toks, lens = _prompts(np.random.default_rng(3), [20, 37])
+    budgets = np.full(20, 64, np.int32)
+    budgets[1:] = 96  # second 48-token bin gets a bigger budget: exercises per-bin lookup
+    cfg = RolloutConfig(max_new_tokens=120, temperature=1.0, mode="sparse", backend="xla",
+                        max_budget=128)
+    traj = generate(model, toks, lens, cfg=cfg, budgets=budgets, bin_size=48, group_size=2,
+                    rng=jax.random.key(1))
+    # The budget really binds: lengths reach ~157 tokens (10 blocks) with a 4-6 block budget.
+    assert int(np.asarray(traj.cached_lengths).max()) > 150
+    sparse = replay_logprobs(model, traj, budgets=budgets, bin_size=48, max_budget=128)
+    dense = replay_logprobs(model, traj)
+    mask = np.asarray(traj.mask)
+    np.testing.assert_allclose(np.asarray(sparse)[mask], np.asarray(traj.logprobs)[mask], atol=1e-5)
+    assert np.abs(np.asarray(dense)[mask] - np.asarray(traj.logprobs)[mask]).max() > 1e-3
+    rec = np.asarray(traj.budgets)
+    assert (rec[:, 0] == 0).all()  # first token comes from the dense prefill
+    cl = np.asarray(traj.cached_lengths)
+    expect = np.where(cl[:, 1:] // 48 >= 1, 96, 64)
+    assert (rec[:, 1:][mask[:, 1:]] == expect[mask[:, 1:]]).all()
+
+
+def test_eos_and_max_length(tiny):
+    _, model = tiny
+    toks, lens = _prompts(np.random.default_rng(4), [6, 12, 30, 2])
+    cfg0 = RolloutConfig(max_new_tokens=30, temperature=1.0, mode="sparse", backend="xla",
+                         max_budget=64)
+    free = generate(model, toks, lens, cfg=cfg0, budgets=np.full(20, 64), rng=jax.random.key(5))
+    # Pick as stop token one that row 0 generated in the middle: rows must stop right after it.
+    stop = int(np.asarray(free.tokens)[0, 10])
+    cfg = RolloutConfig(**{**cfg0.__dict__, "stop_token_ids": (stop,)})
+    traj = generate(model, toks, lens, cfg=cfg, budgets=np.full(20, 64), rng=jax.random.key(5))
+    tokens, mask = np.asarray(traj.tokens), np.asarray(traj.mask)
+    rl = np.asarray(traj.response_lengths)
+    for i in range(len(lens)):
+        row = tokens[i, :rl[i]].tolist()
+        if stop in row:
+            assert row.index(stop) == rl[i] - 1  # stop token kept, nothing after it
+        else:
+            assert rl[i] == 30
+        assert mask[i].sum() == rl[i] and (tokens[i, rl[i]:] == cfg.pad_token_id).all()
+    assert rl[0] <= 11 and (np.asarray(free.tokens)[0, :rl[0]] == tokens[0, :rl[0]]).all()
+
+
+def test_seed_reproducible(tiny):
+    _, model = tiny
+    toks, lens = _prompts(np.random.default_rng(5), [8, 8])
+    cfg = RolloutConfig(max_new_tokens=20, mode="sparse", backend="xla", max_budget=64)
+    a = generate(model, toks, lens, cfg=cfg, budgets=np.full(20, 64), group_size=4,
+                 rng=jax.random.key(7))
+    b = generate(model, toks, lens, cfg=cfg, budgets=np.full(20, 64), group_size=4,
+                 rng=jax.random.key(7))
+    c = generate(model, toks, lens, cfg=cfg, budgets=np.full(20, 64), group_size=4,
+                 rng=jax.random.key(8))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    # The 4 samples of a group share a prompt but are different samples.
+    assert len({tuple(r) for r in np.asarray(a.tokens)[:4].tolist()}) > 1
+
+
+def test_bad_inputs(tiny):
+    _, model = tiny
+    toks, lens = _prompts(np.random.default_rng(6), [4])
+    cfg = RolloutConfig(max_new_tokens=4, max_budget=64, backend="xla")
+    with pytest.raises(ValueError, match="max_budget"):
+        generate(model, toks, lens, cfg=cfg, budgets=np.full(20, 128))
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        generate(model, toks, np.array([9]), cfg=cfg, budgets=np.full(20, 64))
+    with pytest.raises(ValueError, match="mode"):
+        RolloutConfig(mode="fast")
+    with pytest.raises(ValueError, match="max_budget"):
+        RolloutConfig(max_budget=40)
