@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -16,10 +17,24 @@ from sparrow_jax.rl import grpo
 B, T = 6, 9
 
 
-def reference_loss(logp, logp_old, logp_rollout, adv, mask, *, clip_low=0.2, clip_high=0.28,
-                   dual_clip=3.0, tis_cap=2.0, aggregation="token-mean", logp_ref=None,
-                   kl_coef=0.0, token_rejection=None, sequence_veto=None,
-                   tis_renormalize=False):
+def reference_loss(
+    logp,
+    logp_old,
+    logp_rollout,
+    adv,
+    mask,
+    *,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=3.0,
+    tis_cap=2.0,
+    aggregation="token-mean",
+    logp_ref=None,
+    kl_coef=0.0,
+    token_rejection=None,
+    sequence_veto=None,
+    tis_renormalize=False,
+):
     """Token-by-token loops; returns (loss, metrics dict)."""
     b, t = logp.shape
     valid = mask > 0
@@ -28,7 +43,11 @@ def reference_loss(logp, logp_old, logp_rollout, adv, mask, *, clip_low=0.2, cli
     vetoed = np.zeros(b, bool)
     for i in range(b):
         for j in range(t):
-            if valid[i, j] and token_rejection and not token_rejection[0] <= rr[i, j] <= token_rejection[1]:
+            if (
+                valid[i, j]
+                and token_rejection
+                and not token_rejection[0] <= rr[i, j] <= token_rejection[1]
+            ):
                 rejected[i, j] = True
             if valid[i, j] and sequence_veto and rr[i, j] < sequence_veto:
                 vetoed[i] = True
@@ -67,8 +86,12 @@ def reference_loss(logp, logp_old, logp_rollout, adv, mask, *, clip_low=0.2, cli
     ratios = np.array(ratios)
     log_r = np.log(ratios)
     metrics = {
-        "clipfrac_high": hi / n, "clipfrac_low": lo / n, "dual_clipfrac": dual / n,
-        "ratio_mean": ratios.mean(), "ratio_max": ratios.max(), "ratio_min": ratios.min(),
+        "clipfrac_high": hi / n,
+        "clipfrac_low": lo / n,
+        "dual_clipfrac": dual / n,
+        "ratio_mean": ratios.mean(),
+        "ratio_max": ratios.max(),
+        "ratio_min": ratios.min(),
         "approx_kl": np.mean(ratios - 1 - log_r),
         "tis_weight_mean": w_raw[eff].mean(),
         "tis_capped_frac": (rr[eff] > tis_cap).mean() if tis_cap is not None else 0.0,
@@ -82,7 +105,11 @@ def random_inputs(seed, *, spread=0.4):
     rng = np.random.default_rng(seed)
     logp_old = -rng.uniform(0.1, 3.0, (B, T))
     # Wide ratio spread so every branch (both clips, dual-clip, TIS cap) is hit.
-    logp = logp_old + rng.normal(0, spread, (B, T)) + rng.choice([0, 1.5, -1.5], (B, T), p=[.7, .15, .15])
+    logp = (
+        logp_old
+        + rng.normal(0, spread, (B, T))
+        + rng.choice([0, 1.5, -1.5], (B, T), p=[0.7, 0.15, 0.15])
+    )
     logp_rollout = logp_old + rng.normal(0, spread, (B, T))
     adv = rng.normal(0, 1, B)
     adv[0] = 0.0
@@ -110,15 +137,23 @@ OPTION_SETS = [
 ]
 
 
-@pytest.mark.parametrize("aggregation,options,seed", [
-    (agg, opt, seed) for (agg, opt), seed in zip(itertools.product(grpo.AGGREGATIONS, OPTION_SETS), itertools.count())
-])
+@pytest.mark.parametrize(
+    "aggregation,options,seed",
+    [
+        (agg, opt, seed)
+        for (agg, opt), seed in zip(
+            itertools.product(grpo.AGGREGATIONS, OPTION_SETS), itertools.count()
+        )
+    ],
+)
 def test_policy_loss_matches_reference(aggregation, options, seed):
     logp, logp_old, logp_rollout, adv, mask = random_inputs(seed)
     loss, metrics = jax.jit(lambda *a: grpo.policy_loss(*a, aggregation=aggregation, **options))(
-        logp, logp_old, logp_rollout, adv, mask)
-    ref_loss, ref_metrics = reference_loss(_finite(logp), logp_old, logp_rollout, adv, mask,
-                                           aggregation=aggregation, **options)
+        logp, logp_old, logp_rollout, adv, mask
+    )
+    ref_loss, ref_metrics = reference_loss(
+        _finite(logp), logp_old, logp_rollout, adv, mask, aggregation=aggregation, **options
+    )
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, value in ref_metrics.items():
         np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -137,8 +172,9 @@ def test_options_report_fractions():
     logp, logp_old, logp_rollout, adv, mask = random_inputs(3)
     logp_rollout = logp_rollout.copy()
     logp_rollout[2, 0] = logp_old[2, 0] + 12.0  # rollout ratio e^-12 < 1e-4: veto sequence 2
-    _, m = grpo.policy_loss(logp, logp_old, logp_rollout, adv, mask,
-                            token_rejection=(0.5, 1.5), sequence_veto=1e-4)
+    _, m = grpo.policy_loss(
+        logp, logp_old, logp_rollout, adv, mask, token_rejection=(0.5, 1.5), sequence_veto=1e-4
+    )
     assert float(m["seq_vetoed_frac"]) == pytest.approx(1 / 6)
     assert 0 < float(m["token_rejected_frac"]) < 1
     assert float(m["effective_token_frac"]) < 1 - float(m["token_rejected_frac"]) + 1e-6
@@ -147,8 +183,12 @@ def test_options_report_fractions():
 def test_kl_to_reference():
     logp, logp_old, logp_rollout, adv, mask = random_inputs(5)
     logp_ref = logp_old - 0.3
-    loss, m = grpo.policy_loss(logp, logp_old, logp_rollout, adv, mask, logp_ref=logp_ref, kl_coef=0.1)
-    ref, _ = reference_loss(_finite(logp), logp_old, logp_rollout, adv, mask, logp_ref=logp_ref, kl_coef=0.1)
+    loss, m = grpo.policy_loss(
+        logp, logp_old, logp_rollout, adv, mask, logp_ref=logp_ref, kl_coef=0.1
+    )
+    ref, _ = reference_loss(
+        _finite(logp), logp_old, logp_rollout, adv, mask, logp_ref=logp_ref, kl_coef=0.1
+    )
     np.testing.assert_allclose(loss, ref, rtol=1e-5)
     assert float(m["kl_ref"]) > 0
 
@@ -178,8 +218,9 @@ def linear_policy_logp(w, x, tokens):
 
 
 @pytest.mark.parametrize("aggregation", grpo.AGGREGATIONS)
-@pytest.mark.parametrize("options", [{}, {"token_rejection": (0.6, 1.6), "sequence_veto": 0.3,
-                                          "tis_renormalize": True}])
+@pytest.mark.parametrize(
+    "options", [{}, {"token_rejection": (0.6, 1.6), "sequence_veto": 0.3, "tis_renormalize": True}]
+)
 def test_microbatch_accumulation_is_exact(aggregation, options):
     rng = np.random.default_rng(0)
     w_old = rng.normal(0, 1, (D, V)).astype(np.float32)
@@ -189,37 +230,64 @@ def test_microbatch_accumulation_is_exact(aggregation, options):
     mask = (np.arange(T)[None] < rng.integers(1, T + 1, 8)[:, None]).astype(np.float32)
     logp_old = linear_policy_logp(w_old, x, tokens)
     logp_rollout = logp_old + rng.normal(0, 0.3, (8, T)).astype(np.float32)
+    logp_rollout = logp_rollout.at[4, 0].add(3.0)  # rollout ratio e^-3: vetoes sequence 4
     adv = grpo.group_advantages(rng.integers(0, 2, 8).astype(np.float32), 4)
     kw = dict(aggregation=aggregation, **options)
 
     def full(w):
-        return grpo.policy_loss(linear_policy_logp(w, x, tokens), logp_old, logp_rollout, adv, mask, **kw)[0]
+        return grpo.policy_loss(
+            linear_policy_logp(w, x, tokens), logp_old, logp_rollout, adv, mask, **kw
+        )[0]
 
     # The learner's view: a global denominator and TIS mean, computed before the backward pass.
-    eff = grpo.effective_mask(logp_old, logp_rollout, mask, token_rejection=options.get("token_rejection"),
-                              sequence_veto=options.get("sequence_veto"))
+    eff = grpo.effective_mask(
+        logp_old,
+        logp_rollout,
+        mask,
+        token_rejection=options.get("token_rejection"),
+        sequence_veto=options.get("sequence_veto"),
+    )
     denom = grpo.loss_denominator(eff, aggregation)
-    w_sum, w_cnt = grpo.tis_weight_sums(logp_old, logp_rollout, mask, token_rejection=options.get("token_rejection"),
-                                        sequence_veto=options.get("sequence_veto"))
+    w_sum, w_cnt = grpo.tis_weight_sums(
+        logp_old,
+        logp_rollout,
+        mask,
+        token_rejection=options.get("token_rejection"),
+        sequence_veto=options.get("sequence_veto"),
+    )
     tis_mean = w_sum / w_cnt if options.get("tis_renormalize") else None
 
-    def micro(w, sl):
-        return grpo.policy_loss_terms(linear_policy_logp(w, x[sl], tokens[sl]), logp_old[sl], logp_rollout[sl],
-                                      adv[sl], mask[sl], tis_mean=tis_mean, **kw)
+    @jax.jit
+    @functools.partial(jax.value_and_grad, has_aux=True)
+    def micro(w, x, tokens, logp_old, logp_rollout, adv, mask):
+        s, d, m = grpo.policy_loss_terms(
+            linear_policy_logp(w, x, tokens),
+            logp_old,
+            logp_rollout,
+            adv,
+            mask,
+            tis_mean=tis_mean,
+            **kw,
+        )
+        return s, (d, m)
 
-    slices = [slice(0, 3), slice(3, 5), slice(5, 8)]
     acc_loss, acc_grad, acc_den, acc_metrics = 0.0, 0.0, 0.0, None
-    for sl in slices:
-        (s, (d, m)), g = jax.value_and_grad(lambda w: (lambda r: (r[0], (r[1], r[2])))(micro(w, sl)),
-                                            has_aux=True)(w)
+    for sl in [slice(0, 3), slice(3, 5), slice(5, 8)]:
+        (s, (d, m)), g = micro(
+            w, x[sl], tokens[sl], logp_old[sl], logp_rollout[sl], adv[sl], mask[sl]
+        )
         acc_loss, acc_grad, acc_den = acc_loss + s, acc_grad + g, acc_den + d
         acc_metrics = m if acc_metrics is None else grpo.merge_metric_sums(acc_metrics, m)
     np.testing.assert_allclose(acc_den, denom)
     np.testing.assert_allclose(acc_loss / denom, full(w), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(acc_grad / denom, jax.grad(full)(w), rtol=1e-4, atol=1e-7)
-    _, full_metrics = grpo.policy_loss(linear_policy_logp(w, x, tokens), logp_old, logp_rollout, adv, mask, **kw)
+    np.testing.assert_allclose(acc_grad / denom, jax.jit(jax.grad(full))(w), rtol=1e-4, atol=1e-7)
+    _, full_metrics = grpo.policy_loss(
+        linear_policy_logp(w, x, tokens), logp_old, logp_rollout, adv, mask, **kw
+    )
     for name, value in grpo.finalize_metrics(acc_metrics).items():
         np.testing.assert_allclose(value, full_metrics[name], rtol=1e-5, err_msg=name)
+    if "sequence_veto" in options:
+        assert float(full_metrics["seq_vetoed_frac"]) >= 1 / 8
 
 
 def test_gradient_is_finite_with_junk_padding():
@@ -229,8 +297,13 @@ def test_gradient_is_finite_with_junk_padding():
     mask = np.ones((4, T), np.float32)
     mask[:, -3:] = 0
     logp_old = np.where(mask > 0, -1.0, -np.inf).astype(np.float32)
-    g = jax.grad(lambda w: grpo.policy_loss(linear_policy_logp(w, x, tokens), logp_old, logp_old,
-                                            jnp.ones(4), mask)[0])(jnp.zeros((D, V)))
+    g = jax.jit(
+        jax.grad(
+            lambda w: grpo.policy_loss(
+                linear_policy_logp(w, x, tokens), logp_old, logp_old, jnp.ones(4), mask
+            )[0]
+        )
+    )(jnp.zeros((D, V)))
     assert np.all(np.isfinite(g)) and np.any(g != 0)
 
 
@@ -257,7 +330,9 @@ def test_group_advantages():
 
 def test_loss_config_gin_and_validation():
     gin.clear_config()
-    gin.parse_config("LossConfig.aggregation = 'seq-mean-token-sum'\nLossConfig.token_rejection = [0.5, 1.5]")
+    gin.parse_config(
+        "LossConfig.aggregation = 'seq-mean-token-sum'\nLossConfig.token_rejection = [0.5, 1.5]"
+    )
     cfg = grpo.LossConfig()
     gin.clear_config()
     assert cfg.aggregation == "seq-mean-token-sum" and cfg.token_rejection == (0.5, 1.5)

@@ -30,34 +30,40 @@ def slow_reward(completion_text, ground_truth, *, prompt="", meta=None):
     return float(completion_text == ground_truth)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("so \\boxed{42}.", "42"),
-    ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}"),
-    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
-    ("\\boxed{\\text{a}{b}{c{d}}}", "\\text{a}{b}{c{d}}"),
-    ("answer \\fbox{7}", "7"),
-    ("$\\boxed 5$", "5"),
-    ("no box here", None),
-    ("\\boxed{3} and \\boxed{\\frac{1", None),  # truncated last box: no answer
-    ("\\boxed", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}"),
+        ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
+        ("\\boxed{\\text{a}{b}{c{d}}}", "\\text{a}{b}{c{d}}"),
+        ("answer \\fbox{7}", "7"),
+        ("$\\boxed 5$", "5"),
+        ("no box here", None),
+        ("\\boxed{3} and \\boxed{\\frac{1", None),  # truncated last box: no answer
+        ("\\boxed", None),
+    ],
+)
 def test_extract_last_boxed(text, expected):
     assert extract_last_boxed(text) == expected
 
 
-@pytest.mark.parametrize("completion,truth,expected", [
-    ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\sqrt{2}/2", 1.0),
-    ("\\boxed{1+x^2}", "x^2+1", 1.0),
-    ("\\boxed{3}", "3.0", 1.0),
-    ("\\boxed{3}", 3, 1.0),
-    ("\\boxed{4}", "3", 0.0),
-    ("3", "3", 0.0),  # no boxed answer
-    ("\\boxed{7} wait, \\boxed{8}", "8", 1.0),
-    ("\\boxed{12}", "\\boxed{12}", 1.0),
-])
+@pytest.mark.parametrize(
+    "completion,truth,expected",
+    [
+        ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\sqrt{2}/2", 1.0),
+        ("\\boxed{1+x^2}", "x^2+1", 1.0),
+        ("\\boxed{3}", "3.0", 1.0),
+        ("\\boxed{3}", 3, 1.0),
+        ("\\boxed{4}", "3", 0.0),
+        ("3", "3", 0.0),  # no boxed answer
+        ("\\boxed{7} wait, \\boxed{8}", "8", 1.0),
+        ("\\boxed{12}", "\\boxed{12}", 1.0),
+    ],
+)
 def test_math_verify_reward(completion, truth, expected):
     assert get_reward("math_verify")(completion, truth) == expected
 

@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 
 from sparrow_jax.data import synthetic
-from sparrow_jax.data.tokenizer import build_synthetic_tokenizer, load_tokenizer, save_synthetic_tokenizer
+from sparrow_jax.data.tokenizer import (
+    build_synthetic_tokenizer,
+    load_tokenizer,
+    save_synthetic_tokenizer,
+)
 from sparrow_jax.rl.rewards import RewardPool, get_reward
 
 
@@ -102,8 +106,12 @@ def test_tokenizer_round_trip(tmp_path):
         target = t.encode(p["solution"], add_special_tokens=False)
         assert t.unk_token_id not in target and len(target) == synthetic.target_tokens(p["k"])
         assert t.decode(target) == p["solution"]
-        assert get_reward("synthetic_exact")(t.decode(target + [t.eos_token_id]), p["answer"],
-                                             prompt=t.decode(ids)) == 1.0
+        assert (
+            get_reward("synthetic_exact")(
+                t.decode(target + [t.eos_token_id]), p["answer"], prompt=t.decode(ids)
+            )
+            == 1.0
+        )
 
 
 def test_sft_examples_and_jsonl(tmp_path):
@@ -114,7 +122,9 @@ def test_sft_examples_and_jsonl(tmp_path):
         assert prompt_ids.dtype == target_ids.dtype == np.int32
         assert prompt_ids[0] == tok.bos_token_id and target_ids[-1] == tok.eos_token_id
         assert len(target_ids) == synthetic.target_tokens(2, 4) + 1
-        assert synthetic.solve(tok.decode(prompt_ids)) == tok.decode(target_ids, skip_special_tokens=True)
+        assert synthetic.solve(tok.decode(prompt_ids)) == tok.decode(
+            target_ids, skip_special_tokens=True
+        )
     path = tmp_path / "s.jsonl"
     synthetic.write_jsonl(str(path), 5, seed=7, k_range=(2, 3))
     rows = [json.loads(line) for line in path.read_text().splitlines()]

@@ -200,15 +200,20 @@ def policy_loss_terms(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (got {dual_clip})")
     valid = mask > 0
-    # Padding may hold -inf/NaN logps; zero them before any arithmetic so that neither the
-    # values nor the gradients (where() passes NaN cotangents through otherwise) are poisoned.
-    logp = jnp.where(valid, logp, 0.0)
-    logp_old = jnp.where(valid, logp_old, 0.0)
+    # Padding may hold -inf/NaN logps. Zero them before any arithmetic (the "double where"
+    # trick): masking only the final loss would still give NaN * 0 = NaN gradients. Work in f32
+    # whatever the model's dtype: exp of bf16 log-ratios is too coarse for clip decisions.
+    logp = jnp.where(valid, logp, 0.0).astype(jnp.float32)
+    logp_old = jnp.where(valid, logp_old, 0.0).astype(jnp.float32)
+    if logp_rollout is not None:
+        logp_rollout = jnp.where(valid, logp_rollout, 0.0).astype(jnp.float32)
     log_rr = _rollout_log_ratio(logp_old, logp_rollout, valid)
     eff, rejected, vetoed = _corrections(log_rr, valid, token_rejection, sequence_veto)
 
     adv = jnp.asarray(advantages, jnp.float32)[:, None]
-    log_ratio = jnp.clip(logp - jax.lax.stop_gradient(logp_old), -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = jnp.clip(
+        logp - jax.lax.stop_gradient(logp_old), -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP
+    )
     ratio = jnp.exp(log_ratio)
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -306,14 +311,38 @@ def policy_loss(
     logp_rollout: Array | None,
     advantages: Array,
     mask: Array,
-    **options,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+    tis_cap: float | None = 2.0,
+    aggregation: str = "token-mean",
+    logp_ref: Array | None = None,
+    kl_coef: float = 0.0,
+    token_rejection: tuple[float, float] | None = None,
+    sequence_veto: float | None = None,
+    tis_renormalize: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
-    """Full-batch GRPO loss `(scalar, metrics)`; see `policy_loss_terms` for the options.
+    """Full-batch GRPO loss `(scalar, metrics)`; the options are those of `policy_loss_terms`.
 
-    Uses this batch's own denominator; a batch with no effective token has loss 0.
+    Uses this batch's own denominator and TIS mean; a batch with no effective token has loss 0.
     """
     loss_sum, denominator, sums = policy_loss_terms(
-        logp, logp_old, logp_rollout, advantages, mask, **options
+        logp,
+        logp_old,
+        logp_rollout,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        tis_cap=tis_cap,
+        aggregation=aggregation,
+        logp_ref=logp_ref,
+        kl_coef=kl_coef,
+        token_rejection=token_rejection,
+        sequence_veto=sequence_veto,
+        tis_renormalize=tis_renormalize,
     )
     loss = jnp.where(denominator > 0, loss_sum / jnp.maximum(denominator, 1e-12), 0.0)
     return loss, finalize_metrics(sums)

@@ -57,9 +57,8 @@ def register_reward(name: str, *, preload: Sequence[str] = ()) -> Callable[[Rewa
             fn.__qualname__,
         )
         if old is not None and not same:
-            raise ValueError(
-                f"reward {name!r} is already registered by {old.fn.__module__}.{old.fn.__qualname__}"
-            )
+            owner = f"{old.fn.__module__}.{old.fn.__qualname__}"
+            raise ValueError(f"reward {name!r} is already registered by {owner}")
         _REGISTRY[name] = _Entry(fn, tuple(preload))
         return fn
 
@@ -276,7 +275,13 @@ class RewardPool:
         t0 = time.monotonic()
         items = [_normalize_item(it) for it in items]
         rewards = np.zeros(len(items), np.float32)
-        info: dict[str, Any] = {"timeouts": 0, "errors": 0, "restarts": 0, "timed_out": [], "failed": []}
+        info: dict[str, Any] = {
+            "timeouts": 0,
+            "errors": 0,
+            "restarts": 0,
+            "timed_out": [],
+            "failed": [],
+        }
         if self.processes == 0:
             for i, (completion, truth, prompt, meta) in enumerate(items):
                 try:
@@ -324,7 +329,9 @@ class RewardPool:
                     if w.job is not None:
                         self._fail(w.job[0], info, "errors", "failed")
                     elif not w.ready:
-                        raise RuntimeError("a reward worker died during start-up (import error?)")
+                        raise RuntimeError(
+                            "a reward worker died during start-up (import error?)"
+                        ) from None
                     self._replace(k, info)
                     continue
                 if msg == ("ready",):
@@ -358,7 +365,9 @@ class RewardPool:
 
 def _normalize_item(item: Item) -> tuple[str, str, str, dict | None]:
     if not 2 <= len(item) <= 4:
-        raise ValueError(f"a reward item is (completion, ground_truth[, prompt[, meta]]), got {item!r:.200}")
+        raise ValueError(
+            f"a reward item is (completion, ground_truth[, prompt[, meta]]), got {item!r:.200}"
+        )
     completion, truth = item[0], item[1]
     prompt = item[2] if len(item) > 2 else ""
     meta = item[3] if len(item) > 3 else None

@@ -1,0 +1,410 @@
+"""Prompt sets for RL: local JSONL/Parquet files -> tokenized records -> a grain iterator.
+
+Row format (the common math-RL layout; field names are configurable):
+    {"prompt": "What is 1+1?", "answer": "2", "id": "q1", ...}                 plain text
+    {"messages": [{"role": "user", "content": "..."}], "answer": "2", ...}      chat
+The ground truth is the first present field of `answer_fields` ("answer", "ground_truth",
+"solution"); numbers are converted to strings. Other fields are kept as `meta`.
+
+Chat rows are rendered with the tokenizer's `apply_chat_template(..., add_generation_prompt=
+True)`; plain prompts too when `use_chat_template=True`. Rendered text is tokenized without
+adding special tokens (the template has them); plain text with them (e.g. <bos>).
+
+The iterator is grain's `DatasetIterator` (shuffle with a seed, reshuffled each epoch, per-host
+shard, optional epoch count) wrapped so that `get_state()` is a JSON-serialisable dict the train
+loop stores with its checkpoint; `set_state()` on a freshly built iterator continues the exact
+same batch order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import json
+import logging
+import os
+from typing import Any, Iterator, Sequence
+
+import gin
+import grain
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+ANSWER_FIELDS = ("answer", "ground_truth", "solution")
+
+
+class _RowError(ValueError):
+    """A malformed row; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What happened while loading: rows read, records kept, and (file, row, reason) of drops.
+
+    Row numbers are 1-based line numbers for JSONL and 1-based row indices for Parquet.
+    """
+
+    rows: int
+    loaded: int
+    skipped: tuple[tuple[str, int, str], ...]
+    too_long: tuple[tuple[str, int, int], ...]  # (file, row, prompt length)
+
+    def summary(self) -> str:
+        rows = ", ".join(f"{os.path.basename(f)}:{r}" for f, r, _ in self.skipped[:10])
+        more = " ..." if len(self.skipped) > 10 else ""
+        return (
+            f"{self.loaded}/{self.rows} prompts loaded; {len(self.skipped)} malformed rows skipped"
+            f"{f' ({rows}{more})' if rows else ''}; {len(self.too_long)} too long dropped"
+        )
+
+
+def _expand_paths(paths: str | Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for p in [paths] if isinstance(paths, str) else paths:
+        matches = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
+        if not matches or not all(os.path.isfile(m) for m in matches):
+            raise FileNotFoundError(f"prompt file not found: {p}")
+        out.extend(matches)
+    return out
+
+
+def _iter_rows(path: str) -> Iterator[tuple[int, Any]]:
+    """(1-based row number, row dict or the exception that made it unreadable)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield i, row
+        return
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield i, _RowError(f"bad JSON ({e.msg} at column {e.colno})")
+
+
+def _answer(row: dict, fields: Sequence[str]) -> tuple[str, str]:
+    for name in fields:
+        value = row.get(name)
+        if value is None:
+            continue
+        # bool is an int subclass, but True as a ground truth is almost surely a data bug.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return name, str(value)
+        if isinstance(value, str):
+            return name, value
+        raise _RowError(f"field {name!r} must be a string or number, got {type(value).__name__}")
+    raise _RowError(f"missing answer field (one of {list(fields)})")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise _RowError("'messages' must be a non-empty list")
+    for m in value:
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            raise _RowError("every message needs string 'role' and 'content'")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptFormat:
+    """How rows become token ids (see module docstring)."""
+
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    answer_fields: tuple[str, ...] = ANSWER_FIELDS
+    id_field: str = "id"
+    use_chat_template: bool = False
+    system_prompt: str | None = None
+    add_special_tokens: bool | None = None  # None: True for plain text, False for templated
+
+
+def _render(row: dict, fmt: PromptFormat, tokenizer: Any) -> tuple[str, bool]:
+    """(text to tokenize, whether it came from the chat template)."""
+    if row.get(fmt.messages_field) is not None:
+        messages = _messages(row[fmt.messages_field])
+    else:
+        prompt = row.get(fmt.prompt_field)
+        if prompt is None:
+            raise _RowError(f"missing {fmt.prompt_field!r} or {fmt.messages_field!r}")
+        if not isinstance(prompt, str) or not prompt:
+            raise _RowError(f"{fmt.prompt_field!r} must be a non-empty string")
+        if not fmt.use_chat_template:
+            return prompt, False
+        messages = [{"role": "user", "content": prompt}]
+    if fmt.system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": fmt.system_prompt}, *messages]
+    if not getattr(tokenizer, "chat_template", None):
+        # A configuration error, not a bad row: never skipped silently.
+        raise ValueError(
+            "chat rows or use_chat_template=True need a tokenizer with a chat_template"
+        )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text, True
+
+
+def load_prompt_records(
+    paths: str | Sequence[str],
+    tokenizer: Any,
+    *,
+    fmt: PromptFormat = PromptFormat(),
+    max_prompt_len: int | None = None,
+    on_error: str = "skip",
+    on_too_long: str = "drop",
+) -> tuple[list[dict[str, Any]], LoadReport]:
+    """Read, validate, render and tokenize every row.
+
+    Returns records {id, prompt (the exact tokenized text), answer, prompt_ids (int32 [P]),
+    meta} and a LoadReport. on_error: "skip" (count + log) or "raise" (ValueError naming file
+    and row); on_too_long ("drop" or "raise") applies to prompts longer than max_prompt_len.
+    """
+    if on_error not in ("skip", "raise") or on_too_long not in ("drop", "raise"):
+        raise ValueError(f"bad policy: on_error={on_error!r}, on_too_long={on_too_long!r}")
+    records: list[dict[str, Any]] = []
+    skipped: list[tuple[str, int, str]] = []
+    too_long: list[tuple[str, int, int]] = []
+    rows = 0
+    for path in _expand_paths(paths):
+        for row_no, row in _iter_rows(path):
+            rows += 1
+            try:
+                if isinstance(row, Exception):
+                    raise row
+                if not isinstance(row, dict):
+                    raise _RowError(f"a row must be a JSON object, got {type(row).__name__}")
+                answer_field, answer = _answer(row, fmt.answer_fields)
+                text, templated = _render(row, fmt, tokenizer)
+            except _RowError as e:
+                if on_error == "raise":
+                    raise ValueError(f"{path}: row {row_no}: {e}") from None
+                skipped.append((path, row_no, str(e)))
+                continue
+            add_special = (
+                (not templated) if fmt.add_special_tokens is None else fmt.add_special_tokens
+            )
+            ids = np.asarray(tokenizer.encode(text, add_special_tokens=add_special), np.int32)
+            if max_prompt_len is not None and len(ids) > max_prompt_len:
+                if on_too_long == "raise":
+                    raise ValueError(
+                        f"{path}: row {row_no}: prompt has {len(ids)} > {max_prompt_len} tokens"
+                    )
+                too_long.append((path, row_no, len(ids)))
+                continue
+            used = {fmt.prompt_field, fmt.messages_field, fmt.id_field, answer_field}
+            records.append(
+                {
+                    "id": str(row.get(fmt.id_field, f"{os.path.basename(path)}:{row_no}")),
+                    "prompt": text,
+                    "answer": answer,
+                    "prompt_ids": ids,
+                    "meta": {k: v for k, v in row.items() if k not in used},
+                }
+            )
+    report = LoadReport(rows, len(records), tuple(skipped), tuple(too_long))
+    if skipped or too_long:
+        logger.warning("prompt data: %s", report.summary())
+    if not records:
+        raise ValueError(f"no usable prompts in {paths}: {report.summary()}")
+    return records, report
+
+
+class PromptIterator:
+    """Batches of prompts from a grain pipeline: source -> shard -> shuffle -> repeat -> batch.
+
+    Each batch: prompt_ids int32 [B, P] (right-padded with pad_id), prompt_lengths int32 [B],
+    answers / prompts / ids: list[str], metas: list[dict]. P is the batch's longest prompt
+    rounded up to `pad_multiple` (few distinct shapes -> few recompiles), or max_prompt_len
+    when `pad_to` is set to it.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[dict[str, Any]],
+        *,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = None,
+        shard_index: int | None = None,
+        shard_count: int | None = None,
+        drop_remainder: bool = True,
+        pad_id: int = 0,
+        pad_multiple: int = 16,
+        pad_to: int | None = None,
+    ):
+        if shard_index is None or shard_count is None:
+            import jax  # only for the defaults: one shard per host
+
+            shard_index = jax.process_index() if shard_index is None else shard_index
+            shard_count = jax.process_count() if shard_count is None else shard_count
+        if not 0 <= shard_index < shard_count:
+            raise ValueError(f"bad shard {shard_index} of {shard_count}")
+        # Equal shard sizes keep every host on the same number of steps (lock-step training).
+        per_shard = len(records) // shard_count
+        if per_shard == 0:
+            raise ValueError(f"{len(records)} prompts cannot be split over {shard_count} shards")
+        shard = list(records[shard_index : per_shard * shard_count : shard_count])
+        if drop_remainder and num_epochs is not None and batch_size > per_shard * num_epochs:
+            raise ValueError(
+                f"batch_size {batch_size} > {per_shard} x {num_epochs} epochs of prompts"
+            )
+        self.batch_size, self.pad_id, self.pad_multiple, self.pad_to = (
+            batch_size,
+            pad_id,
+            pad_multiple,
+            pad_to,
+        )
+        self.num_records = per_shard
+        self._fingerprint = {
+            "num_records": per_shard,
+            "seed": seed,
+            "shuffle": shuffle,
+            "num_epochs": num_epochs,
+            "shard_index": shard_index,
+            "shard_count": shard_count,
+            "batch_size": batch_size,
+        }
+        ds = grain.MapDataset.source(shard)
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        # repeat reseeds the shuffle each epoch; None = forever.
+        ds = ds.repeat(num_epochs).batch(
+            batch_size, drop_remainder=drop_remainder, batch_fn=self._collate
+        )
+        # No threads or prefetch: deterministic, and no absl flag parsing needed.
+        self._it = iter(
+            ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_records // self.batch_size
+
+    def _collate(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        lengths = np.asarray([len(r["prompt_ids"]) for r in rows], np.int32)
+        width = self.pad_to or -(-int(lengths.max()) // self.pad_multiple) * self.pad_multiple
+        ids = np.full((len(rows), width), self.pad_id, np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : lengths[i]] = r["prompt_ids"]
+        return {
+            "prompt_ids": ids,
+            "prompt_lengths": lengths,
+            "answers": [r["answer"] for r in rows],
+            "prompts": [r["prompt"] for r in rows],
+            "ids": [r["id"] for r in rows],
+            "metas": [r["meta"] for r in rows],
+        }
+
+    def __iter__(self) -> "PromptIterator":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._it)
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable position (grain state + the settings it is only valid for)."""
+        return {"grain": self._it.get_state(), **self._fingerprint}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from `get_state()`; raises if the data or settings differ (the saved
+        position would then silently mean a different order)."""
+        diff = {k: (state.get(k), v) for k, v in self._fingerprint.items() if state.get(k) != v}
+        if diff:
+            raise ValueError(
+                f"data iterator state does not match this pipeline (saved, now): {diff}"
+            )
+        self._it.set_state(state["grain"])
+
+
+class PromptDataset:
+    """Loaded, tokenized prompt records plus their LoadReport; `.iterator(...)` batches them."""
+
+    def __init__(self, records: list[dict[str, Any]], report: LoadReport, pad_id: int):
+        self.records, self.report, self.pad_id = records, report, pad_id
+
+    @classmethod
+    def from_files(
+        cls, paths: str | Sequence[str], tokenizer: Any, **load_kwargs: Any
+    ) -> "PromptDataset":
+        """Load with `load_prompt_records(paths, tokenizer, **load_kwargs)`."""
+        records, report = load_prompt_records(paths, tokenizer, **load_kwargs)
+        pad_id = tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        return cls(records, report, int(pad_id))
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def iterator(self, *, batch_size: int, **kwargs: Any) -> PromptIterator:
+        return PromptIterator(self.records, batch_size=batch_size, pad_id=self.pad_id, **kwargs)
+
+
+@gin.configurable
+def make_prompt_iterator(
+    path: str | Sequence[str],
+    tokenizer: Any,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    drop_remainder: bool = True,
+    max_prompt_len: int | None = None,
+    pad_to_max: bool = False,
+    pad_multiple: int = 16,
+    on_error: str = "skip",
+    on_too_long: str = "drop",
+    prompt_field: str = "prompt",
+    messages_field: str = "messages",
+    answer_fields: Sequence[str] = ANSWER_FIELDS,
+    id_field: str = "id",
+    use_chat_template: bool = False,
+    system_prompt: str | None = None,
+) -> PromptIterator:
+    """Load `path` (file, glob or list) and return a checkpointable batch iterator.
+
+    batch_size = prompts per step on this host; shard_index/shard_count default to
+    jax.process_index()/process_count(); num_epochs=None repeats forever.
+    """
+    fmt = PromptFormat(
+        prompt_field=prompt_field,
+        messages_field=messages_field,
+        answer_fields=tuple(answer_fields),
+        id_field=id_field,
+        use_chat_template=use_chat_template,
+        system_prompt=system_prompt,
+    )
+    if pad_to_max and max_prompt_len is None:
+        raise ValueError("pad_to_max needs max_prompt_len")
+    dataset = PromptDataset.from_files(
+        path,
+        tokenizer,
+        fmt=fmt,
+        max_prompt_len=max_prompt_len,
+        on_error=on_error,
+        on_too_long=on_too_long,
+    )
+    return dataset.iterator(
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        num_epochs=num_epochs,
+        shard_index=shard_index,
+        shard_count=shard_count,
+        drop_remainder=drop_remainder,
+        pad_multiple=pad_multiple,
+        pad_to=max_prompt_len if pad_to_max else None,
+    )
