@@ -1,0 +1,404 @@
+"""`sparrow calibrate`: the paper's offline budget sweep, automated.
+
+For one model and prompt set:
+  1. for every budget of a grid, roll out the prompts in sparse mode with that budget in every
+     bin (same prompts and seed for each budget), replay the rollout teacher-forced through the
+     learner, and get the exact full-vocabulary alpha of every generated token
+     (`Learner.analyze`, alpha_mode="full");
+  2. pool tokens per bin of total cached length and take the tail (5th percentile) per bin;
+  3. per bin, pick the cheapest budget whose tail meets the target (`calibration.pick_schedule`);
+  4. write `schedule.json` (for `load_schedule`), `heatmap.png` (bins x budgets) and
+     `report.json` (tails, counts, chosen budgets, unmet bins, the cost model's predicted
+     speedup over dense on the chosen hardware for the measured length distribution).
+
+Noise floor (optional): one dense rollout, analysed with the top-k estimator between the
+engine's recorded top-k and the learner's teacher-forced dense top-k, k = min(vocab,
+noise_floor_topk). When k covers the vocabulary this is the exact full alpha between two dense
+computations (what the statistic reads when nothing is sparse); otherwise it is the paper's
+top-k lower bound, marked `exact: false`. The dense rollout's response lengths are also the
+length distribution fed to the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from typing import Any, Sequence
+
+import gin
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from sparrow_jax import calibration, cost_model, mismatch
+from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
+from sparrow_jax.rollout.engine import RolloutConfig, generate, padded_length
+from sparrow_jax.schedule import Schedule
+
+log = logging.getLogger(__name__)
+THRESHOLDS = (0.5, 0.8, 0.9, 0.99)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CalibrateConfig:
+    """What to sweep. Rollout details (max_budget, block_size, dense_layers, backend, top_p,
+    stop ids) come from `RolloutConfig`; max_new_tokens and temperature set here override it."""
+    model_path: str = ""
+    prompts_path: str = ""
+    output_dir: str = "runs/calibrate"
+    budgets: tuple[int, ...] = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    bin_size: int = 2000
+    num_bins: int = 20
+    target: float = 0.86
+    quantile: float = 0.05
+    num_prompts: int = 16            # the first N prompts of the file (reproducible)
+    use_chat_template: bool = False  # render plain prompts with the tokenizer's chat template
+    group_size: int = 1              # samples per prompt
+    prompts_per_batch: int = 0       # prompts per generate() call; 0 = all at once
+    analyze_rows: int = 8            # rows per teacher-forced replay (its mask is O(T^2))
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    seed: int = 0
+    hardware: str = "h200"           # cost_model.HARDWARE name for the predicted speedup
+    cost_batch: int = 256            # sequences decoded together in the cost model
+    noise_floor: bool = True
+    noise_floor_topk: int = 64
+    fallback: str = "max"            # unmet bin -> largest budget ("max") or dense ("dense")
+    min_bin_tokens: int = 50         # fewer tokens in a cell: its tail is too noisy to pick on
+    dtype: str | None = None         # compute dtype; None = f32 on CPU, bf16 on accelerators
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="Hugging Face model directory (CalibrateConfig.model_path)")
+    parser.add_argument("--prompts", help="JSONL/Parquet prompts (CalibrateConfig.prompts_path)")
+    parser.add_argument("--out", help="output directory (CalibrateConfig.output_dir)")
+    parser.add_argument("--budgets", nargs="+",
+                        help="budget grid in tokens, e.g. '64 128 256' or '64,128,256'")
+    # dest must not be "target": cli.py keeps the subcommand's entry point in args.target.
+    parser.add_argument("--target", dest="tail_target", type=float,
+                        help="required tail alpha (CalibrateConfig.target, default 0.86)")
+
+
+def _parse_budgets(items: Sequence[str]) -> tuple[int, ...]:
+    out = []
+    for item in items:
+        for part in str(item).replace(",", " ").split():
+            try:
+                out.append(int(part))
+            except ValueError:
+                raise ValueError(f"--budgets: {part!r} is not an integer") from None
+    return tuple(out)
+
+
+def apply_overrides(cfg: CalibrateConfig, args: argparse.Namespace) -> CalibrateConfig:
+    """Command-line flags win over gin (they are the quick way to point at a model)."""
+    changes: dict[str, Any] = {}
+    for flag, field in (("model", "model_path"), ("prompts", "prompts_path"),
+                        ("out", "output_dir"), ("tail_target", "target")):
+        if getattr(args, flag, None) is not None:
+            changes[field] = getattr(args, flag)
+    if getattr(args, "budgets", None):
+        changes["budgets"] = _parse_budgets(args.budgets)
+    return dataclasses.replace(cfg, **changes)
+
+
+def check_config(cfg: CalibrateConfig, rcfg: RolloutConfig) -> tuple[int, ...]:
+    """Raises ValueError/FileNotFoundError naming the bad setting; returns the sorted grid."""
+    if not cfg.model_path:
+        raise ValueError("no model: pass --model DIR or set CalibrateConfig.model_path")
+    if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
+        raise FileNotFoundError(f"model directory {cfg.model_path!r} has no config.json "
+                                "(expected a local Hugging Face Qwen3 directory)")
+    if not cfg.prompts_path:
+        raise ValueError("no prompts: pass --prompts FILE or set CalibrateConfig.prompts_path")
+    if not os.path.isfile(cfg.prompts_path):
+        raise FileNotFoundError(f"prompt file not found: {cfg.prompts_path!r}")
+    grid = tuple(sorted({int(b) for b in cfg.budgets}))
+    if not grid:
+        raise ValueError("the budget grid is empty (CalibrateConfig.budgets / --budgets)")
+    bs = rcfg.block_size
+    bad = [b for b in grid if b % bs or b < 3 * bs]
+    if bad:
+        raise ValueError(f"budgets {bad} must be multiples of the block size {bs} and at least "
+                         f"3 blocks ({3 * bs} tokens: sink + 2 local blocks)")
+    if grid[-1] > rcfg.max_budget:
+        raise ValueError(f"largest budget {grid[-1]} exceeds RolloutConfig.max_budget="
+                         f"{rcfg.max_budget} (the static selection width); raise it with "
+                         f"--gin_param 'RolloutConfig.max_budget = {grid[-1]}'")
+    if not 0.0 < cfg.target <= 1.0 or not 0.0 < cfg.quantile < 1.0:
+        raise ValueError(f"target must be in (0, 1] and quantile in (0, 1); got {cfg.target}, "
+                         f"{cfg.quantile}")
+    if cfg.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (alpha compares sampling distributions), "
+                         f"got {cfg.temperature}")
+    for field in ("bin_size", "num_bins", "num_prompts", "group_size", "max_new_tokens"):
+        if getattr(cfg, field) <= 0:
+            raise ValueError(f"CalibrateConfig.{field} must be positive, got {getattr(cfg, field)}")
+    cost_model.get_hardware(cfg.hardware)  # unknown names fail now, not after the sweep
+    return grid
+
+
+def _divisor_at_most(n: int, k: int) -> int:
+    """Largest divisor of n that is <= k (k <= 0: n): equal chunks, so one compile per shape."""
+    k = n if k <= 0 else min(k, n)
+    return max(d for d in range(1, k + 1) if n % d == 0)
+
+
+def _prompt_batches(cfg: CalibrateConfig, tokenizer, block_size: int) -> list[tuple[np.ndarray,
+                                                                                       np.ndarray]]:
+    from sparrow_jax.data.prompts import ANSWER_FIELDS, PromptDataset, PromptFormat
+    # Calibration never scores answers: let the prompt itself stand in for a missing answer
+    # field, so answer-less prompt files are not dropped as malformed.
+    fmt = PromptFormat(answer_fields=ANSWER_FIELDS + ("prompt",),
+                       use_chat_template=cfg.use_chat_template)
+    dataset = PromptDataset.from_files(cfg.prompts_path, tokenizer, fmt=fmt)
+    records = dataset.records[:cfg.num_prompts]
+    if len(records) < cfg.num_prompts:
+        log.warning("only %d prompts in %s (asked for %d)", len(records), cfg.prompts_path,
+                    cfg.num_prompts)
+    # One padded width for every batch, so the rollout program compiles once.
+    width = padded_length(max(len(r["prompt_ids"]) for r in records), block_size)
+    ids = np.full((len(records), width), dataset.pad_id, np.int32)
+    for i, r in enumerate(records):
+        ids[i, :len(r["prompt_ids"])] = r["prompt_ids"]
+    lengths = np.asarray([len(r["prompt_ids"]) for r in records], np.int32)
+    per = _divisor_at_most(len(records), cfg.prompts_per_batch)
+    return [(ids[i:i + per], lengths[i:i + per]) for i in range(0, len(records), per)]
+
+
+def _measure(model, learner: Learner, batches, rcfg: RolloutConfig, cfg: CalibrateConfig,
+             budget: int | None, replay: SparseReplay | None) -> dict[str, np.ndarray | float]:
+    """Rolls out every prompt batch at one budget (None = dense) and analyses it."""
+    table = np.full(cfg.num_bins, budget or 0, np.int32)
+    parts: list[dict[str, np.ndarray]] = []
+    t_roll = t_ana = 0.0
+    for i, (ids, lens) in enumerate(batches):
+        start = time.time()
+        traj = generate(model, ids, lens, cfg=rcfg, budgets=table, bin_size=cfg.bin_size,
+                        group_size=cfg.group_size,
+                        rng=jax.random.fold_in(jax.random.key(cfg.seed), i))
+        jax.block_until_ready(traj.tokens)
+        t_roll += time.time() - start
+        start = time.time()
+        rows = traj.tokens.shape[0]
+        step = _divisor_at_most(rows, cfg.analyze_rows)
+        for r in range(0, rows, step):
+            part = jax.tree.map(lambda x: x[r:r + step], traj)
+            out = learner.analyze(part, None if replay is None else table, replay)
+            parts.append({
+                "alpha": np.asarray(out["alpha"]), "positions": np.asarray(part.cached_lengths),
+                "mask": np.asarray(part.mask), "logp_rollout": np.asarray(part.logprobs),
+                "logp_dense": np.asarray(out["logp_old"]),
+                "logp_replay": np.asarray(out.get("logp_sparse_replay", part.logprobs)),
+                "lengths": np.stack([np.asarray(part.prompt_lengths),
+                                     np.asarray(part.response_lengths)], axis=1)})
+        t_ana += time.time() - start
+    data = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    m = data["mask"]
+    # The replay must reproduce the rollout's own logprobs, else its alpha is not the actor's.
+    data["replay_err"] = float(np.max(np.abs(data["logp_replay"] - data["logp_rollout"])[m],
+                                      initial=0.0))
+    data["rollout_s"], data["analyze_s"] = t_roll, t_ana
+    return data
+
+
+def _summarize(data: dict[str, Any], cfg: CalibrateConfig) -> dict[str, Any]:
+    s = mismatch.mismatch_summary(
+        data["alpha"], data["positions"], data["mask"], thresholds=THRESHOLDS,
+        logp_sparse=data["logp_rollout"], logp_dense=data["logp_dense"], bin_size=cfg.bin_size,
+        quantile=cfg.quantile, num_bins=cfg.num_bins)
+    out = {k: float(v) for k, v in s.items() if k not in ("tail", "counts")}
+    out["tail"] = np.asarray(s["tail"], np.float64)
+    out["counts"] = np.asarray(s["counts"], np.int64)
+    out["mean_response_len"] = float(data["lengths"][:, 1].mean())
+    for k in ("replay_err", "rollout_s", "analyze_s"):
+        out[k] = data[k]
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    """NaN -> null (strict JSON), numpy -> Python."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [_jsonable(v) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _fmt(v: float | None, spec: str = ".4f", width: int = 7) -> str:
+    text = "-" if v is None or not math.isfinite(v) else format(v, spec)
+    return text.rjust(width)
+
+
+def _bin_label(j: int, bin_size: int, num_bins: int) -> str:
+    """Upper edge of a bin ('<4000'); the open-ended last bin shows its lower edge ('>=38000')."""
+    return f">={j * bin_size}" if j == num_bins - 1 else f"<{(j + 1) * bin_size}"
+
+
+def format_tables(report: dict[str, Any]) -> str:
+    """Per-budget table, then tail per bin (bins with data only; '*' = the chosen budget)."""
+    head = (f"{'budget':>7} {'tokens':>7} {'resp':>6} {'mean':>7} {'p1':>7} {'p5':>7} "
+            f"{'<0.9':>7} {'worst':>7} {'replay':>8} {'roll_s':>6} {'pred_x':>6}")
+    lines = [head, "-" * len(head)]
+    rows = [(str(b), s) for b, s in zip(report["budgets"], report["per_budget"])]
+    if report.get("noise_floor"):
+        rows.append(("dense", report["noise_floor"]))
+    for label, s in rows:
+        lines.append(
+            f"{label:>7} {int(s['num_tokens']):>7} {s['mean_response_len']:>6.0f} "
+            f"{_fmt(s['alpha_mean'])} {_fmt(s['alpha_p1'])} {_fmt(s['alpha_p5'])} "
+            f"{_fmt(s['frac_below_0.9'], '.2%')} {_fmt(s['tail_min'])} "
+            f"{_fmt(s.get('replay_err'), '.1e', 8)} {s['rollout_s']:>6.1f} "
+            f"{_fmt(s.get('pred_speedup'), '.2f', 6)}")
+    sched, bin_size = report["schedule"]["budgets"], report["bin_size"]
+    counts = np.asarray(report["counts"])
+    used = [j for j in range(counts.shape[1]) if counts[:, j].max() > 0]
+    q = int(round(report["quantile"] * 100))
+    lines += ["", f"tail alpha (p{q}) per bin of {bin_size} tokens; * = chosen budget",
+              f"{'budget':>7} " + " ".join(f"{_bin_label(j, bin_size, counts.shape[1]):>7} "
+                                           for j in used),
+              f"{'min n':>7} " + " ".join(f"{counts[:, j].min():>7} " for j in used)]
+    for b, tails in zip(report["budgets"], report["tails"]):
+        cells = [_fmt(tails[j]) + ("*" if sched[j] == b else " ") for j in used]
+        lines.append(f"{b:>7} " + " ".join(cells))
+    if report.get("noise_floor"):
+        tails = report["noise_floor"]["tail"]
+        lines.append(f"{'dense':>7} " + " ".join(_fmt(tails[j]) + " " for j in used))
+    return "\n".join(lines)
+
+
+def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> dict[str, Any]:
+    """The whole sweep; writes the three files to cfg.output_dir and returns the report."""
+    from sparrow_jax.model import load_hf, load_tokenizer
+    rcfg = rcfg if rcfg is not None else RolloutConfig()
+    grid = check_config(cfg, rcfg)
+    tokenizer = load_tokenizer(cfg.model_path)
+    batches = _prompt_batches(cfg, tokenizer, rcfg.block_size)
+    model = load_hf(cfg.model_path, dtype=cfg.dtype)
+    with open(os.path.join(cfg.model_path, "config.json")) as f:
+        hf_config = json.load(f)
+    eos = hf_config.get("eos_token_id")
+    eos = tokenizer.eos_token_id if eos is None else eos
+    stop = rcfg.stop_token_ids or tuple(() if eos is None else np.atleast_1d(eos).tolist())
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else rcfg.pad_token_id
+    rcfg = dataclasses.replace(rcfg, mode="sparse", max_new_tokens=cfg.max_new_tokens,
+                               temperature=cfg.temperature, stop_token_ids=tuple(map(int, stop)),
+                               pad_token_id=int(pad))
+    # Same static selection width as the engine's decode loop, so the replay selects the same
+    # blocks (see engine._generate).
+    s_max = padded_length(batches[0][0].shape[1] + rcfg.max_new_tokens, rcfg.block_size)
+    replay = SparseReplay(bin_size=cfg.bin_size, block_size=rcfg.block_size,
+                          max_selected=min(rcfg.max_budget, s_max) // rcfg.block_size,
+                          dense_layers=tuple(rcfg.dense_layers))
+    shape = cost_model.ModelShape.from_hf_config(
+        hf_config, dense_layers=rcfg.dense_layers, name=os.path.basename(
+            os.path.normpath(cfg.model_path)))
+    n_rows = sum(len(ids) for ids, _ in batches) * cfg.group_size
+    log.info("calibrating %s: %d budgets x %d rows x <= %d new tokens, bins of %d", cfg.model_path,
+             len(grid), n_rows, cfg.max_new_tokens, cfg.bin_size)
+
+    learner = Learner(model, LearnerConfig(alpha_mode="full", temperature=cfg.temperature),
+                      group_size=cfg.group_size)
+    per_budget, lengths = [], None
+    bar = tqdm(grid, desc="calibrate", unit="budget")
+    for b in bar:
+        bar.set_postfix(budget=b)
+        data = _measure(model, learner, batches, rcfg, cfg, b, replay)
+        per_budget.append(_summarize(data, cfg))
+        lengths = data["lengths"]  # the largest budget's lengths, unless the dense run follows
+        bar.set_postfix(budget=b, p5=f"{per_budget[-1]['alpha_p5']:.4f}")
+    del learner
+    floor = None
+    if cfg.noise_floor:
+        k = min(model.config.vocab_size, cfg.noise_floor_topk)
+        dense_cfg = dataclasses.replace(rcfg, mode="dense", record_topk=k)
+        dense_learner = Learner(model, LearnerConfig(alpha_mode="topk",
+                                                     temperature=cfg.temperature),
+                                group_size=cfg.group_size)
+        data = _measure(model, dense_learner, batches, dense_cfg, cfg, None, None)
+        floor = _summarize(data, cfg)
+        floor.update(topk=k, exact=k >= model.config.vocab_size)
+        floor.pop("replay_err")  # no replay in dense mode
+        lengths = data["lengths"]
+
+    tails = np.stack([s["tail"] for s in per_budget])
+    counts = np.stack([s["counts"] for s in per_budget])
+    # A 5th percentile of a handful of tokens is noise: such cells count as "no data", so the
+    # bin inherits its neighbour's budget instead of being decided by a few samples.
+    pick_tails = np.where(counts >= cfg.min_bin_tokens, tails, np.nan)
+    if not np.isfinite(pick_tails).any():
+        raise ValueError(f"no bin has >= {cfg.min_bin_tokens} tokens at every budget; use more "
+                         "prompts, a longer max_new_tokens or a lower min_bin_tokens")
+    name = f"calibrated-{shape.name or 'model'}-{cfg.target:g}"
+    schedule, info = calibration.pick_schedule(
+        pick_tails, grid, cfg.target, cfg.fallback, bin_size=cfg.bin_size,
+        block_size=rcfg.block_size, name=name)
+    hw = cost_model.get_hardware(cfg.hardware)
+    cost_kw = dict(batch=cfg.cost_batch, group_size=cfg.group_size)
+    speedup = cost_model.predict_speedup(shape, hw, schedule, lengths, **cost_kw)
+    for b, s in zip(grid, per_budget):
+        const = Schedule.constant(b, cfg.num_bins, bin_size=cfg.bin_size,
+                                  block_size=rcfg.block_size)
+        s["pred_speedup"] = cost_model.predict_speedup(shape, hw, const, lengths, **cost_kw)
+
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    paths = {k: os.path.join(cfg.output_dir, f) for k, f in (
+        ("schedule", "schedule.json"), ("heatmap", "heatmap.png"), ("report", "report.json"))}
+    schedule.to_json(paths["schedule"])
+    calibration.write_heatmap(paths["heatmap"], tails, grid, schedule, cfg.bin_size,
+                              target=cfg.target)
+    report = {
+        "model": cfg.model_path, "prompts": cfg.prompts_path, "rows": n_rows,
+        "budgets": list(grid), "bin_size": cfg.bin_size, "num_bins": cfg.num_bins,
+        "quantile": cfg.quantile, "target": cfg.target, "tails": tails, "counts": counts,
+        "per_budget": per_budget, "noise_floor": floor, "schedule": schedule.to_dict(),
+        "picked": info["picked"], "unmet_bins": info["unmet_bins"],
+        "no_data_bins": info["no_data_bins"], "ok": info["ok"],
+        "predicted_speedup": speedup, "hardware": hw.name, "cost_batch": cfg.cost_batch,
+        "model_shape": dataclasses.asdict(shape),
+        "lengths": {"source": "dense" if floor else f"budget {grid[-1]}",
+                    "mean_prompt": float(lengths[:, 0].mean()),
+                    "mean_response": float(lengths[:, 1].mean()),
+                    "max_total": int(lengths.sum(1).max())},
+        "config": dataclasses.asdict(cfg), "rollout": dataclasses.asdict(rcfg), "files": paths,
+    }
+    report = _jsonable(report)
+    with open(paths["report"], "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = apply_overrides(CalibrateConfig(), args)
+        check_config(cfg, RolloutConfig())  # fail before loading anything
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"sparrow calibrate: {e}") from None
+    start = time.time()
+    report = run_calibration(cfg)
+    print(format_tables(report))
+    unmet = report["unmet_bins"]
+    print(f"\nschedule {report['schedule']['name']} (bins of {report['bin_size']}): "
+          f"{report['schedule']['budgets']}")
+    if unmet:
+        print(f"WARNING: no budget met tail >= {report['target']} in bins {unmet} "
+              f"(given the {cfg.fallback!r} fallback); extend the grid")
+    floor = report["noise_floor"]
+    if floor:
+        kind = "exact" if floor["exact"] else f"top-{floor['topk']} lower bound"
+        print(f"noise floor (dense vs dense, {kind}): worst-bin tail "
+              f"{_fmt(floor['tail_min'], width=0)}, p1 {_fmt(floor['alpha_p1'], width=0)}")
+    print(f"predicted rollout speedup vs dense on {report['hardware']} (cost model, measured "
+          f"lengths): {report['predicted_speedup']:.2f}x")
+    print(f"wrote {', '.join(report['files'].values())} in {time.time() - start:.0f} s")
+    return 0

@@ -1,0 +1,129 @@
+"""`sparrow calibrate` end to end on a tiny random model, plus its configuration errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gin
+import numpy as np
+import pytest
+
+from sparrow_jax import cli
+from sparrow_jax.schedule import load_schedule
+
+GRID = (48, 64, 128)
+TARGET = 0.995  # high enough that a random model needs different budgets in different bins
+
+GIN = """
+CalibrateConfig.bin_size = 32
+CalibrateConfig.num_bins = 6
+CalibrateConfig.num_prompts = 4
+CalibrateConfig.group_size = 2
+CalibrateConfig.max_new_tokens = 96
+CalibrateConfig.min_bin_tokens = 20
+CalibrateConfig.analyze_rows = 4
+CalibrateConfig.hardware = "h100"
+RolloutConfig.max_budget = 128
+RolloutConfig.backend = "xla"
+"""
+
+
+@pytest.fixture(autouse=True)
+def _clean_gin():
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A random 3-layer Qwen3 (layer 2 sparse) with the synthetic tokenizer, prompts, a gin file."""
+    from flax import nnx
+
+    from sparrow_jax.data import synthetic
+    from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
+    from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
+
+    root = tmp_path_factory.mktemp("calibrate")
+    tok = build_synthetic_tokenizer()
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    save_hf(model, root / "model", tokenizer=tok)
+    # 20-letter tables: 45-token prompts; with <= 96 new tokens positions span bins 1-4 of 32.
+    synthetic.write_jsonl(str(root / "prompts.jsonl"), 6, 0, (1, 1), 20)
+    (root / "cal.gin").write_text(GIN)
+    return root
+
+
+def _argv(root, *extra):
+    return ["--log_level=WARNING", "calibrate", str(root / "cal.gin"), "--model",
+            str(root / "model"), "--prompts", str(root / "prompts.jsonl"), *extra]
+
+
+def test_calibrate_end_to_end(setup, capsys):
+    out = setup / "out"
+    rc = cli.main(_argv(setup, "--out", str(out), "--budgets", "64,48", "128",
+                        "--target", str(TARGET)))
+    assert rc == 0
+    for name in ("schedule.json", "heatmap.png", "report.json"):
+        assert (out / name).stat().st_size > 0, name
+    printed = capsys.readouterr().out
+    assert "tail alpha (p5) per bin" in printed and "predicted rollout speedup" in printed
+
+    sched = load_schedule(str(out / "schedule.json"))
+    assert sched.bin_size == 32 and sched.num_bins == 6 and sched.block_size == 16
+    assert set(sched.budgets) <= set(GRID)
+    assert list(sched.budgets) == sorted(sched.budgets)  # monotone over bins
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["budgets"] == list(GRID) and report["target"] == TARGET
+    assert math.isfinite(report["predicted_speedup"]) and report["predicted_speedup"] >= 1.0
+    assert report["hardware"] == "h100"
+    tails = np.array([[np.nan if v is None else v for v in row] for row in report["tails"]])
+    counts = np.asarray(report["counts"])
+    assert tails.shape == counts.shape == (len(GRID), 6)
+    assert (counts[:, 1:5] > 0).all()  # several bins really filled
+    # Per bin: the cheapest budget meeting the target, or flagged unmet (then the largest).
+    for j in range(6):
+        if (counts[:, j] < 20).any():
+            continue
+        meets = [b for b, t in zip(GRID, tails[:, j]) if t >= TARGET]
+        if meets:
+            assert report["picked"][j] == meets[0]
+        else:
+            assert j in report["unmet_bins"] and report["picked"][j] == GRID[-1]
+    for row in report["per_budget"]:
+        assert row["replay_err"] < 1e-4  # the replay reproduces the rollout's own logprobs
+        assert 0.0 <= row["alpha_p1"] <= row["alpha_p5"] <= 1.0
+        assert row["pred_speedup"] >= 1.0
+    floor = report["noise_floor"]
+    assert floor["exact"] and floor["tail_min"] > 0.999  # f32 dense vs dense: ~identical
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--budgets", "48", "50"], "multiples of the block size"),
+    (["--budgets", "32"], "at least 3 blocks"),
+    (["--budgets", "48", "1024"], "exceeds RolloutConfig.max_budget"),
+    (["--gin_param", "CalibrateConfig.budgets = ()"], "budget grid is empty"),
+    (["--budgets", "4x8"], "not an integer"),
+    (["--budgets", "48", "--target", "1.5"], "target must be in"),
+    (["--budgets", "48", "--gin_param", "CalibrateConfig.hardware = 'abacus'"],
+     "unknown hardware"),
+])
+def test_config_errors(setup, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(_argv(setup, *extra))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("model", "has no config.json"), ("prompts", "prompt file not found"), ("none", "no model")])
+def test_missing_inputs(setup, tmp_path, case, message):
+    # One cli.main per test: the CLI finalizes (locks) the gin config it parsed.
+    model = tmp_path / "nope" if case == "model" else setup / "model"
+    prompts = tmp_path / "missing.jsonl" if case == "prompts" else setup / "prompts.jsonl"
+    paths = [] if case == "none" else ["--model", str(model), "--prompts", str(prompts)]
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["calibrate", str(setup / "cal.gin"), *paths])
