@@ -1,9 +1,9 @@
 """`sparrow sft`: supervised warm-up of a small Qwen3 on the synthetic task, so the RL demo starts
 from a policy with non-zero reward and long (>= 1K token) generations.
 
-Two phases, measured to be the fast route (shared/DEMO_NOTES.md): short problems (few cycles)
-learn the lookup mechanics quickly; full-length problems then teach late positions, which short
-training does not generalise to. The result is a Hugging Face directory (config, safetensors,
+Two phases, measured to be the fast route (shared/DEMO_NOTES.md): short crops of full-length
+sequences learn the lookup mechanics quickly (every step copies from a constant offset); whole
+full-length sequences then teach late positions, which crop training does not generalise to. The result is a Hugging Face directory (config, safetensors,
 tokenizer) that `load_hf` and transformers both read.
 """
 
@@ -42,10 +42,11 @@ class SFTConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 32
-    # Phase 1: short problems; phase 2: full length.
-    short_steps: int = 300
-    short_k_range: tuple[int, int] = (1, 4)
-    short_batch: int = 16
+    # Phase 1: fixed-length crops of full-length sequences (at their real positions);
+    # phase 2: whole full-length sequences.
+    crop_steps: int = 400
+    crop_length: int = 240
+    crop_batch: int = 8
     long_steps: int = 200
     long_k_range: tuple[int, int] = (8, 13)
     long_batch: int = 8
@@ -69,8 +70,29 @@ def _pack(pairs, pad_id: int, block: int = 64):
     return tokens, weights
 
 
-def _loss(model: Qwen3ForCausalLM, tokens, weights):
-    logits = model(tokens, attention_mask=jnp.ones_like(tokens))
+def _crops(pairs, length: int, context: int, rng: np.random.Generator):
+    """Random windows of `length` tokens of prompt ++ target, with their real positions.
+
+    The loss skips the first `context` tokens of a window: what they copy lies before it.
+    """
+    tokens = np.zeros((len(pairs), length), np.int32)
+    positions = np.zeros_like(tokens)
+    weights = np.zeros((len(pairs), length), np.float32)
+    for i, (p, t) in enumerate(pairs):
+        seq = np.concatenate([p, t])
+        start = int(rng.integers(0, len(seq) - length + 1))
+        tokens[i] = seq[start:start + length]
+        positions[i] = np.arange(start, start + length)
+        w = np.zeros(len(seq), np.float32)
+        w[len(p) - 1:len(seq) - 1] = 1.0
+        if start:
+            w[start:start + context] = 0.0
+        weights[i] = w[start:start + length]
+    return tokens, positions, weights
+
+
+def _loss(model: Qwen3ForCausalLM, tokens, positions, weights):
+    logits = model(tokens, positions, attention_mask=jnp.ones_like(tokens))
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
     w = weights[:, :-1]
@@ -79,8 +101,8 @@ def _loss(model: Qwen3ForCausalLM, tokens, weights):
 
 
 @nnx.jit
-def _train_step(model, optimizer, tokens, weights):
-    (loss, acc), grads = nnx.value_and_grad(_loss, has_aux=True)(model, tokens, weights)
+def _train_step(model, optimizer, tokens, positions, weights):
+    (loss, acc), grads = nnx.value_and_grad(_loss, has_aux=True)(model, tokens, positions, weights)
     optimizer.update(model, grads)
     return loss, acc
 
@@ -117,28 +139,33 @@ def run_sft(cfg: SFTConfig) -> Path:
     tokenizer = build_synthetic_tokenizer()
     mcfg = demo_model_config(cfg, tokenizer)
     model = Qwen3ForCausalLM(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
-    total = cfg.short_steps + cfg.long_steps
+    total = cfg.crop_steps + cfg.long_steps
     lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, min(cfg.warmup_steps, total - 1), total,
                                             cfg.learning_rate * 0.1)
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
                                                  optax.adamw(lr, weight_decay=0.01)), wrt=nnx.Param)
-    log.info("sft: %.2fM params, %d short + %d full-length steps", mcfg.num_params() / 1e6,
-             cfg.short_steps, cfg.long_steps)
+    log.info("sft: %.2fM params, %d crop + %d full-length steps", mcfg.num_params() / 1e6,
+             cfg.crop_steps, cfg.long_steps)
     rng = np.random.default_rng(cfg.seed)
     start = time.time()
     with tqdm(total=total, desc="sft", unit="step") as bar:
         for step in range(total):
-            short = step < cfg.short_steps
-            k_range = cfg.short_k_range if short else cfg.long_k_range
-            batch = cfg.short_batch if short else cfg.long_batch
-            problems = [synthetic.make_problem(rng, k_range) for _ in range(batch)]
-            tokens, weights = _pack(synthetic.sft_examples(tokenizer, problems=problems),
-                                    tokenizer.pad_token_id)
-            loss, acc = _train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(weights))
+            crop = step < cfg.crop_steps
+            batch = cfg.crop_batch if crop else cfg.long_batch
+            problems = [synthetic.make_problem(rng, cfg.long_k_range) for _ in range(batch)]
+            pairs = synthetic.sft_examples(tokenizer, problems=problems)
+            if crop:
+                tokens, positions, weights = _crops(pairs, cfg.crop_length,
+                                                    synthetic.cycle_tokens() + 3, rng)
+            else:
+                tokens, weights = _pack(pairs, tokenizer.pad_token_id)
+                positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+            loss, acc = _train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(positions),
+                                    jnp.asarray(weights))
             bar.update(1)
             if step % cfg.log_every == 0 or step == total - 1:
                 bar.set_postfix(loss=f"{float(loss):.3f}", token_acc=f"{float(acc):.3f}",
-                                phase="short" if short else "full")
+                                phase="crop" if crop else "full")
     log.info("sft done in %.0f s", time.time() - start)
     eval_problems = synthetic.make_problems(cfg.eval_problems, cfg.seed + 10_000, cfg.long_k_range)
     max_new = synthetic.target_tokens(cfg.long_k_range[1]) + 16
@@ -149,3 +176,14 @@ def run_sft(cfg: SFTConfig) -> Path:
         f"greedy_exact={exact:.4f} problems={cfg.eval_problems} k_range={cfg.long_k_range} "
         f"steps={total} seconds={time.time() - start:.0f}\n")
     return out
+
+
+def add_arguments(parser) -> None:
+    del parser  # configured through gin (SFTConfig)
+
+
+def main(args) -> int:
+    del args
+    out = run_sft(SFTConfig())
+    print(f"warm-up checkpoint written to {out}: {(out / 'sft_summary.txt').read_text().strip()}")
+    return 0
