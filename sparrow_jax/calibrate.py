@@ -313,16 +313,17 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
     learner = Learner(model, LearnerConfig(alpha_mode="full", temperature=cfg.temperature),
                       group_size=cfg.group_size)
     per_budget, lengths = [], None
-    bar = tqdm(grid, desc="calibrate", unit="budget")
-    for b in bar:
+    bar = tqdm(total=len(grid) + int(cfg.noise_floor), desc="calibrate", unit="run")
+    for b in grid:
         bar.set_postfix(budget=b)
         data = _measure(model, learner, batches, rcfg, cfg, b, replay)
         per_budget.append(_summarize(data, cfg))
         lengths = data["lengths"]  # the largest budget's lengths, unless the dense run follows
-        bar.set_postfix(budget=b, p5=f"{per_budget[-1]['alpha_p5']:.4f}")
+        bar.update(1)
     del learner
     floor = None
     if cfg.noise_floor:
+        bar.set_postfix(budget="dense")
         k = min(model.config.vocab_size, cfg.noise_floor_topk)
         dense_cfg = dataclasses.replace(rcfg, mode="dense", record_topk=k)
         dense_learner = Learner(model, LearnerConfig(alpha_mode="topk",
@@ -333,6 +334,8 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
         floor.update(topk=k, exact=k >= model.config.vocab_size)
         floor.pop("replay_err"), floor.pop("replay_mismatch_frac")  # no replay in dense mode
         lengths = data["lengths"]
+        bar.update(1)
+    bar.close()
 
     tails = np.stack([s["tail"] for s in per_budget])
     counts = np.stack([s["counts"] for s in per_budget])
@@ -340,7 +343,7 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
     # bin inherits its neighbour's budget instead of being decided by a few samples.
     pick_tails = np.where(counts >= cfg.min_bin_tokens, tails, np.nan)
     if not np.isfinite(pick_tails).any():
-        raise ValueError(f"no bin has >= {cfg.min_bin_tokens} tokens at every budget; use more "
+        raise ValueError(f"no bin got >= min_bin_tokens={cfg.min_bin_tokens} tokens; use more "
                          "prompts, a longer max_new_tokens or a lower min_bin_tokens")
     name = f"calibrated-{shape.name or 'model'}-{cfg.target:g}"
     schedule, info = calibration.pick_schedule(
