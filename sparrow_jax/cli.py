@@ -37,7 +37,7 @@ def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
     for module in ("sparrow_jax.train", "sparrow_jax.sft", "sparrow_jax.rollout.engine",
                    "sparrow_jax.rl.learner", "sparrow_jax.rl.grpo", "sparrow_jax.schedule",
                    "sparrow_jax.data.prompts", "sparrow_jax.rl.rewards", "sparrow_jax.sharding",
-                   "sparrow_jax.model.config"):
+                   "sparrow_jax.model.config", "sparrow_jax.calibrate"):
         importlib.import_module(module)
     try:
         gin.parse_config_files_and_bindings(list(config_files), list(params))

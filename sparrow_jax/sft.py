@@ -44,14 +44,14 @@ class SFTConfig:
     head_dim: int = 32
     # Phase 1: fixed-length crops of full-length sequences (at their real positions);
     # phase 2: whole full-length sequences.
-    crop_steps: int = 400
+    crop_steps: int = 1000
     crop_length: int = 240
     crop_batch: int = 8
-    long_steps: int = 200
+    long_steps: int = 250
     long_k_range: tuple[int, int] = (8, 13)
     long_batch: int = 8
     learning_rate: float = 1e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 50
     eval_problems: int = 16
     log_every: int = 25
 
