@@ -42,6 +42,8 @@ def test_micro_batch_accumulation_equals_full_batch(ckpt):
     g_full, m_full, loss_full = full.grads(batch)
     micro = Learner(model, LearnerConfig(learning_rate=1e-3, micro_batch_size=2), group_size=2)
     g_micro, m_micro, loss_micro = micro.grads(batch)
+    np.testing.assert_allclose(np.asarray(micro.analyze(traj)["logp_old"]),
+                               np.asarray(batch.logp_old), atol=1e-6)
     np.testing.assert_allclose(float(loss_micro), float(loss_full), rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_micro)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)

@@ -148,7 +148,7 @@ def _micro_grads(params, rest, batch, denominator, tis_mean, *, graphdef, cfg, l
 @functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
 def _apply(params, opt_state, grads, *, tx):
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
 class Learner:
@@ -175,7 +175,17 @@ class Learner:
         """Dense logprobs of the sampled tokens (the PPO anchor) and per-token alpha."""
         graphdef, state = nnx.split(self.model)
         budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
-        return _analyze_jit(graphdef, state, traj, budgets, replay=replay, cfg=self.cfg)
+        parts = [_analyze_jit(graphdef, state, part, budgets, replay=replay, cfg=self.cfg)
+                 for part in self._micro_batches(traj)]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+
+    def _micro_batches(self, tree):
+        """Row slices of `tree` of micro_batch_size rows (one slice when it is 0)."""
+        rows = jax.tree.leaves(tree)[0].shape[0]
+        mb = self.cfg.micro_batch_size or rows
+        if rows % mb:
+            raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={mb}")
+        return [jax.tree.map(lambda x: x[s:s + mb], tree) for s in range(0, rows, mb)]
 
     def advantages(self, rewards) -> jax.Array:
         return grpo.group_advantages(jnp.asarray(rewards, jnp.float32), self.group_size,
@@ -194,14 +204,9 @@ class Learner:
                                             tis_cap=lc.tis_cap, token_rejection=lc.token_rejection,
                                             sequence_veto=lc.sequence_veto)
             tis_mean = w_sum / jnp.maximum(n, 1)
-        rows = traj.tokens.shape[0]
-        mb = self.cfg.micro_batch_size or rows
-        if rows % mb:
-            raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={mb}")
         params = self.params
         total_loss, grads, sums = 0.0, None, None
-        for start in range(0, rows, mb):
-            part = jax.tree.map(lambda x: x[start:start + mb], batch)
+        for part in self._micro_batches(batch):
             loss, s, g = _micro_grads(params, self.rest, part, denominator, tis_mean,
                                       graphdef=self.graphdef, cfg=self.cfg, loss_cfg=lc)
             total_loss = total_loss + loss
