@@ -1,4 +1,5 @@
-"""Block-sparse and dense decode attention kernels (Pallas TPU, Pallas Triton, jax-triton) and their XLA references."""
+"""Block-sparse and dense decode attention kernels (Pallas TPU, Pallas Triton, jax-triton)
+and their XLA references. Entry points: ``block_sparse_decode`` and ``dense_decode``."""
 
 from pallas_kernels.dispatch import (BACKENDS, BackendUnavailableError, block_sparse_decode,
                                      dense_decode, resolve_backend)

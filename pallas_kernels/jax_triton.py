@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.reference import (NEG_INF, all_blocks_selection, check_decode_inputs,
                                       default_scale)
-from pallas_kernels.triton import _check_triton_shapes, _next_pow2, choose_splits, merge_partials
+from pallas_kernels.triton import (_check_triton_shapes, _next_pow2, choose_splits,
+                                   default_blocks_per_step, merge_partials)
 
 try:  # Optional dependency: present on GPU installs and in the CI compile environment.
     import triton
@@ -95,10 +96,12 @@ if triton is not None:
 
 
 def kernel_constexprs(b: int, hq: int, hkv: int, s: int, d: int, kk: int, dtype, *,
-                      block_size: int, scale: float, blocks_per_step: int,
+                      block_size: int, scale: float, blocks_per_step: int | None,
                       num_splits: int | None) -> dict:
     """The kernel's compile-time parameters (plus N_SPLIT, the split-K factor) for a problem of
     K selected entries; shared with the compile check, which builds the cubin directly."""
+    if blocks_per_step is None:
+        blocks_per_step = default_blocks_per_step(dtype, block_size)
     p_blocks = min(_next_pow2(blocks_per_step), _next_pow2(kk))
     steps = -(-kk // p_blocks)
     n_split = num_splits or choose_splits(b, hkv, steps)
@@ -119,8 +122,9 @@ def _require() -> None:
 def block_sparse_decode_jax_triton(
     q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
     num_blocks: jax.Array, lengths: jax.Array, *, block_size: int = 16,
-    scale: float | None = None, blocks_per_step: int = 8, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, compute_capability: int | None = None,
+    scale: float | None = None, blocks_per_step: int | None = None,
+    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    compute_capability: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Block-sparse decode via jax_triton. q [B, Hq, D], k/v [B, Hkv, S, D],
     block_indices [B, Hkv, K], num_blocks [B, Hkv], lengths [B] -> out [B, Hq, D], lse [B, Hq].
@@ -173,5 +177,6 @@ def dense_decode_jax_triton(
         raise ValueError(f"jax_triton dense decode needs S to be a multiple of 16, got S={s}")
     idx, nb = all_blocks_selection(b, hkv, s, lengths, tile)
     return block_sparse_decode_jax_triton(q, k, v, idx, nb, lengths, block_size=tile,
-                                          scale=scale, blocks_per_step=2,
+                                          scale=scale,
+                                          blocks_per_step=default_blocks_per_step(k.dtype, tile),
                                           compute_capability=compute_capability)

@@ -7,7 +7,8 @@ reject bad inputs with the same messages.
 Shapes (one decode step, one new query token per sequence):
   q             [B, Hq, D]
   k, v          [B, Hkv, S, D]            S a multiple of block_size
-  block_indices [B, Hkv, K] int32         valid entries first (ascending), padding repeats the last id
+  block_indices [B, Hkv, K] int32         valid entries first (ascending), padding repeats
+                                          the last valid id
   num_blocks    [B, Hkv]    int32         number of valid entries per row
   lengths       [B]         int32         tokens at index >= length are masked
   out           [B, Hq, D]  (q.dtype)     lse [B, Hq] float32 (natural log)

@@ -46,6 +46,13 @@ def choose_splits(b: int, hkv: int, steps: int, target: int = _TARGET_PROGRAMS) 
     return max(1, min(-(-target // (b * hkv)), steps // 2))
 
 
+def default_blocks_per_step(dtype, block_size: int) -> int:
+    """Blocks gathered per iteration: 128 tokens for 16-bit caches, 64 for f32, so that the
+    pipelined K and V tiles fit H100 shared memory (f32 at 128 tokens needs ~264 KiB)."""
+    tokens = 128 if jnp.dtype(dtype).itemsize <= 2 else 64
+    return max(1, tokens // block_size)
+
+
 def _kernel(nb_ref, len_ref, idx_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
             p_blocks: int, block_size: int, chunk: int, scale: float, precision):
     """nb_ref/len_ref [1]; idx_ref [K_pad]; q_ref [Gp, D]; k_ref/v_ref [NB, bs, D];
@@ -169,18 +176,22 @@ def _check_triton_shapes(d: int, block_size: int) -> None:
 def block_sparse_decode_triton(
     q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
     num_blocks: jax.Array, lengths: jax.Array, *, block_size: int = 16,
-    scale: float | None = None, blocks_per_step: int = 8, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+    scale: float | None = None, blocks_per_step: int | None = None,
+    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Block-sparse decode via Pallas->Triton. q [B, Hq, D], k/v [B, Hkv, S, D],
     block_indices [B, Hkv, K], num_blocks [B, Hkv], lengths [B] -> out [B, Hq, D], lse [B, Hq].
 
-    blocks_per_step: blocks gathered per loop iteration (power of two; 8 x 16 = 128 tokens).
+    blocks_per_step: blocks gathered per loop iteration (power of two; default 128 tokens' worth
+      for 16-bit caches, 64 for f32).
     num_splits: split-K factor (None = automatic from B*Hkv).
     """
     _, _, _, _, d, _ = check_decode_inputs(q, k, v, lengths, block_size=block_size,
                                            block_indices=block_indices, num_blocks=num_blocks)
     _check_triton_shapes(d, block_size)
+    if blocks_per_step is None:
+        blocks_per_step = default_blocks_per_step(k.dtype, block_size)
     return _triton_call(q, k, v, block_indices, num_blocks, lengths, block_size=block_size,
                         scale=default_scale(d, scale), blocks_per_step=blocks_per_step,
                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
@@ -200,5 +211,6 @@ def dense_decode_triton(
     _check_triton_shapes(d, tile)
     idx, nb = all_blocks_selection(b, hkv, s, lengths, tile)
     return _triton_call(q, k, v, idx, nb, lengths, block_size=tile,
-                        scale=default_scale(d, scale), blocks_per_step=2,
+                        scale=default_scale(d, scale),
+                        blocks_per_step=default_blocks_per_step(k.dtype, tile),
                         num_splits=num_splits, num_warps=4, num_stages=2, interpret=interpret)

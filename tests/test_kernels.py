@@ -51,7 +51,8 @@ def make_selection(seed: int, lengths: list[int], hkv: int, kk: int,
     for i, length in enumerate(lengths):
         total = -(-length // BS)
         for h in range(hkv):
-            n = 0 if (i, h) in empty_rows else int(rng.integers(1, min(kk, total) + 1)) if total else 0
+            n = int(rng.integers(1, min(kk, total) + 1)) if total else 0
+            n = 0 if (i, h) in empty_rows else n
             ids = np.sort(rng.choice(total, n, replace=False)) if n else np.zeros(0, np.int32)
             if n:
                 bi[i, h, :n] = ids

@@ -1,0 +1,245 @@
+"""Real ahead-of-time compiles of the decode kernels for TPU and H100, without the hardware.
+
+Run in the separate compile environment (see .ci/compile_env.sh), from a directory that has no
+``libtpu`` folder (it would shadow the package):
+
+    JAX_PLATFORMS=cpu PYTHONPATH=<repo>/.compile-env:<repo> <venv>/bin/python \
+        -m pallas_kernels.compile_check [--targets tpu,cuda,jax_triton]
+
+* TPU: libtpu + ``jax.experimental.topologies.get_topology_desc("v5e:2x2", platform="tpu")``
+  gives compile-only devices; ``jit(...).lower(...).compile()`` runs Mosaic and the TPU backend,
+  which reject bad tilings and VMEM overflows exactly as on a real chip.
+* H100: the jax CUDA plugin builds a compile-only GPU topology from a GpuTargetConfigProto
+  (text proto below), and XLA compiles the Pallas->Triton kernel to an sm_90 cubin.
+* jax_triton: lowered through the same H100 topology (triton_call emits PTX at lowering), plus a
+  direct ``triton.compile`` to an sm_90 cubin checking the shared-memory footprint.
+Each target also compiles a deliberately oversized kernel that must FAIL: proof that the check
+really compiles instead of silently accepting anything. Exit status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+# Realistic decode shapes: (name, batch, Hq, Hkv, D, context S, budget in tokens).
+SHAPES = [
+    ("qwen3-8b", 8, 32, 8, 128, 32768, 4096),
+    ("qwen3-1.7b", 4, 16, 8, 128, 131072, 4096),
+]
+TPU_TOPOLOGIES = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
+BLOCK = 16
+H100_SMEM_OPTIN = 232448     # bytes of shared memory a block may opt into on H100
+
+# Hardware description of an H100 SXM (80 GB HBM3) for compile-only GPU topologies; fields are
+# those of stream_executor.GpuTargetConfigProto (public H100 specifications).
+H100_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84942979072
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+_results: list[tuple[str, bool, str]] = []
+
+
+def _check(name: str, fn, *, expect_failure: bool = False) -> None:
+    """Runs one compile; records PASS/FAIL (a negative control passes when compiling fails)."""
+    t0 = time.time()
+    try:
+        info = fn() or ""
+        ok, msg = (not expect_failure), info
+        if expect_failure:
+            msg = "compiled, but this oversized kernel must be rejected"
+    except Exception as e:  # noqa: BLE001 - report every compiler error as a failed check
+        ok = expect_failure
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        msg = f"rejected as expected: {first}" if expect_failure else f"{type(e).__name__}: {e}"
+        if not expect_failure:
+            traceback.print_exc()
+    _results.append((name, ok, msg))
+    print(f"{'PASS' if ok else 'FAIL'} {name} ({time.time() - t0:.1f}s) {msg}", flush=True)
+
+
+def _args(sharding, b, hq, hkv, d, s, budget, dtype, sparse=True):
+    def sds(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    q, k = sds((b, hq, d), dtype), sds((b, hkv, s, d), dtype)
+    ln = sds((b,), jnp.int32)
+    if not sparse:
+        return q, k, k, ln
+    kk = budget // BLOCK
+    return q, k, k, sds((b, hkv, kk), jnp.int32), sds((b, hkv), jnp.int32), ln
+
+
+def _compile(fn, args, needle: str) -> str:
+    compiled = jax.jit(fn).lower(*args).compile()
+    text = compiled.as_text()
+    if needle not in text:
+        raise AssertionError(f"compiled module has no {needle!r} custom call: kernel missing")
+    return f"ok ({needle})"
+
+
+def check_tpu() -> None:
+    from jax.experimental import topologies
+    from pallas_kernels import tpu
+    for topo_name in TPU_TOPOLOGIES:
+        topo = topologies.get_topology_desc(topo_name, platform="tpu")
+        dev = topo.devices[0]
+        sh = SingleDeviceSharding(dev)
+        tag = f"tpu[{topo_name} {dev.device_kind}]"
+        for name, b, hq, hkv, d, s, budget in SHAPES:
+            for dtype in (jnp.bfloat16, jnp.float32):
+                dn = jnp.dtype(dtype).name
+                _check(f"{tag} pallas_tpu sparse {name} {dn}", lambda: _compile(
+                    tpu.block_sparse_decode_tpu, _args(sh, b, hq, hkv, d, s, budget, dtype),
+                    "tpu_custom_call"))
+            _check(f"{tag} pallas_tpu dense {name} bf16", lambda: _compile(
+                tpu.dense_decode_tpu, _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
+                "tpu_custom_call"))
+        # Negative control: one 32K-token tile per step needs > 32 MiB of VMEM buffers.
+        _, b, hq, hkv, d, s, _ = SHAPES[0]
+        _check(f"{tag} negative control (VMEM overflow)", lambda: _compile(
+            lambda q, k, v, bi, nb, ln: tpu._sparse_call(
+                q, k, v, bi, nb, ln, block_size=s, scale=0.1, blocks_per_step=1,
+                interpret=False),
+            _args(sh, 1, hq, hkv, d, s, s, jnp.bfloat16)[:3]
+            + (jax.ShapeDtypeStruct((1, hkv, 1), jnp.int32, sharding=sh),
+               jax.ShapeDtypeStruct((1, hkv), jnp.int32, sharding=sh),
+               jax.ShapeDtypeStruct((1,), jnp.int32, sharding=sh)),
+            "tpu_custom_call"), expect_failure=True)
+
+
+def _h100_sharding() -> SingleDeviceSharding:
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG,
+                                        topology="1x1x1")
+    return SingleDeviceSharding(topo.devices[0])
+
+
+def check_cuda() -> None:
+    from pallas_kernels import triton as ptriton
+    sh = _h100_sharding()
+    tag = "cuda[H100 sm_90]"
+    for name, b, hq, hkv, d, s, budget in SHAPES:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            dn = jnp.dtype(dtype).name
+            _check(f"{tag} pallas_triton sparse {name} {dn}", lambda: _compile(
+                ptriton.block_sparse_decode_triton, _args(sh, b, hq, hkv, d, s, budget, dtype),
+                "__gpu$xla.gpu.triton"))
+        _check(f"{tag} pallas_triton dense {name} bf16", lambda: _compile(
+            ptriton.dense_decode_triton, _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
+            "__gpu$xla.gpu.triton"))
+    _, b, hq, hkv, d, s, budget = SHAPES[0]
+    _check(f"{tag} negative control (shared memory overflow)", lambda: _compile(
+        lambda *a: ptriton.block_sparse_decode_triton(*a, blocks_per_step=256, num_stages=4),
+        _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16), "__gpu$xla.gpu.triton"),
+        expect_failure=True)
+
+
+def _triton_cubin(meta: dict, dtype, num_warps: int = 4, num_stages: int = 2) -> str:
+    """Compiles the jax_triton kernel straight to an sm_90 cubin with triton's own ptxas."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pallas_kernels import jax_triton as pjt
+    fn = pjt._sparse_decode_kernel
+    elt = {"bfloat16": "*bf16", "float32": "*fp32"}[jnp.dtype(dtype).name]
+    ptrs = dict(q_ptr=elt, k_ptr=elt, v_ptr=elt, idx_ptr="*i32", nb_ptr="*i32", len_ptr="*i32",
+                acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32")
+    sig = {n: ptrs.get(n, "constexpr") for n in fn.arg_names}
+    src = ASTSource(fn, signature=sig, constexprs=meta)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    if not c.asm.get("cubin"):
+        raise AssertionError("triton produced no cubin")
+    if c.metadata.shared > H100_SMEM_OPTIN:
+        raise AssertionError(f"shared memory {c.metadata.shared} B > H100 limit {H100_SMEM_OPTIN}")
+    return f"cubin {len(c.asm['cubin'])} B, shared memory {c.metadata.shared} B"
+
+
+def check_jax_triton() -> None:
+    from pallas_kernels import jax_triton as pjt
+    ok, why = pjt.available()
+    if not ok:
+        raise RuntimeError(f"jax_triton is not importable in the compile env: {why}")
+    # jax_triton sets TRITON_CACHE_DIR="" at import (no cache); triton.compile needs one.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparrow-triton-cache-")
+    sh = _h100_sharding()
+    tag = "cuda[H100 sm_90]"
+    for name, b, hq, hkv, d, s, budget in SHAPES:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            dn = jnp.dtype(dtype).name
+            _check(f"{tag} jax_triton lower+compile {name} {dn}", lambda: _compile(
+                lambda *a: pjt.block_sparse_decode_jax_triton(*a, compute_capability=90),
+                _args(sh, b, hq, hkv, d, s, budget, dtype), "triton_kernel_call"))
+            meta = pjt.kernel_constexprs(b, hq, hkv, s, d, budget // BLOCK, dtype,
+                                         block_size=BLOCK, scale=d ** -0.5, blocks_per_step=None,
+                                         num_splits=None)
+            meta.pop("N_SPLIT")
+            _check(f"{tag} jax_triton cubin {name} {dn}", lambda: _triton_cubin(meta, dtype))
+        _check(f"{tag} jax_triton dense lower+compile {name} bf16", lambda: _compile(
+            lambda *a: pjt.dense_decode_jax_triton(*a, compute_capability=90),
+            _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False), "triton_kernel_call"))
+    _, b, hq, hkv, d, s, budget = SHAPES[0]
+    big = pjt.kernel_constexprs(b, hq, hkv, s, d, budget // BLOCK, jnp.float32, block_size=BLOCK,
+                                scale=0.1, blocks_per_step=16, num_splits=1)
+    big.pop("N_SPLIT")
+    _check(f"{tag} jax_triton negative control (shared memory overflow)",
+           lambda: _triton_cubin(big, jnp.float32, num_stages=3), expect_failure=True)
+
+
+CHECKS = {"tpu": check_tpu, "cuda": check_cuda, "jax_triton": check_jax_triton}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", default="tpu,cuda,jax_triton",
+                    help="comma-separated subset of: " + ",".join(CHECKS))
+    args = ap.parse_args(argv)
+    targets = [t for t in args.targets.split(",") if t]
+    unknown = set(targets) - set(CHECKS)
+    if unknown:
+        ap.error(f"unknown targets {sorted(unknown)}")
+    print(f"jax {jax.__version__}; targets {targets}", flush=True)
+    for t in targets:
+        try:
+            CHECKS[t]()
+        except Exception as e:  # noqa: BLE001 - a target that cannot even start is a failure
+            traceback.print_exc()
+            _results.append((f"{t} setup", False, f"{type(e).__name__}: {e}"))
+            print(f"FAIL {t} setup: {type(e).__name__}: {e}", flush=True)
+    failed = [r for r in _results if not r[1]]
+    print(f"SUMMARY {len(_results) - len(failed)}/{len(_results)} passed", flush=True)
+    return 1 if failed or not _results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

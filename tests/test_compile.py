@@ -1,0 +1,56 @@
+"""Real TPU (v5e/v5p/v6e) and H100 compiles of the kernels, without the hardware.
+
+Runs ``pallas_kernels.compile_check`` in a subprocess with the separate compile environment
+(.compile-env/, installed by ``bash .ci/compile_env.sh``, which ``launch/local.sh test`` runs
+first) on PYTHONPATH. A compile failure fails the test. A missing compile environment also fails
+(CI must not silently skip these); set SPARROW_SKIP_COMPILE_CHECK=1 to skip deliberately.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMPILE_ENV = REPO / ".compile-env"
+
+pytestmark = pytest.mark.compile
+
+
+def _run_check(target: str) -> subprocess.CompletedProcess:
+    if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
+        pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
+    if not (COMPILE_ENV / ".sparrow-compile-env").exists():
+        pytest.fail(f"compile environment missing at {COMPILE_ENV}: run `bash .ci/compile_env.sh`"
+                    " (launch/local.sh test does this before pytest)")
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=f"{COMPILE_ENV}{os.pathsep}{REPO}",
+        # cpu as the default backend: the compile-only TPU/GPU topologies do not need one, and
+        # it keeps the CUDA plugin from probing for a driver.
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        TRITON_DEFAULT_FP_FUSION="1",
+    )
+    env.pop("XLA_FLAGS", None)
+    # cwd outside the repo: a folder named `libtpu` in the working directory shadows the package.
+    with tempfile.TemporaryDirectory(prefix="sparrow-compile-") as cwd:
+        return subprocess.run(
+            [sys.executable, "-m", "pallas_kernels.compile_check", "--targets", target],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("target", ["tpu", "cuda", "jax_triton"])
+def test_real_compile(target):
+    r = _run_check(target)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASS", "FAIL", "SUMMARY"))]
+    report = "\n".join(lines)
+    print(report)
+    assert r.returncode == 0, f"compile check for {target} failed:\n{report}\n{r.stderr[-4000:]}"
+    assert any(ln.startswith("PASS") for ln in lines), r.stdout[-4000:]
+    assert not any(ln.startswith("FAIL") for ln in lines), report
