@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # Finite "minus infinity" used inside kernels: exp(NEG_INF - x) underflows to exactly 0 in f32,
 # while NEG_INF - NEG_INF stays 0 (a true -inf would give NaN in the online-softmax rescale).
@@ -85,30 +86,56 @@ def default_scale(d: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
 
-def _masked_softmax_attend(
-    qg: jax.Array, keys: jax.Array, vals: jax.Array, mask: jax.Array, scale: float
-) -> tuple[jax.Array, jax.Array]:
-    """Exact masked attention for one query group per KV head.
+# XLA:CPU allocates all temporaries of an execution as one buffer; past glibc's mmap threshold
+# (32 MiB max) that buffer is mmap'ed fresh on every call and page-faulting it in costs more than
+# the attention itself (a 4K-token budget at batch 1 ran 5x slower than 2K). Working in chunks of
+# about this many gathered K+V bytes keeps temporaries small and the gathered data cache-hot.
+CHUNK_BYTES = 4 << 20
+
+Carry = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _init_carry(b: int, hkv: int, g: int, d: int) -> Carry:
+    """Online-softmax state: running max m, normaliser l [B, Hkv, G, 1], accumulator [.., D]."""
+    return (jnp.full((b, hkv, g, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hkv, g, 1), jnp.float32), jnp.zeros((b, hkv, g, d), jnp.float32))
+
+
+def _attend_chunk(carry: Carry, qg: jax.Array, keys: jax.Array, vals: jax.Array,
+                  mask: jax.Array, scale: float) -> Carry:
+    """Folds one chunk of tokens into the online-softmax state.
 
     qg [B, Hkv, G, D], keys/vals [B, Hkv, T, D], mask [B, Hkv, T] (True = attend).
-    Returns out [B, Hkv, G, D] f32 and lse [B, Hkv, G] f32; fully masked rows give 0 / -inf.
     """
+    m_prev, l_prev, acc = carry
     # f32 accumulation regardless of the cache dtype (bf16 logits lose ~3 digits).
     s = jnp.einsum("bhgd,bhtd->bhgt", qg, keys, preferred_element_type=jnp.float32) * scale
     m3 = mask[:, :, None, :]
-    s = jnp.where(m3, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    # A fully masked row has m = -inf; use 0 there so exp() never sees inf - inf.
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    m_new = jnp.maximum(m_prev, jnp.max(jnp.where(m3, s, -jnp.inf), axis=-1, keepdims=True))
+    # Nothing valid seen yet -> m_new = -inf; use 0 so exp() never sees inf - inf.
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.exp(m_prev - m_safe)                      # exp(-inf) = 0 on the first chunk
     p = jnp.where(m3, jnp.exp(s - m_safe), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgt,bhtd->bhgd", p.astype(vals.dtype), vals,
-                   preferred_element_type=jnp.float32)
     # p cast to the value dtype mirrors the kernels (bf16 MXU/tensor-core inputs).
-    safe_l = jnp.where(l > 0, l, 1.0)
-    out = jnp.where(l > 0, o / safe_l, 0.0)
-    lse = jnp.where(l > 0, m_safe + jnp.log(safe_l), -jnp.inf)[..., 0]
+    pv = jnp.einsum("bhgt,bhtd->bhgd", p.astype(vals.dtype), vals,
+                    preferred_element_type=jnp.float32)
+    return m_new, alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True), alpha * acc + pv
+
+
+def _finish(carry: Carry) -> tuple[jax.Array, jax.Array]:
+    """out [B, Hkv, G, D] f32 and lse [B, Hkv, G]; rows that saw no token give 0 / -inf."""
+    m, l, acc = carry
+    ok = l > 0
+    safe_l = jnp.where(ok, l, 1.0)
+    out = jnp.where(ok, acc / safe_l, 0.0)
+    lse = jnp.where(ok, m + jnp.log(safe_l), -jnp.inf)[..., 0]
     return out, lse
+
+
+def _chunk_count(total: int, bytes_per_unit: int) -> tuple[int, int]:
+    """(units per chunk, number of chunks) so a chunk holds about CHUNK_BYTES."""
+    per = max(1, min(total, CHUNK_BYTES // max(1, bytes_per_unit)))
+    return per, -(-total // per)
 
 
 def block_sparse_decode_xla(
@@ -126,7 +153,8 @@ def block_sparse_decode_xla(
 
     One gather per KV head (shared by its G query heads): k is viewed as flat rows of blocks
     [B*Hkv*NB, bs, D] and indexed with flat block ids, which XLA:CPU turns into a tight memcpy
-    loop (per-query-head or multi-dim gathers are pathologically slow there).
+    loop (per-query-head or multi-dim gathers are pathologically slow there). Large selections
+    are processed in chunks of entries (a scan with online softmax), see CHUNK_BYTES.
     """
     b, hq, hkv, s, d, g = check_decode_inputs(
         q, k, v, lengths, block_size=block_size, block_indices=block_indices,
@@ -134,25 +162,36 @@ def block_sparse_decode_xla(
     scale = default_scale(d, scale)
     nb = s // block_size
     kk = block_indices.shape[-1]
+    per, n_chunks = _chunk_count(kk, 2 * b * hkv * block_size * d * k.dtype.itemsize)
     bi = jnp.clip(block_indices.astype(jnp.int32), 0, nb - 1)
+    if per * n_chunks != kk:     # pad with the last entry; padding is >= num_blocks, so masked
+        bi = jnp.concatenate([bi, jnp.repeat(bi[..., -1:], per * n_chunks - kk, axis=-1)], -1)
     row = (jnp.arange(b, dtype=jnp.int32)[:, None] * hkv
            + jnp.arange(hkv, dtype=jnp.int32)[None, :])               # [B, Hkv]
-    flat_ids = (row[:, :, None] * nb + bi).reshape(-1)                # [B*Hkv*K]
     k_rows = k.reshape(b * hkv * nb, block_size, d)
     v_rows = v.reshape(b * hkv * nb, block_size, d)
-    kg = k_rows.at[flat_ids].get(mode="promise_in_bounds")
-    vg = v_rows.at[flat_ids].get(mode="promise_in_bounds")
-    kg = kg.reshape(b, hkv, kk * block_size, d)
-    vg = vg.reshape(b, hkv, kk * block_size, d)
-    # Token position of every gathered slot; entries >= num_blocks (padding) are masked, as are
-    # tokens at or beyond the sequence length (the partially filled last block).
-    pos = (bi[..., None] * block_size
-           + jnp.arange(block_size, dtype=jnp.int32)).reshape(b, hkv, kk * block_size)
-    entry = jnp.arange(kk, dtype=jnp.int32)[None, None, :] < num_blocks[..., None]
-    entry = jnp.repeat(entry, block_size, axis=-1)
-    mask = entry & (pos < lengths.astype(jnp.int32)[:, None, None])
     qg = q.reshape(b, hkv, g, d)
-    out, lse = _masked_softmax_attend(qg, kg, vg, mask, scale)
+    lens = lengths.astype(jnp.int32)[:, None, None]
+    offs = jnp.arange(block_size, dtype=jnp.int32)
+
+    def chunk(carry: Carry, c: jax.Array) -> tuple[Carry, None]:
+        ids = lax.dynamic_slice_in_dim(bi, c * per, per, axis=2)         # [B, Hkv, per]
+        flat = (row[:, :, None] * nb + ids).reshape(-1)
+        kg = k_rows.at[flat].get(mode="promise_in_bounds").reshape(b, hkv, per * block_size, d)
+        vg = v_rows.at[flat].get(mode="promise_in_bounds").reshape(b, hkv, per * block_size, d)
+        # Entries >= num_blocks (padding) are masked, as are tokens at or beyond the length
+        # (the partially filled last block).
+        entry = (c * per + jnp.arange(per, dtype=jnp.int32)) < num_blocks[..., None]
+        pos = ids[..., None] * block_size + offs
+        mask = (entry[..., None] & (pos < lens[..., None])).reshape(b, hkv, per * block_size)
+        return _attend_chunk(carry, qg, kg, vg, mask, scale), None
+
+    carry = _init_carry(b, hkv, g, d)
+    if n_chunks == 1:
+        carry, _ = chunk(carry, jnp.int32(0))
+    else:
+        carry, _ = lax.scan(chunk, carry, jnp.arange(n_chunks, dtype=jnp.int32))
+    out, lse = _finish(carry)
     return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
 
 
@@ -164,12 +203,34 @@ def dense_decode_xla(
     *,
     scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Dense decode over all tokens < length (the baseline). Shapes as in the module docstring."""
+    """Dense decode over all tokens < length (the baseline). Shapes as in the module docstring.
+
+    Long caches are processed in chunks along S (online softmax) so the f32 score temporaries
+    stay small, exactly as the sparse path does; the chunk size divides S.
+    """
     b, hq, hkv, s, d, g = check_decode_inputs(q, k, v, lengths, block_size=1)
     scale = default_scale(d, scale)
-    mask = jnp.arange(s, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
-    mask = jnp.broadcast_to(mask[:, None, :], (b, hkv, s))
-    out, lse = _masked_softmax_attend(q.reshape(b, hkv, g, d), k, v, mask, scale)
+    # Temporaries per token: the K/V chunk slices (if XLA materialises them) and f32 logits and
+    # probabilities for the G query heads.
+    want, _ = _chunk_count(s, b * hkv * (2 * d * k.dtype.itemsize + 8 * g))
+    per = s if want >= s else max(t for t in range(1, want + 1) if s % t == 0)
+    n_chunks = s // per
+    qg = q.reshape(b, hkv, g, d)
+    lens = lengths.astype(jnp.int32)[:, None, None]
+
+    def chunk(carry: Carry, c: jax.Array) -> tuple[Carry, None]:
+        kc = lax.dynamic_slice_in_dim(k, c * per, per, axis=2)
+        vc = lax.dynamic_slice_in_dim(v, c * per, per, axis=2)
+        pos = c * per + jnp.arange(per, dtype=jnp.int32)
+        mask = jnp.broadcast_to(pos[None, None, :] < lens, (b, hkv, per))
+        return _attend_chunk(carry, qg, kc, vc, mask, scale), None
+
+    carry = _init_carry(b, hkv, g, d)
+    if n_chunks == 1:
+        carry, _ = chunk(carry, jnp.int32(0))
+    else:
+        carry, _ = lax.scan(chunk, carry, jnp.arange(n_chunks, dtype=jnp.int32))
+    out, lse = _finish(carry)
     return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
 
 

@@ -22,7 +22,7 @@ COMPILE_ENV = REPO / ".compile-env"
 pytestmark = pytest.mark.compile
 
 
-def _run_check(target: str) -> subprocess.CompletedProcess:
+def _run_check(target: str, **extra_env: str) -> subprocess.CompletedProcess:
     if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
         pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
     if not (COMPILE_ENV / ".sparrow-compile-env").exists():
@@ -37,6 +37,7 @@ def _run_check(target: str) -> subprocess.CompletedProcess:
         PYTHONUNBUFFERED="1",
         TRITON_DEFAULT_FP_FUSION="1",
     )
+    env.update(extra_env)
     env.pop("XLA_FLAGS", None)
     # cwd outside the repo: a folder named `libtpu` in the working directory shadows the package.
     with tempfile.TemporaryDirectory(prefix="sparrow-compile-") as cwd:
@@ -45,9 +46,11 @@ def _run_check(target: str) -> subprocess.CompletedProcess:
             cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("target", ["tpu", "cuda", "jax_triton"])
+@pytest.mark.parametrize("target", ["tpu", "cuda", "jax_triton", "triton_interpret"])
 def test_real_compile(target):
-    r = _run_check(target)
+    # triton_interpret: the raw Triton kernel run numerically in Triton's CPU interpreter (the
+    # flag must be set before triton is imported, hence per-subprocess).
+    r = _run_check(target, **({"TRITON_INTERPRET": "1"} if target == "triton_interpret" else {}))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASS", "FAIL", "SUMMARY"))]
     report = "\n".join(lines)
     print(report)

@@ -1,0 +1,160 @@
+"""Dense vs block-sparse decode attention timings.
+
+    python -m pallas_kernels.bench [--json] [--backend auto|xla|pallas_tpu|pallas_triton|jax_triton]
+        [--contexts 8192,32768,131072] [--budgets 1024,2048,4096] [--models 1.7b,8b]
+        [--batch N] [--dtype bfloat16|float32] [--iters N]
+
+For each model head shape (Qwen3-1.7B: 8 KV / 16 query heads, D=128; Qwen3-8B: 8 KV / 32 query
+heads, D=128), context length and token budget it reports the median time of one decode step of
+attention (one layer), dense and block-sparse, the speedup, and the achieved bandwidth: bytes the
+step must read (K and V of the attended tokens) / time, as a fraction of this device's measured
+copy bandwidth. "select" is the centroid scoring + top-k that sparse decode adds per step.
+On CPU the defaults are smaller (batch 1, f32) so the run takes well under two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from sparrow_jax import selection
+
+MODELS = {"1.7b": ("qwen3-1.7b", 16, 8, 128), "8b": ("qwen3-8b", 32, 8, 128)}
+BLOCK = 16
+
+
+def _time(fn, *args, iters: int) -> float:
+    """Median wall time (s) of fn(*args) after a warmup call (which also compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """Bytes/s of a large in-place elementwise copy (read + write): the practical bandwidth
+    ceiling. The buffer is donated so every call reuses it: a fresh output allocation would
+    measure page-fault (first-touch) cost on CPU instead of memory bandwidth."""
+    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    x = f(jnp.ones((nbytes // 4,), jnp.float32))
+    jax.block_until_ready(x)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        x = f(x)
+        jax.block_until_ready(x)
+        times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(times)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    cpu = jax.default_backend() == "cpu"
+    ap = argparse.ArgumentParser(description="Dense vs block-sparse decode attention benchmark")
+    ap.add_argument("--json", action="store_true", help="also print one JSON line per row")
+    ap.add_argument("--backend", default="auto", choices=pk.BACKENDS)
+    ap.add_argument("--contexts", type=_ints, default=[8192, 32768, 131072])
+    ap.add_argument("--budgets", type=_ints, default=[1024, 2048, 4096])
+    ap.add_argument("--models", default="1.7b,8b", help="comma-separated: " + ",".join(MODELS))
+    ap.add_argument("--batch", type=int, default=1 if cpu else 8)
+    ap.add_argument("--dtype", default="float32" if cpu else "bfloat16",
+                    choices=["float32", "bfloat16"])
+    ap.add_argument("--iters", type=int, default=10 if cpu else 20)
+    return ap.parse_args(argv)
+
+
+def bench_shape(model: str, hq: int, hkv: int, d: int, ctx: int, args, copy_bw: float,
+                backend: str) -> list[dict]:
+    dtype = jnp.dtype(args.dtype)
+    b = args.batch
+    key = jax.random.PRNGKey(ctx + hq)
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, hq, d), dtype)
+    k = jax.random.normal(kk, (b, hkv, ctx, d), dtype)
+    v = jax.random.normal(kv, (b, hkv, ctx, d), dtype)
+    lengths = jnp.full((b,), ctx, jnp.int32)
+    interpret = False
+    dense = jax.jit(lambda q, k, v, ln: pk.dense_decode(q, k, v, ln, backend=backend,
+                                                        interpret=interpret))
+    t_dense = _time(dense, q, k, v, lengths, iters=args.iters)
+    kv_token_bytes = 2 * hkv * d * dtype.itemsize          # K and V of one token, all KV heads
+    dense_bytes = b * ctx * kv_token_bytes
+    cents = selection.block_centroids(k, BLOCK)
+    rows = []
+    for budget in args.budgets:
+        nsel = budget // BLOCK
+        bud = jnp.full((b,), nsel, jnp.int32)
+        select = jax.jit(lambda q, c, ln, bb, nsel=nsel: selection.select_blocks(
+            q, c, ln, bb, max_selected=nsel, block_size=BLOCK))
+        t_select = _time(select, q, cents, lengths, bud, iters=args.iters)
+        bi, nb = select(q, cents, lengths, bud)
+        sparse = jax.jit(lambda *a: pk.block_sparse_decode(*a, block_size=BLOCK, backend=backend,
+                                                           interpret=interpret))
+        t_sparse = _time(sparse, q, k, v, bi, nb, lengths, iters=args.iters)
+        sparse_bytes = b * min(budget, ctx) * kv_token_bytes
+        rows.append(dict(
+            backend=backend, device=jax.devices()[0].device_kind, model=model, batch=b, hq=hq,
+            hkv=hkv, head_dim=d, dtype=dtype.name, context=ctx, budget=budget,
+            dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3, select_ms=t_select * 1e3,
+            speedup=t_dense / t_sparse, speedup_with_select=t_dense / (t_sparse + t_select),
+            dense_bw_frac=dense_bytes / t_dense / copy_bw,
+            sparse_bw_frac=sparse_bytes / t_sparse / copy_bw,
+            copy_bw_gbs=copy_bw / 1e9))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'model':<11} {'ctx':>7} {'budget':>6} {'dense ms':>9} {'sparse ms':>9} "
+            f"{'select ms':>9} {'speedup':>7} {'w/ sel':>6} {'dense BW':>8} {'sparse BW':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['model']:<11} {r['context']:>7} {r['budget']:>6} {r['dense_ms']:>9.3f} "
+            f"{r['sparse_ms']:>9.3f} {r['select_ms']:>9.3f} {r['speedup']:>6.1f}x "
+            f"{r['speedup_with_select']:>5.1f}x {r['dense_bw_frac']:>8.0%} "
+            f"{r['sparse_bw_frac']:>9.0%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backend = pk.resolve_backend(args.backend)
+    models = [m for m in args.models.split(",") if m]
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    cpu = jax.default_backend() == "cpu"
+    copy_bw = copy_bandwidth((256 if cpu else 2048) << 20, iters=args.iters)
+    print(f"# device: {jax.devices()[0].device_kind} ({jax.default_backend()}), backend: "
+          f"{backend}, batch {args.batch}, {args.dtype}, copy bandwidth {copy_bw / 1e9:.1f} GB/s",
+          flush=True)
+    rows = []
+    for m in models:
+        name, hq, hkv, d = MODELS[m]
+        for ctx in args.contexts:
+            new = bench_shape(name, hq, hkv, d, ctx, args, copy_bw, backend)
+            rows += new
+            if args.json:
+                for r in new:
+                    print(json.dumps(r), flush=True)
+    print(format_table(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    sys.exit(main())
