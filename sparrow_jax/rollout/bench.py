@@ -1,0 +1,312 @@
+"""`sparrow bench rollout`: dense vs block-sparse rollout decode throughput on a random model.
+
+    sparrow bench rollout [gin files] [--gin_param ...] [--json] [--preset qwen3-1.7b]
+        [--layers 4 --hidden 512 --heads 8 --kv_heads 2 --head_dim 64 --vocab 4096]
+        [--context 8192 16384] [--budget 1024] [--schedule NAME] [--batch 4] [--new_tokens 64]
+
+For each context length, one random prompt of (context - new_tokens) tokens is prefilled once and
+sampled `batch` times (group sampling, as in GRPO), in dense and in sparse mode, through the real
+engine (`sparrow_jax.rollout.generate`).
+
+Timing method. The engine is one jitted program (prefill + decode loop), so decode time is
+isolated by subtraction: t_decode = median t(new_tokens) - median t(1), where t(1) runs the
+program with max_new_tokens=1 (prefill and the first sample; the decode loop runs zero steps;
+shared by both modes). Decode tokens/s = batch x (new_tokens - 1) / t_decode. Programs are
+compiled ahead of time (not timed), then each runs `--repeats` times, dense and sparse
+interleaved so load from other processes hits both alike. Stop tokens are disabled: every row
+decodes exactly new_tokens tokens. `ratio(cpu)` is the same ratio from process CPU time, which
+other processes' load disturbs much less than wall time.
+
+The engine's per-step cost depends only on the cache capacity (static shapes: dense decode reads
+the whole buffer, sparse decode gathers max_budget tokens), not on the live length, so a long
+--new_tokens at a fixed --context measures the same per-step cost as a short one. On CPU,
+prefill of an 8K-16K prompt takes tens of seconds: use --new_tokens of 1024+ there so decode
+dominates each run and the subtraction is stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PRESETS: dict[str, dict[str, int]] = {
+    "qwen3-1.7b": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144,
+                       vocab_size=151936),
+}
+_DTYPES = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparrow bench rollout", description=__doc__.split("\n")[0])
+    p.add_argument("gin_files", nargs="*", help="gin config files (e.g. RolloutConfig settings)")
+    p.add_argument("--gin_param", action="append", default=[], help="gin binding override")
+    p.add_argument("--json", action="store_true", help="also print one JSON line per run")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model shape preset (overrides the size flags; too big for CPU)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv_heads", type=int, default=2)
+    p.add_argument("--head_dim", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 3 x hidden)")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--context", type=int, nargs="+", default=[8192, 16384],
+                   help="total tokens per row at the end of generation (prompt + new tokens)")
+    p.add_argument("--budget", type=int, nargs="*", default=None,
+                   help="fixed KV budgets in tokens (default 1024 when no --schedule)")
+    p.add_argument("--schedule", default=None, help="also run a per-bin schedule (name or JSON)")
+    p.add_argument("--batch", type=int, default=4, help="decode rows (samples of the prompt)")
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per program (median)")
+    p.add_argument("--backend", default=None, help="kernel backend (default RolloutConfig.backend)")
+    p.add_argument("--dense_layers", nargs="+", default=None,
+                   help="sparse-mode dense layers: comma-separated ids or 'none'; several sets "
+                        "run side by side, e.g. --dense_layers 0,1 none (default: "
+                        "RolloutConfig.dense_layers)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def model_config(args: argparse.Namespace):
+    from sparrow_jax.model import Qwen3Config
+    shape = PRESETS[args.preset] if args.preset else dict(
+        num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        intermediate_size=args.intermediate or 3 * args.hidden, vocab_size=args.vocab)
+    # Long contexts need positions beyond the HF default; RoPE itself has no limit.
+    return Qwen3Config(**shape, max_position_embeddings=max(args.context) + 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseRun:
+    """One sparse configuration compared against the dense run of the same context."""
+    label: str                      # budget in tokens, or the schedule's name
+    budgets: np.ndarray             # [num_bins] tokens
+    bin_size: int
+    dense_layers: tuple[int, ...]
+    fixed: bool                     # one budget for every bin
+
+    @property
+    def key(self) -> str:
+        return f"sparse:{self.label}:{','.join(map(str, self.dense_layers)) or 'none'}"
+
+
+def _dense_layer_sets(specs: Sequence[str] | None, default: tuple[int, ...]
+                      ) -> list[tuple[int, ...]]:
+    if specs is None:
+        return [tuple(default)]
+    return [() if s.strip().lower() in ("", "none") else tuple(int(x) for x in s.split(","))
+            for s in specs]
+
+
+def sparse_runs(args: argparse.Namespace, default_dense_layers: tuple[int, ...]
+                ) -> list[SparseRun]:
+    """Every (budget or schedule) x (dense layer set) to compare with dense."""
+    from sparrow_jax.schedule import Schedule, load_schedule
+    budgets = args.budget if args.budget is not None else ([] if args.schedule else [1024])
+    tables = [(str(b), np.full(20, b, np.int32), 2000, True) for b in budgets]
+    if args.schedule:
+        s = (Schedule.from_json(args.schedule) if args.schedule.lstrip().startswith(("[", "{"))
+             else load_schedule(args.schedule))
+        tables.append((s.name or "schedule", np.asarray(s.budgets, np.int32), s.bin_size, False))
+    return [SparseRun(label, b, bin_size, layers, fixed)
+            for layers in _dense_layer_sets(args.dense_layers, default_dense_layers)
+            for label, b, bin_size, fixed in tables]
+
+
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call. CPU time is reported beside wall time
+    because on a shared machine other processes' load moves wall time far more than CPU time."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def _precompile(model, prompt, lengths, cfg, budgets, bin_size: int, group_size: int,
+                rng) -> float:
+    """Compiles the engine's program without running it (a warm-up run would cost a whole
+    prefill + decode); returns seconds. The arguments mirror what `generate` passes (prompt
+    already a block multiple, int32 budgets), so the later `generate` calls hit this cache."""
+    from flax import nnx
+    from sparrow_jax.rollout import engine
+    graphdef, state = nnx.split(model)
+    t0 = time.perf_counter()
+    engine._generate.lower(graphdef, state, jnp.asarray(prompt), jnp.asarray(lengths),
+                           jnp.asarray(budgets, jnp.int32), rng, cfg=cfg, group_size=group_size,
+                           bin_size=bin_size, spec=None).compile()
+    return time.perf_counter() - t0
+
+
+def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
+                  variants: Sequence[SparseRun]) -> list[dict[str, Any]]:
+    """Dense + every sparse variant at one context length; one result dict per variant."""
+    from sparrow_jax.rollout import generate
+    from sparrow_jax.rollout.engine import padded_length
+    if context <= args.new_tokens + 1:
+        raise SystemExit(f"sparrow bench rollout: --context {context} must exceed --new_tokens "
+                         f"{args.new_tokens} + 1")
+    rng = np.random.default_rng(args.seed)
+    plen = context - args.new_tokens
+    prompt = np.zeros((1, padded_length(plen, base_cfg.block_size)), np.int32)
+    prompt[0, :plen] = rng.integers(1, model.config.vocab_size, plen)
+    lengths = np.asarray([plen], np.int32)
+    key = jax.random.key(args.seed)
+
+    # name -> (cfg, budgets, bin_size). "prefill" runs max_new_tokens=1: shared by both modes
+    # (sparse mode adds only the prompt's block centroids, ~1 ms).
+    progs: dict[str, tuple[Any, np.ndarray, int]] = {}
+    dense_budgets = np.full(20, 1 << 20, np.int32)  # ignored in dense mode
+    progs["prefill"] = (dataclasses.replace(base_cfg, mode="dense", max_new_tokens=1),
+                        dense_budgets, 2000)
+    progs["dense"] = (dataclasses.replace(base_cfg, mode="dense", max_new_tokens=args.new_tokens),
+                      dense_budgets, 2000)
+    for v in variants:
+        # Static selection width = the largest budget this context reaches: a wider width would
+        # gather (and attend over) padding blocks every step.
+        reach = int(v.budgets[: min(context // v.bin_size, len(v.budgets) - 1) + 1].max())
+        cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=reach,
+                                  max_new_tokens=args.new_tokens, dense_layers=v.dense_layers)
+        progs[v.key] = (cfg, np.minimum(v.budgets, reach), v.bin_size)
+
+    def run(name: str):
+        cfg, budgets, bin_size = progs[name]
+        return lambda: generate(model, prompt, lengths, cfg=cfg, budgets=budgets,
+                                bin_size=bin_size, group_size=args.batch, rng=key)
+
+    compile_s = {}
+    for name, (cfg, budgets, bin_size) in progs.items():
+        try:
+            compile_s[name] = _precompile(model, prompt, lengths, cfg, budgets, bin_size,
+                                          args.batch, key)
+        except Exception as e:  # engine internals moved: fall back to an untimed warm-up run
+            print(f"# ahead-of-time compile failed ({type(e).__name__}: {e}); warm-up run "
+                  "instead", file=sys.stderr)
+            compile_s[name] = _timed(run(name))[0]
+    wall: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name in progs:  # interleaved: background load affects dense and sparse alike
+            w, c = _timed(run(name))
+            wall.setdefault(name, []).append(w)
+            cpu.setdefault(name, []).append(c)
+
+    steps = args.batch * (args.new_tokens - 1)
+    pre_w, pre_c = statistics.median(wall["prefill"]), statistics.median(cpu["prefill"])
+
+    def decode(name: str) -> dict[str, float | None]:
+        full_w, full_c = statistics.median(wall[name]), statistics.median(cpu[name])
+        dt, dc = full_w - pre_w, full_c - pre_c
+        # dt <= 0: prefill noise exceeded the whole decode; no number beats a made-up one.
+        return {"tok_s": steps / dt if dt > 0 else None,
+                "cpu_tok_s": steps / dc if dc > 0 else None,
+                "ms_per_step": 1e3 * dt / (args.new_tokens - 1) if dt > 0 else None,
+                "e2e_tok_s": args.batch * args.new_tokens / full_w,
+                "decode_share": max(dt, 0.0) / full_w}
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b is not None else None
+
+    dense = decode("dense")
+    results = []
+    for v in variants:
+        sparse = decode(v.key)
+        results.append({
+            "context": context, "prompt_tokens": plen,
+            "budget": int(v.budgets[0]) if v.fixed else None,
+            "schedule": None if v.fixed else v.label, "bin_size": v.bin_size,
+            "dense_layers": list(v.dense_layers), "dense_tok_s": dense["tok_s"], "sparse_tok_s": sparse["tok_s"],
+            "ratio": ratio(sparse["tok_s"], dense["tok_s"]),
+            "ratio_cpu_time": ratio(sparse["cpu_tok_s"], dense["cpu_tok_s"]),
+            "dense_ms_per_step": dense["ms_per_step"], "sparse_ms_per_step": sparse["ms_per_step"],
+            "prefill_s": pre_w, "decode_share": min(dense["decode_share"], sparse["decode_share"]),
+            "dense_e2e_tok_s": dense["e2e_tok_s"], "sparse_e2e_tok_s": sparse["e2e_tok_s"],
+            "compile_s": {name: round(t, 2) for name, t in compile_s.items()
+                          if name in ("prefill", "dense", v.key)},
+        })
+    return results
+
+
+def _fmt(x: float | None, width: int, spec: str) -> str:
+    return f"{'n/a':>{width}}" if x is None else f"{x:>{width}{spec}}"
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    # `sparrow bench rollout -- --json ...`: argparse's REMAINDER in the dispatcher only takes
+    # option-first arguments after a `--`, which reaches us verbatim; drop it.
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    from sparrow_jax.cli import parse_gin
+    parse_gin(args.gin_files, args.gin_param)
+
+    import pallas_kernels
+    from flax import nnx
+    from sparrow_jax.model import Qwen3ForCausalLM, default_dtype
+    from sparrow_jax.rollout import RolloutConfig
+
+    if args.batch < 1 or args.new_tokens < 2 or args.repeats < 1:
+        raise SystemExit("sparrow bench rollout: need --batch >= 1, --new_tokens >= 2, "
+                         "--repeats >= 1")
+    overrides: dict[str, Any] = {"stop_token_ids": ()}
+    if args.backend is not None:
+        overrides["backend"] = args.backend
+    try:
+        base_cfg = dataclasses.replace(RolloutConfig(), **overrides)
+        backend = pallas_kernels.resolve_backend(base_cfg.backend)
+        variants = sparse_runs(args, base_cfg.dense_layers)
+        mcfg = model_config(args)
+    except (ValueError, OSError, pallas_kernels.BackendUnavailableError) as e:
+        raise SystemExit(f"sparrow bench rollout: {e}") from None
+    dtype = jnp.dtype(_DTYPES[args.dtype] or default_dtype())
+    model = Qwen3ForCausalLM(mcfg, dtype=dtype, rngs=nnx.Rngs(args.seed))
+    dev = jax.devices()[0]
+    device = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
+    shape = {k: getattr(mcfg, k) for k in ("num_hidden_layers", "hidden_size",
+                                             "num_attention_heads", "num_key_value_heads",
+                                             "head_dim", "intermediate_size", "vocab_size")}
+    print(f"# model {args.preset or 'custom'} {shape} {dtype.name}, batch {args.batch}, "
+          f"new_tokens {args.new_tokens}, backend {backend}, device {device}, repeats {args.repeats}", flush=True)
+    header = (f"{'context':>8} {'budget/schedule':>16} {'dense layers':>12} {'dense tok/s':>12} {'sparse tok/s':>13} "
+              f"{'ratio':>6} {'ratio(cpu)':>10} {'dense ms/step':>14} {'sparse ms/step':>15} "
+              f"{'prefill s':>10}")
+    print(header, flush=True)
+    for context in args.context:
+        for r in bench_context(model, context, args, base_cfg, variants):
+            label = str(r["budget"]) if r["budget"] is not None else r["schedule"]
+            layers = ",".join(map(str, r["dense_layers"])) or "none"
+            cells = [_fmt(r[k], w, f) for k, w, f in (
+                ("dense_tok_s", 12, ".1f"), ("sparse_tok_s", 13, ".1f"), ("ratio", 5, ".2f"),
+                ("ratio_cpu_time", 9, ".2f"), ("dense_ms_per_step", 14, ".2f"),
+                ("sparse_ms_per_step", 15, ".2f"), ("prefill_s", 10, ".2f"))]
+            cells[2] += "x"
+            cells[3] += "x"
+            print(f"{context:>8} {label:>16} {layers:>12} " + " ".join(cells), flush=True)
+            if r["decode_share"] < 0.5:
+                # Decode time is a difference of two runs; when prefill dominates both, load
+                # noise in prefill swamps it.
+                print(f"# warning: decode is only {100 * r['decode_share']:.0f}% of a run at "
+                      f"context {context}; raise --new_tokens for a stable difference",
+                      file=sys.stderr, flush=True)
+            if args.json:
+                record = {"bench": "rollout", "model": args.preset or "custom", "config": shape,
+                          "dtype": dtype.name, "batch": args.batch,
+                          "new_tokens": args.new_tokens, "repeats": args.repeats, "device": device, "backend": backend,
+                          "method": "decode time = median t(new_tokens) - median t(1)", **r}
+                print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

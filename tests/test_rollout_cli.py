@@ -1,0 +1,159 @@
+"""`sparrow rollout` and `sparrow bench rollout` end to end through sparrow_jax.cli.main."""
+
+import json
+
+import gin
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from sparrow_jax import cli
+from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
+from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
+
+EOS = 2
+PROMPTS = [
+    {"id": "p0", "prompt": "a 1 b 2 c 3 |", "answer": "6"},
+    {"id": "p1", "messages": [{"role": "user", "content": "d 4 e 5"}], "answer": 9},
+    {"id": "p2", "prompt": "f 6 >", "answer": "6"},
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gin():
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_rollout_model")
+    tok = build_synthetic_tokenizer()
+    # A minimal template so chat ('messages') rows are exercised too.
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}="
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, rope_theta=10000.0, bos_token_id=1, eos_token_id=EOS,
+                      pad_token_id=0, max_position_embeddings=512)
+    save_hf(Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), path, tokenizer=tok)
+    return path
+
+
+def _prompt_file(path, rows, extra_lines=()):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+def _rollout(model_dir, prompts, out, *extra):
+    gin.clear_config()  # parsing locks the gin config; every CLI call starts from a clean one
+    return cli.main(["rollout", "--model", str(model_dir), "--prompts", str(prompts),
+                     "--out", str(out), *extra])
+
+
+def _read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sparse_rollout_writes_one_row_per_sample(model_dir, tmp_path, capsys):
+    prompts = _prompt_file(tmp_path / "p.jsonl", PROMPTS)
+    out = tmp_path / "out" / "samples.jsonl"
+    # 3 blocks of budget against contexts up to ~70 tokens (5 blocks): really sparse.
+    args = ["--group_size", "2", "--batch_size", "2", "--seed", "3", "--mode", "sparse",
+            "--schedule", '{"budgets": [48], "bin_size": 2000}',
+            "--gin_param", "RolloutConfig.max_new_tokens = 64"]
+    assert _rollout(model_dir, prompts, out, *args) == 0
+    captured = capsys.readouterr()
+    printed = captured.err + captured.out
+    rows = _read(out)
+    assert not (tmp_path / "out" / "samples.jsonl.partial").exists()
+    # 3 prompts x 2 samples in prompt order (the padded 2nd batch's filler row is dropped).
+    assert [(r["prompt_id"], r["sample_index"]) for r in rows] == [
+        (p, j) for p in ("p0", "p1", "p2") for j in (0, 1)]
+    tok = build_synthetic_tokenizer()
+    assert rows[2]["prompt"] == "d 4 e 5 =" and rows[2]["answer"] == "9"  # chat template row
+    for r in rows:
+        n = r["response_length"]
+        assert 1 <= n <= 64 and len(r["token_ids"]) == n == len(r["logprobs"])
+        assert all(lp <= 0 for lp in r["logprobs"])
+        assert r["finish_reason"] == ("stop" if r["token_ids"][-1] == EOS else "length")
+        assert EOS not in r["token_ids"][:-1]  # generation stops at the first eos
+        assert r["completion"] == tok.decode(r["token_ids"], skip_special_tokens=True)
+        b = r["budgets"]
+        assert b["mode"] == "sparse" and b["min"] == b["max"] == 48
+        assert b["sparse_tokens"] + b["dense_tokens"] == n
+    assert any(r["budgets"]["sparse_tokens"] > 0 for r in rows)
+    assert "tokens/s" in printed and "backend=xla" in printed
+
+    # Same seed -> the same samples (compiled program reused); another seed -> different ones.
+    again = tmp_path / "again.jsonl"
+    assert _rollout(model_dir, prompts, again, *args) == 0
+    assert [r["token_ids"] for r in _read(again)] == [r["token_ids"] for r in rows]
+    other = tmp_path / "other.jsonl"
+    assert _rollout(model_dir, prompts, other, *args[:-2], "--seed", "4",
+                    "--max_new_tokens", "64") == 0
+    assert [r["token_ids"] for r in _read(other)] != [r["token_ids"] for r in rows]
+
+
+def test_dense_rollout_by_default_without_schedule(model_dir, tmp_path):
+    prompts = _prompt_file(tmp_path / "p.jsonl", PROMPTS[:1])
+    out = tmp_path / "dense.jsonl"
+    assert _rollout(model_dir, prompts, out, "--max_new_tokens", "8") == 0
+    (row,) = _read(out)
+    assert row["budgets"] == {"mode": "dense"} and row["response_length"] <= 8
+
+
+def test_malformed_rows_raise_with_row_number_or_are_skipped(model_dir, tmp_path):
+    prompts = _prompt_file(tmp_path / "p.jsonl", PROMPTS[:1],
+                           extra_lines=["{not json", json.dumps({"answer": "1"})])
+    with pytest.raises(SystemExit, match=r"row 2: bad JSON"):
+        _rollout(model_dir, prompts, tmp_path / "x.jsonl")
+    out = tmp_path / "skip.jsonl"
+    assert _rollout(model_dir, prompts, out, "--on_error", "skip", "--max_new_tokens", "8") == 0
+    assert [r["prompt_id"] for r in _read(out)] == ["p0"]
+
+
+@pytest.mark.parametrize("case, extra, message", [
+    ("missing_model", [], r"model directory .* does not exist"),
+    ("missing_prompts", [], r"prompt file not found"),
+    ("budget_over_max", ["--schedule", "[8192]"], r"exceeds RolloutConfig.max_budget=4096"),
+    ("unknown_schedule", ["--schedule", "no-such-schedule"], r"bad --schedule"),
+    ("sparse_needs_schedule", ["--mode", "sparse"], r"needs a sparse schedule"),
+    ("bad_gin", ["--gin_param", "RolloutConfig.mode = 'fast'"], r"mode must be"),
+])
+def test_clear_errors(model_dir, tmp_path, case, extra, message):
+    prompts = _prompt_file(tmp_path / "p.jsonl", PROMPTS)
+    model = tmp_path / "nope" if case == "missing_model" else model_dir
+    if case == "missing_prompts":
+        prompts = str(tmp_path / "missing.jsonl")
+    with pytest.raises(SystemExit, match=message):
+        _rollout(model, prompts, tmp_path / "o.jsonl", *extra)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_bench_rollout_json(capsys):
+    # `--` because the dispatcher's REMAINDER argument only takes option-first args after it.
+    argv = ["bench", "rollout", "--", "--json", "--layers", "3", "--hidden", "32", "--heads", "4",
+            "--kv_heads", "2", "--head_dim", "16", "--vocab", "64", "--context", "160",
+            "--budget", "48", "--batch", "2", "--new_tokens", "32", "--repeats", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(records) == 1
+    r = records[0]
+    assert r["context"] == 160 and r["budget"] == 48 and r["backend"] == "xla"
+    assert r["config"]["num_hidden_layers"] == 3 and r["device"].startswith("cpu")
+    assert r["dense_e2e_tok_s"] > 0 and r["sparse_e2e_tok_s"] > 0 and r["prefill_s"] > 0
+    # Decode rates are differences of timed runs: at toy sizes under load they may come out
+    # unmeasurable (null), never negative or made up.
+    for key in ("dense_tok_s", "sparse_tok_s"):
+        assert r[key] is None or r[key] > 0
+    if r["dense_tok_s"] and r["sparse_tok_s"]:
+        assert r["ratio"] == pytest.approx(r["sparse_tok_s"] / r["dense_tok_s"])
+    assert set(r["compile_s"]) == {"prefill", "dense", "sparse:48:0,1"}
+    assert "dense tok/s" in out  # the human-readable table is printed too
