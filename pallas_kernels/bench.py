@@ -22,7 +22,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_kernels as pk
 from sparrow_jax import selection
@@ -87,9 +86,7 @@ def bench_shape(model: str, hq: int, hkv: int, d: int, ctx: int, args, copy_bw: 
     k = jax.random.normal(kk, (b, hkv, ctx, d), dtype)
     v = jax.random.normal(kv, (b, hkv, ctx, d), dtype)
     lengths = jnp.full((b,), ctx, jnp.int32)
-    interpret = False
-    dense = jax.jit(lambda q, k, v, ln: pk.dense_decode(q, k, v, ln, backend=backend,
-                                                        interpret=interpret))
+    dense = jax.jit(lambda q, k, v, ln: pk.dense_decode(q, k, v, ln, backend=backend))
     t_dense = _time(dense, q, k, v, lengths, iters=args.iters)
     kv_token_bytes = 2 * hkv * d * dtype.itemsize          # K and V of one token, all KV heads
     dense_bytes = b * ctx * kv_token_bytes
@@ -102,8 +99,8 @@ def bench_shape(model: str, hq: int, hkv: int, d: int, ctx: int, args, copy_bw: 
             q, c, ln, bb, max_selected=nsel, block_size=BLOCK))
         t_select = _time(select, q, cents, lengths, bud, iters=args.iters)
         bi, nb = select(q, cents, lengths, bud)
-        sparse = jax.jit(lambda *a: pk.block_sparse_decode(*a, block_size=BLOCK, backend=backend,
-                                                           interpret=interpret))
+        sparse = jax.jit(lambda *a: pk.block_sparse_decode(*a, block_size=BLOCK,
+                                                           backend=backend))
         t_sparse = _time(sparse, q, k, v, bi, nb, lengths, iters=args.iters)
         sparse_bytes = b * min(budget, ctx) * kv_token_bytes
         rows.append(dict(
@@ -132,7 +129,10 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    backend = pk.resolve_backend(args.backend)
+    try:
+        backend = pk.resolve_backend(args.backend)
+    except pk.BackendUnavailableError as e:
+        raise SystemExit(f"bench: {e}") from None
     models = [m for m in args.models.split(",") if m]
     for m in models:
         if m not in MODELS:
@@ -156,5 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     sys.exit(main())
