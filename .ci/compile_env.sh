@@ -33,8 +33,8 @@ EOF
 )
 # jax-triton: 0.3.x is the series that supports jax 0.10 / Python 3.11 (pyproject's gpu extra).
 JAX_TRITON_SPEC=${JAX_TRITON_SPEC:-"jax-triton>=0.3,<0.4"}
-# triton: the version jax-triton 0.3.x is tested against; pip picks the newest 3.x wheel.
-TRITON_SPEC=${TRITON_SPEC:-"triton>=3.3,<4"}
+# triton: jax-triton 0.3.x needs >=3.6; pip picks the newest 3.x wheel (3.9.0 when written).
+TRITON_SPEC=${TRITON_SPEC:-"triton>=3.6,<4"}
 
 WANT="jax=$JAX_VERSION libtpu=$LIBTPU_SPEC cuda13=$JAX_VERSION jt=${SPARROW_SKIP_JAX_TRITON:-0}:$JAX_TRITON_SPEC:$TRITON_SPEC"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
