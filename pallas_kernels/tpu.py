@@ -30,6 +30,9 @@ from pallas_kernels.reference import (NEG_INF, all_blocks_selection, check_decod
                                       default_scale)
 
 _LANES = 128
+# Budget for the scalar-prefetch block table per pallas_call (SMEM is 1 MiB on v5e/v6e; the
+# rest holds num_blocks, lengths and Mosaic's own scalars).
+_SMEM_TABLE_BYTES = 256 * 1024
 # Positions of padded entries are pushed here (> any real length) so the length mask drops them.
 _FAR = 1 << 30
 
@@ -109,6 +112,51 @@ def _sublane_multiple(dtype) -> int:
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
+def _group_call(kernel, qg, k, v, idx, nbv, lengths, *, b0: int, hkv: int, gp: int, d: int,
+                block_size: int, p_blocks: int, k_pad: int, interpret: bool):
+    """One pallas_call over batch rows b0 .. b0+bg of the cache. qg [bg, Hkv, Gp, D];
+    idx [bg*Hkv*K_pad], nbv [bg*Hkv], lengths [bg]; k/v the full [B, Hkv, S, D] cache."""
+    bg = qg.shape[0]
+
+    def kv_map(p):
+        def index_map(bi, hi, j, idx_ref, nb_ref, len_ref):
+            r = bi * hkv + hi
+            last = jnp.maximum(nb_ref[r] - 1, 0)
+            e = jnp.minimum(j * p_blocks + p, last)
+            return bi + b0, hi, idx_ref[r * k_pad + e], 0
+        return pl.BlockSpec((None, None, block_size, d), index_map)
+
+    q_spec = pl.BlockSpec((None, None, gp, d), lambda bi, hi, j, *_: (bi, hi, 0, 0))
+    kv_specs = [kv_map(p) for p in range(p_blocks)]
+    out_specs = [pl.BlockSpec((None, None, gp, d), lambda bi, hi, j, *_: (bi, hi, 0, 0)),
+                 pl.BlockSpec((None, None, gp, _LANES), lambda bi, hi, j, *_: (bi, hi, 0, 0))]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(bg, hkv, k_pad // p_blocks),
+        in_specs=[q_spec] + kv_specs + kv_specs,
+        out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((gp, _LANES), jnp.float32),
+                        pltpu.VMEM((gp, _LANES), jnp.float32),
+                        pltpu.VMEM((gp, d), jnp.float32)],
+    )
+    # Bytes read: q + the selected K/V blocks (upper bound: every entry) + outputs.
+    kv_bytes = 2 * bg * hkv * k_pad * block_size * d * k.dtype.itemsize
+    cost = pl.CostEstimate(flops=4 * bg * hkv * gp * k_pad * block_size * d,
+                           transcendentals=bg * hkv * gp * k_pad * block_size,
+                           bytes_accessed=kv_bytes + 2 * qg.size * qg.dtype.itemsize)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((bg, hkv, gp, d), qg.dtype),
+                   jax.ShapeDtypeStruct((bg, hkv, gp, _LANES), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="sparrow_block_sparse_decode",
+    )(idx, nbv, lengths, qg, *([k] * p_blocks), *([v] * p_blocks))
+
+
 def _sparse_call(q, k, v, block_indices, num_blocks, lengths, *, block_size: int,
                  scale: float, blocks_per_step: int, interpret: bool):
     """Shared body of the sparse and dense entry points (inputs already validated)."""
@@ -130,46 +178,24 @@ def _sparse_call(q, k, v, block_indices, num_blocks, lengths, *, block_size: int
     if gp != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
 
-    def kv_map(p):
-        def index_map(bi, hi, j, idx_ref, nb_ref, len_ref):
-            r = bi * hkv + hi
-            last = jnp.maximum(nb_ref[r] - 1, 0)
-            e = jnp.minimum(j * p_blocks + p, last)
-            return bi, hi, idx_ref[r * k_pad + e], 0
-        return pl.BlockSpec((None, None, block_size, d), index_map)
-
-    q_spec = pl.BlockSpec((None, None, gp, d), lambda bi, hi, j, *_: (bi, hi, 0, 0))
-    kv_specs = [kv_map(p) for p in range(p_blocks)]
-    out_specs = [pl.BlockSpec((None, None, gp, d), lambda bi, hi, j, *_: (bi, hi, 0, 0)),
-                 pl.BlockSpec((None, None, gp, _LANES), lambda bi, hi, j, *_: (bi, hi, 0, 0))]
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(b, hkv, k_pad // p_blocks),
-        in_specs=[q_spec] + kv_specs + kv_specs,
-        out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((gp, _LANES), jnp.float32),
-                        pltpu.VMEM((gp, _LANES), jnp.float32),
-                        pltpu.VMEM((gp, d), jnp.float32)],
-    )
     kernel = functools.partial(_sparse_kernel, p_blocks=p_blocks, block_size=block_size,
                                k_pad=k_pad, hkv=hkv, scale=scale)
-    # Bytes actually read: q + the selected K/V blocks (upper bound: every entry) + outputs.
-    kv_bytes = 2 * b * hkv * k_pad * block_size * d * k.dtype.itemsize
-    cost = pl.CostEstimate(flops=4 * b * hkv * gp * k_pad * block_size * d,
-                           transcendentals=b * hkv * gp * k_pad * block_size,
-                           bytes_accessed=kv_bytes + 2 * q.size * q.dtype.itemsize)
-    out, lse = pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, gp, d), q.dtype),
-                   jax.ShapeDtypeStruct((b, hkv, gp, _LANES), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
-        cost_estimate=cost,
-        interpret=interpret,
-        name="sparrow_block_sparse_decode",
-    )(idx.reshape(-1), nbv.reshape(-1), lengths.astype(jnp.int32), qg,
-      *([k] * p_blocks), *([v] * p_blocks))
+    # The scalar-prefetch table lives in SMEM (1 MiB on v5e/v6e); large batch x budget would
+    # overflow it, so rows are split over several calls. K/V are passed whole and the batch
+    # offset goes into their index_maps: slicing the cache would copy it.
+    rows = max(1, _SMEM_TABLE_BYTES // (4 * hkv * k_pad))
+    idx = idx.reshape(b, hkv * k_pad)
+    outs, lses = [], []
+    for b0 in range(0, b, rows):
+        bg = min(rows, b - b0)
+        o, l = _group_call(kernel, qg[b0:b0 + bg], k, v, idx[b0:b0 + bg].reshape(-1),
+                           nbv[b0:b0 + bg].reshape(-1), lengths[b0:b0 + bg].astype(jnp.int32),
+                           b0=b0, hkv=hkv, gp=gp, d=d, block_size=block_size,
+                           p_blocks=p_blocks, k_pad=k_pad, interpret=interpret)
+        outs.append(o)
+        lses.append(l)
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+    lse = lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=0)
     return out[:, :, :g, :].reshape(b, hq, d), lse[:, :, :g, 0].reshape(b, hq)
 
 

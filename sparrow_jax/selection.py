@@ -106,8 +106,12 @@ def quest_scores(q: jax.Array, key_min: jax.Array, key_max: jax.Array) -> jax.Ar
     return jnp.sum(jnp.maximum(lo, hi), axis=-1)
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+def _min_if_concrete(x: jax.Array) -> int | None:
+    """min(x) when x is a concrete array, None under tracing (jit/vmap)."""
+    try:
+        return int(jnp.min(x)) if x.size else None
+    except jax.errors.ConcretizationTypeError:
+        return None
 
 
 def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array, *,
@@ -134,9 +138,10 @@ def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax
     lead = scores.shape[:-1]
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), lead)
     budget_in = jnp.broadcast_to(jnp.asarray(budget_blocks, jnp.int32), lead)
-    if _is_concrete(budget_in) and budget_in.size and int(jnp.min(budget_in)) < NUM_RESERVED:
+    smallest = _min_if_concrete(budget_in)
+    if smallest is not None and smallest < NUM_RESERVED:
         raise ValueError(f"budget_blocks must be >= {NUM_RESERVED} (sink + 2 local blocks), "
-                         f"got min {int(jnp.min(budget_in))}")
+                         f"got min {smallest}")
     budget = jnp.clip(budget_in, NUM_RESERVED, max_selected)
     total = jnp.clip((lengths + block_size - 1) // block_size, 0, nb)
     slots = jnp.arange(max_selected, dtype=jnp.int32)

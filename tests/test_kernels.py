@@ -233,11 +233,14 @@ def test_triton_split_k_merge():
     assert_close(fn(q, k, v, bi, nb, ln), numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
 
 
-def test_tpu_multi_step_online_softmax():
+def test_tpu_multi_step_online_softmax(monkeypatch):
     """Several grid steps per row (P=2 blocks per step), rows that finish early (steps skipped
-    via pl.when, DMA index clamped), and a K that is not a multiple of P."""
-    lengths = [128, 40]
-    q, k, v, ln = make_inputs(8, b=2, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
+    via pl.when, DMA index clamped), a K that is not a multiple of P, and the batch split over
+    several pallas_calls (SMEM table budget) with the batch offset in the K/V index_map."""
+    from pallas_kernels import tpu
+    monkeypatch.setattr(tpu, "_SMEM_TABLE_BYTES", 4 * 2 * 8 * 2)       # 2 rows per call
+    lengths = [128, 40, 99]
+    q, k, v, ln = make_inputs(8, b=3, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
                               lengths=lengths)
     bi, nb = make_selection(8, lengths, 2, 7)
     from pallas_kernels.tpu import block_sparse_decode_tpu
