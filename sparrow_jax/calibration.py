@@ -86,6 +86,11 @@ def pick_schedule(
     return schedule, info
 
 
+def _tokens_label(n: int) -> str:
+    """2000 -> '2k', 256 -> '256', 1536 -> '1.5k' (bins smaller than 1000 tokens stay readable)."""
+    return f"{n / 1000:g}k" if n >= 1000 else str(n)
+
+
 def write_heatmap(
     path_png: str | os.PathLike,
     tails: Any,
@@ -141,7 +146,7 @@ def write_heatmap(
         ax.step(np.arange(rows.size), rows, where="mid", color="white", linewidth=2.0)
         ax.plot(np.arange(rows.size), rows, "o", color="white", markersize=3)
     ax.set_xticks(np.arange(num_bins))
-    ax.set_xticklabels([f"{j * bin_size // 1000}k" + ("+" if j == num_bins - 1 else "")
+    ax.set_xticklabels([_tokens_label(j * bin_size) + ("+" if j == num_bins - 1 else "")
                         for j in range(num_bins)], fontsize=6, rotation=90)
     ax.set_yticks(np.arange(num_budgets))
     ax.set_yticklabels([str(b) for b in budgets_arr], fontsize=6)

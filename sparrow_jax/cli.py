@@ -39,6 +39,7 @@ def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
                    "sparrow_jax.data.prompts", "sparrow_jax.rl.rewards", "sparrow_jax.sharding",
                    "sparrow_jax.model.config", "sparrow_jax.calibrate"):
         importlib.import_module(module)
+    gin.clear_config()  # a fresh configuration per command, also when called twice in-process
     try:
         gin.parse_config_files_and_bindings(list(config_files), list(params))
     except (ValueError, KeyError, SyntaxError, TypeError) as e:
@@ -63,13 +64,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             extra = getattr(importlib.import_module(module), "add_arguments", None)
             if extra is not None:
                 extra(p)
-        p.set_defaults(target=(module, fn))
+        p.set_defaults(_sparrow_entry=(module, fn))
     bench = sub.add_parser("bench", help="benchmarks (print numbers; --json for JSON lines)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, fn, help_) in BENCHES.items():
         p = bench_sub.add_parser(name, help=help_, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(target=(module, fn), passthrough=True)
+        p.set_defaults(_sparrow_entry=(module, fn), passthrough=True)
     return parser
 
 
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module, fn = args.target
+    module, fn = args._sparrow_entry
     func = getattr(importlib.import_module(module), fn)
     if getattr(args, "passthrough", False):
         return int(func(args.rest) or 0)

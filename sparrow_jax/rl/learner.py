@@ -163,8 +163,18 @@ class Learner:
             raise ValueError(f"micro_batch_size={cfg.micro_batch_size} must be a multiple of the "
                              f"group size {group_size} (groups are never split)")
         self.tx = make_optimizer(cfg)
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.opt_state = jax.jit(self.tx.init)(params)
+        self.graphdef, _, self.rest = nnx.split(model, nnx.Param, ...)
+        self._opt_state = None  # created on first use: analysis-only users never pay for Adam
+
+    @property
+    def opt_state(self):
+        if self._opt_state is None:
+            self._opt_state = jax.jit(self.tx.init)(self.params)
+        return self._opt_state
+
+    @opt_state.setter
+    def opt_state(self, value) -> None:
+        self._opt_state = value
 
     @property
     def params(self) -> nnx.State:
