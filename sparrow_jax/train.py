@@ -89,7 +89,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = Path(cfg.run_dir).resolve()  # orbax needs absolute paths
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log.info("devices: %s", jax.devices())
         self.spec = None

@@ -92,6 +92,14 @@ def test_train_writes_run_dir_and_resumes(setup, capsys):
         assert fresh[s]["reward/mean"] == pytest.approx(resumed[s]["reward/mean"])
 
 
+def test_relative_run_dir(setup, monkeypatch):
+    monkeypatch.chdir(setup)
+    argv = _params(setup, "x", 1)
+    argv[argv.index(f"TrainConfig.run_dir = '{setup / 'x'}'")] = "TrainConfig.run_dir = 'rel_run'"
+    assert _run(argv + ["--gin_param", "TrainConfig.eval_data = ''"]) == 0
+    assert (setup / "rel_run" / "checkpoints" / "1").is_dir()
+
+
 def test_bad_gin_key_is_a_clear_error(setup):
     with pytest.raises(SystemExit, match="TrainConfig.no_such_field"):
         _run(_params(setup, "bad", 1, ["--gin_param", "TrainConfig.no_such_field = 3"]))
