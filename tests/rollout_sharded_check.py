@@ -80,7 +80,8 @@ def compare(out_dir: str) -> list[dict]:
             by_mode[mode] = (np.asarray(ref.tokens), np.asarray(ref.logprobs))
             results.append({
                 "case": name, "mode": mode,
-                "tokens_equal": bool(np.array_equal(np.asarray(ref.tokens), np.asarray(got.tokens))),
+                "tokens_equal": bool(np.array_equal(np.asarray(ref.tokens),
+                                                    np.asarray(got.tokens))),
                 "mask_equal": bool(np.array_equal(np.asarray(ref.mask), np.asarray(got.mask))),
                 "budgets_equal": bool(np.array_equal(np.asarray(ref.budgets),
                                                      np.asarray(got.budgets))),

@@ -14,14 +14,15 @@ program with max_new_tokens=1 (prefill and the first sample; the decode loop run
 shared by both modes). Decode tokens/s = batch x (new_tokens - 1) / t_decode. Programs are
 compiled ahead of time (not timed), then each runs `--repeats` times, dense and sparse
 interleaved so load from other processes hits both alike. Stop tokens are disabled: every row
-decodes exactly new_tokens tokens. `ratio(cpu)` is the same ratio from process CPU time, which
-other processes' load disturbs much less than wall time.
+decodes exactly new_tokens tokens. The JSON lines also carry `ratio_cpu_time`, the ratio of
+decode tokens per process-CPU-second: steadier under other processes' load than wall time, but
+not a throughput (dense decode spreads over more threads than the sparse gather does).
 
 The engine's per-step cost depends only on the cache capacity (static shapes: dense decode reads
 the whole buffer, sparse decode gathers max_budget tokens), not on the live length, so a long
 --new_tokens at a fixed --context measures the same per-step cost as a short one. On CPU,
-prefill of an 8K-16K prompt takes tens of seconds: use --new_tokens of 1024+ there so decode
-dominates each run and the subtraction is stable.
+prefill of an 8K-16K prompt takes 20-70 s and its run-to-run jitter on a shared machine exceeds
+a short decode: use --new_tokens = context / 2 there (prefill shrinks 4x, decode dominates).
 """
 
 from __future__ import annotations
@@ -126,8 +127,7 @@ def sparse_runs(args: argparse.Namespace, default_dense_layers: tuple[int, ...]
 
 
 def _timed(fn) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one call. CPU time is reported beside wall time
-    because on a shared machine other processes' load moves wall time far more than CPU time."""
+    """(wall seconds, process CPU seconds) of one call."""
     w0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn())
     return time.perf_counter() - w0, time.process_time() - c0
@@ -225,7 +225,8 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
             "context": context, "prompt_tokens": plen,
             "budget": int(v.budgets[0]) if v.fixed else None,
             "schedule": None if v.fixed else v.label, "bin_size": v.bin_size,
-            "dense_layers": list(v.dense_layers), "dense_tok_s": dense["tok_s"], "sparse_tok_s": sparse["tok_s"],
+            "dense_layers": list(v.dense_layers),
+            "dense_tok_s": dense["tok_s"], "sparse_tok_s": sparse["tok_s"],
             "ratio": ratio(sparse["tok_s"], dense["tok_s"]),
             "ratio_cpu_time": ratio(sparse["cpu_tok_s"], dense["cpu_tok_s"]),
             "dense_ms_per_step": dense["ms_per_step"], "sparse_ms_per_step": sparse["ms_per_step"],
@@ -277,9 +278,10 @@ def main(argv: Sequence[str]) -> int:
                                              "num_attention_heads", "num_key_value_heads",
                                              "head_dim", "intermediate_size", "vocab_size")}
     print(f"# model {args.preset or 'custom'} {shape} {dtype.name}, batch {args.batch}, "
-          f"new_tokens {args.new_tokens}, backend {backend}, device {device}, repeats {args.repeats}", flush=True)
-    header = (f"{'context':>8} {'budget/schedule':>16} {'dense layers':>12} {'dense tok/s':>12} {'sparse tok/s':>13} "
-              f"{'ratio':>6} {'ratio(cpu)':>10} {'dense ms/step':>14} {'sparse ms/step':>15} "
+          f"new_tokens {args.new_tokens}, backend {backend}, device {device}, "
+          f"repeats {args.repeats}", flush=True)
+    header = (f"{'context':>8} {'budget/schedule':>16} {'dense layers':>12} {'dense tok/s':>12} "
+              f"{'sparse tok/s':>13} {'ratio':>6} {'dense ms/step':>14} {'sparse ms/step':>15} "
               f"{'prefill s':>10}")
     print(header, flush=True)
     for context in args.context:
@@ -288,10 +290,9 @@ def main(argv: Sequence[str]) -> int:
             layers = ",".join(map(str, r["dense_layers"])) or "none"
             cells = [_fmt(r[k], w, f) for k, w, f in (
                 ("dense_tok_s", 12, ".1f"), ("sparse_tok_s", 13, ".1f"), ("ratio", 5, ".2f"),
-                ("ratio_cpu_time", 9, ".2f"), ("dense_ms_per_step", 14, ".2f"),
-                ("sparse_ms_per_step", 15, ".2f"), ("prefill_s", 10, ".2f"))]
+                ("dense_ms_per_step", 14, ".2f"), ("sparse_ms_per_step", 15, ".2f"),
+                ("prefill_s", 10, ".2f"))]
             cells[2] += "x"
-            cells[3] += "x"
             print(f"{context:>8} {label:>16} {layers:>12} " + " ".join(cells), flush=True)
             if r["decode_share"] < 0.5:
                 # Decode time is a difference of two runs; when prefill dominates both, load
@@ -302,7 +303,8 @@ def main(argv: Sequence[str]) -> int:
             if args.json:
                 record = {"bench": "rollout", "model": args.preset or "custom", "config": shape,
                           "dtype": dtype.name, "batch": args.batch,
-                          "new_tokens": args.new_tokens, "repeats": args.repeats, "device": device, "backend": backend,
+                          "new_tokens": args.new_tokens, "repeats": args.repeats,
+                          "device": device, "backend": backend,
                           "method": "decode time = median t(new_tokens) - median t(1)", **r}
                 print(json.dumps(record), flush=True)
     return 0

@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output JSONL, one row per sample")
     parser.add_argument("--schedule", default=None,
                         help="budget schedule: a paper name (e.g. qwen3-1.7b-0.86), 'dense', a "
-                             "JSON file or inline JSON ('[512, 1024]'); default: gin make_schedule (dense unless configured)")
+                             "JSON file or inline JSON ('[512, 1024]'); default: gin "
+                             "make_schedule (dense unless configured)")
     parser.add_argument("--group_size", type=int, default=1, help="samples per prompt")
     parser.add_argument("--batch_size", type=int, default=4, help="prompts per generate call")
     parser.add_argument("--seed", type=int, default=0)
@@ -99,8 +100,8 @@ def rollout_config(args: argparse.Namespace, schedule, stop_ids: tuple[int, ...]
     """RolloutConfig (gin + flags) and the budgets array handed to the engine.
 
     The static selection width is shrunk to the largest budget any sequence of this run can
-    reach (prompt_width + max_new_tokens tokens): the sparse kernels gather `max_budget` tokens per KV head per
-    step whatever the live budget is, so a width above the reachable budgets is pure waste.
+    reach (prompt_width + max_new_tokens tokens): the sparse kernels gather `max_budget` tokens
+    per KV head per step whatever the live budget is, so a wider width is pure waste.
     """
     try:
         cfg = RolloutConfig()  # gin bindings apply here
