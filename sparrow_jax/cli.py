@@ -76,9 +76,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
+        # Benchmarks parse their own flags (argparse.REMAINDER rejects option-first arguments).
+        logging.basicConfig(level="INFO", force=True,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        module, fn = BENCHES[argv[1]][:2]
+        rest = argv[2:]
+        return int(getattr(importlib.import_module(module), fn)(rest[1:] if rest[:1] == ["--"] else rest) or 0)
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(command).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level.upper(), force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module, fn = args._sparrow_entry
     func = getattr(importlib.import_module(module), fn)

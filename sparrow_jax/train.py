@@ -121,6 +121,13 @@ class Trainer:
                 raise ValueError(f"schedule/controller budgets reach {top} tokens but "
                                  f"RolloutConfig.max_budget = {rc.max_budget}: raise max_budget "
                                  "or lower ControllerConfig.max_budget")
+            # max_budget is the static gather width: a wider one only gathers padding (measured:
+            # at 8K context a 1K budget under a 4K width cost more than dense attention).
+            top = -(-top // rc.block_size) * rc.block_size
+            if top < rc.max_budget:
+                log.info("selection width: max_budget %d -> %d (largest reachable budget)",
+                         rc.max_budget, top)
+                self.rollout_cfg = rc = dataclasses.replace(rc, max_budget=top)
         self.replay = SparseReplay(bin_size=schedule.bin_size,
                                    max_selected=rc.max_budget // rc.block_size,
                                    block_size=rc.block_size, dense_layers=tuple(rc.dense_layers))
