@@ -6,6 +6,8 @@ import json
 import math
 
 import gin
+
+from hf_fixtures import make_tiny_synthetic_model
 import numpy as np
 import pytest
 
@@ -39,19 +41,11 @@ def _clean_gin():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A random 3-layer Qwen3 (layer 2 sparse) with the synthetic tokenizer, prompts, a gin file."""
-    from flax import nnx
-
     from sparrow_jax.data import synthetic
-    from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
-    from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
 
     root = tmp_path_factory.mktemp("calibrate")
-    tok = build_synthetic_tokenizer()
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
-    save_hf(model, root / "model", tokenizer=tok)
+    make_tiny_synthetic_model(root / "model", hidden=64, intermediate=128, heads=4, kv_heads=2,
+                              rope_theta=1_000_000.0)
     # 20-letter tables: 45-token prompts; with <= 96 new tokens positions span bins 1-4 of 32.
     synthetic.write_jsonl(str(root / "prompts.jsonl"), 6, 0, (1, 1), 20)
     (root / "cal.gin").write_text(GIN)

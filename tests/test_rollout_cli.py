@@ -3,13 +3,11 @@
 import json
 
 import gin
-import jax.numpy as jnp
 import pytest
-from flax import nnx
 
+from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import cli
 from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
-from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
 
 EOS = 2
 PROMPTS = [
@@ -29,15 +27,9 @@ def _fresh_gin():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_rollout_model")
-    tok = build_synthetic_tokenizer()
     # A minimal template so chat ('messages') rows are exercised too.
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}="
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, rope_theta=10000.0, bos_token_id=1, eos_token_id=EOS,
-                      pad_token_id=0, max_position_embeddings=512)
-    save_hf(Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), path, tokenizer=tok)
-    return path
+    return make_tiny_synthetic_model(
+        path, heads=4, kv_heads=2, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}=")
 
 
 def _prompt_file(path, rows, extra_lines=()):

@@ -3,27 +3,18 @@
 import json
 
 import gin
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
+from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
-from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
 from sparrow_jax.metrics import read_jsonl, read_scalars
-from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    tok = build_synthetic_tokenizer()
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=16, tie_word_embeddings=True, rope_theta=10000.0,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    save_hf(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), root / "model", tokenizer=tok)
+    make_tiny_synthetic_model(root / "model")
     synthetic.write_jsonl(str(root / "train.jsonl"), 16, seed=0, k_range=(1, 1), num_letters=4)
     synthetic.write_jsonl(str(root / "eval.jsonl"), 4, seed=1, k_range=(1, 1), num_letters=4)
     return root
