@@ -9,12 +9,14 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from sparrow_jax import multihost
 from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, generate
 
 
 def decode_responses(tokenizer, traj: Trajectories) -> list[str]:
-    tokens, lens = np.asarray(traj.tokens), np.asarray(traj.response_lengths)
+    """Texts of this process's rows (all rows with one process)."""
+    tokens, lens = multihost.local_rows(traj.tokens), multihost.local_rows(traj.response_lengths)
     return [tokenizer.decode(tokens[i, :lens[i]].tolist(), skip_special_tokens=True)
             for i in range(tokens.shape[0])]
 
@@ -57,10 +59,12 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
                                    group_size=1, rng=rng, spec=spec)
     texts = decode_responses(tokenizer, traj)
     rewards, _ = score(pool, texts, batch["answers"], batch["prompts"], batch["metas"])
-    lengths = np.asarray(traj.response_lengths)
+    # Means over every process's prompts.
+    rewards = multihost.all_rows(rewards)
+    lengths = multihost.all_rows(multihost.local_rows(traj.response_lengths))
     out = {"reward": float(rewards.mean()), "response_length": float(lengths.mean()),
            "tokens_per_s": float(lengths.sum() / seconds), "seconds": seconds}
     for name, diag in (diagnostics or {}).items():
-        out[f"reward_{name}"] = float(score(diag, texts, batch["answers"], batch["prompts"],
-                                            batch["metas"])[0].mean())
+        diag_rewards = score(diag, texts, batch["answers"], batch["prompts"], batch["metas"])[0]
+        out[f"reward_{name}"] = float(multihost.all_rows(diag_rewards).mean())
     return out

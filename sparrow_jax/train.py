@@ -28,7 +28,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from sparrow_jax import checkpoint as ckpt
-from sparrow_jax import evaluation, mismatch
+from sparrow_jax import evaluation, mismatch, multihost
 from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
 from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
 from sparrow_jax.metrics import MetricsWriter, StepTimer, gin_config_markdown
@@ -68,6 +68,11 @@ class TrainConfig:
     dtype: str = "auto"               # "auto" = bf16 on accelerators, f32 on CPU
     mesh_model: int = 1               # model-parallel axis size; the rest of the devices is data
     distributed: bool = False         # multi-host: jax.distributed.initialize() (TPU pods, SLURM)
+    # Explicit multi-process launch where no cluster is auto-detected (plain GPU nodes, local
+    # tests): all three set, or none. Each process's prompts_per_step is its own share.
+    coordinator_address: str = ""     # "host:port" of process 0
+    num_processes: int = 0
+    process_id: int = -1
 
     def __post_init__(self):
         missing = [f for f in ("model_path", "train_data") if not getattr(self, f)]
@@ -76,6 +81,13 @@ class TrainConfig:
                              f"'TrainConfig.{missing[0]} = \"...\"')")
         if self.rollout_mode not in ("sparse", "dense"):
             raise ValueError(f"TrainConfig.rollout_mode must be sparse|dense, got {self.rollout_mode!r}")
+        explicit = (bool(self.coordinator_address), self.num_processes > 0, self.process_id >= 0)
+        if any(explicit) and not all(explicit):
+            raise ValueError("TrainConfig: set coordinator_address, num_processes and process_id "
+                             "together (or none of them, for cluster auto-detection)")
+        if all(explicit) and not self.distributed:
+            raise ValueError("TrainConfig: coordinator_address/num_processes/process_id need "
+                             "distributed = True")
         if self.group_size < 2:
             raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
 
@@ -96,6 +108,8 @@ class Trainer:
         if jax.device_count() > 1:
             self.spec = ShardingSpec.create(make_mesh(model=cfg.mesh_model))
             log.info("mesh %s", dict(self.spec.mesh.shape))
+            if multihost.is_multiprocess():
+                multihost.check_mesh(self.spec)
         dtype = None if cfg.dtype == "auto" else jnp.dtype(cfg.dtype)
         self.model = load_hf(cfg.model_path, dtype=dtype,
                              mesh=self.spec.mesh if self.spec else None)
@@ -107,7 +121,14 @@ class Trainer:
         if cfg.eval_data:
             ds = PromptDataset.from_files(cfg.eval_data, tok)
             log.info("eval data: %s", ds.report.summary())
-            self.eval_batch = evaluation.batch_records(ds.records[:cfg.eval_prompts], tok.pad_token_id)
+            # Each process evaluates its own equal slice of the held-out prompts.
+            n_proc = jax.process_count()
+            per_process = min(cfg.eval_prompts, len(ds.records)) // n_proc
+            if per_process == 0:
+                raise ValueError(f"{len(ds.records)} eval prompts cannot be split over {n_proc} "
+                                 "processes")
+            records = ds.records[jax.process_index()::n_proc][:per_process]
+            self.eval_batch = evaluation.batch_records(records, tok.pad_token_id)
         stops = tuple(sorted({t for t in [tok.eos_token_id] if t is not None}))
         self.rollout_cfg = RolloutConfig(stop_token_ids=stops, pad_token_id=tok.pad_token_id or 0)
         self.rollout_cfg = dataclasses.replace(self.rollout_cfg, mode=cfg.rollout_mode)
@@ -165,7 +186,8 @@ class Trainer:
             latest, ckpt.abstract_like(self.learner.params), ckpt.abstract_like(self.learner.opt_state))
         nnx.update(self.model, params)
         self.learner.opt_state = opt_state
-        self.data.set_state(extra["data"])
+        # Saved by process 0; hosts run in lock step, so only the shard index differs.
+        self.data.set_state({**extra["data"], "shard_index": jax.process_index()})
         self.controller = ScheduleController.from_state_dict(extra["controller"],
                                                              self.controller.config)
         self.step = int(extra["step"])
@@ -191,16 +213,23 @@ class Trainer:
             rewards, info = evaluation.score(self.pool, texts, answers, prompts, metas)
         with timer("learner"):
             analysis = self.learner.analyze(traj, budgets, self.replay)
+            # Advantages need whole groups; a process's rows are whole groups of its prompts.
+            rows = (multihost.rows_to_global(rewards.astype(np.float32), self.spec)
+                    if multihost.is_multiprocess() else rewards)
             lb = LearnerBatch(traj=traj, logp_old=analysis["logp_old"],
-                              advantages=self.learner.advantages(rewards))
+                              advantages=self.learner.advantages(rows))
             loss_metrics = self.learner.update(lb)
-        lengths = np.asarray(traj.response_lengths)
-        m = {"reward/mean": float(rewards.mean()), "reward/timeouts": info["timeouts"],
-             "reward/errors": info["errors"], "response/length_mean": float(lengths.mean()),
+        # Metrics over every process's rows.
+        rewards = multihost.all_rows(rewards)
+        lengths = multihost.all_rows(multihost.local_rows(traj.response_lengths))
+        counts = multihost.all_rows(np.asarray([[info["timeouts"], info["errors"]]]))
+        m = {"reward/mean": float(rewards.mean()), "reward/timeouts": int(counts[:, 0].sum()),
+             "reward/errors": int(counts[:, 1].sum()), "response/length_mean": float(lengths.mean()),
              "response/length_max": float(lengths.max()),
              "rollout/tokens_per_s": float(lengths.sum() / seconds), **loss_metrics}
         for name, pool in self.diagnostics.items():
-            m[f"reward/{name}"] = float(evaluation.score(pool, texts, answers, prompts, metas)[0].mean())
+            diag = evaluation.score(pool, texts, answers, prompts, metas)[0]
+            m[f"reward/{name}"] = float(multihost.all_rows(diag).mean())
         if "alpha" in analysis:
             summary = mismatch.mismatch_summary(
                 analysis["alpha"], traj.cached_lengths, traj.mask, bin_size=sched.bin_size,
@@ -303,7 +332,11 @@ def _fmt(d: dict[str, float]) -> str:
 def train(cfg: TrainConfig | None = None) -> dict[str, float]:
     cfg = cfg or TrainConfig()
     if cfg.distributed:
-        jax.distributed.initialize()
+        if cfg.coordinator_address:
+            jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
+                                       process_id=cfg.process_id)
+        else:
+            jax.distributed.initialize()  # cluster auto-detection (TPU pod, SLURM, Open MPI, k8s)
         log.info("process %d of %d", jax.process_index(), jax.process_count())
     return Trainer(cfg).run()
 

@@ -20,9 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from hf_fixtures import make_tiny_qwen3  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
+from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig  # noqa: E402
 from sparrow_jax.rollout import RolloutConfig, generate  # noqa: E402
 from sparrow_jax.sharding import ShardingSpec, make_mesh  # noqa: E402
 
@@ -95,6 +98,47 @@ def compare(out_dir: str) -> list[dict]:
     return results
 
 
+def learner_update(out_dir: str) -> dict:
+    """One GRPO step on the data=2 x model=4 mesh vs on one device, from the same rollout.
+
+    Also checks where the Adam state lives: moments sharded like their parameter, the step
+    counter replicated over the mesh (not parked on device 0)."""
+    mesh = make_mesh(2, 4)
+    spec = ShardingSpec.create(mesh)
+    path = os.path.join(out_dir, CASES[0][0])     # written by compare()
+    toks, lens = prompts()
+    cfg = RolloutConfig(max_new_tokens=24, temperature=1.0, mode="dense", backend="xla",
+                        stop_token_ids=())
+    kw = dict(cfg=cfg, budgets=BUDGETS, bin_size=48, group_size=2, rng=jax.random.key(3))
+    rewards = np.asarray([1.0, 0.0, 0.0, 1.0], np.float32)
+    after, learners = {}, {}
+    for name, mesh_or_none in (("single", None), ("sharded", mesh)):
+        model = load_hf(path, dtype=jnp.float32, mesh=mesh_or_none)
+        traj = generate(model, toks, lens, spec=spec if mesh_or_none else None, **kw)
+        learner = Learner(model, LearnerConfig(learning_rate=1e-2, micro_batch_size=2),
+                          group_size=2)
+        batch = LearnerBatch(traj=traj, logp_old=learner.analyze(traj)["logp_old"],
+                             advantages=learner.advantages(rewards))
+        learner.update(batch)
+        after[name] = jax.tree.leaves(learner.params)
+        learners[name] = learner
+    param_shardings = [x.sharding for x in jax.tree.leaves(learners["sharded"].params)]
+    adam = next(x for x in jax.tree.leaves(learners["sharded"].opt_state,
+                                           is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+                if isinstance(x, optax.ScaleByAdamState))
+    moments_like_params = all(
+        m.sharding.is_equivalent_to(s, m.ndim)
+        for tree in (adam.mu, adam.nu) for m, s in zip(jax.tree.leaves(tree), param_shardings))
+    before = jax.tree.leaves(nnx.state(load_hf(path, dtype=jnp.float32), nnx.Param))
+    return {"case": "learner_update", "moments_like_params": moments_like_params,
+            "counter_devices": len(adam.count.sharding.device_set),
+            "max_param_diff": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                                  for a, b in zip(after["single"], after["sharded"])),
+            "max_param_step": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                                  for a, b in zip(after["single"], before))}
+
+
 if __name__ == "__main__":
     for row in compare(sys.argv[1]):
         print(json.dumps(row), flush=True)
+    print(json.dumps(learner_update(sys.argv[1])), flush=True)

@@ -151,6 +151,21 @@ def _apply(params, opt_state, grads, *, tx):
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
+def _opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State):
+    """Shardings for `tx.init(params)`: moments shard like their parameter, counters and other
+    scalars are replicated over the parameters' mesh. Without them jit places the (input-
+    independent) zero moments on one device: unsharded Adam state on the first accelerator and
+    a device-set clash when a checkpoint restores onto that layout."""
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    first = jax.tree.leaves(param_shardings)
+    if not first or not isinstance(first[0], jax.sharding.NamedSharding):
+        return None                 # unsharded model: one device, nothing to place
+    replicated = jax.sharding.NamedSharding(first[0].mesh, jax.sharding.PartitionSpec())
+    abstract = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(tx, lambda _, sharding: sharding, abstract, param_shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
 class Learner:
     """Holds the policy (an NNX model updated in place) and its optimizer state."""
 
@@ -169,7 +184,9 @@ class Learner:
     @property
     def opt_state(self):
         if self._opt_state is None:
-            self._opt_state = jax.jit(self.tx.init)(self.params)
+            params = self.params
+            self._opt_state = jax.jit(self.tx.init,
+                                      out_shardings=_opt_state_shardings(self.tx, params))(params)
         return self._opt_state
 
     @opt_state.setter

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from sparrow_jax import selection
+from sparrow_jax import multihost, selection
 from sparrow_jax.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, _MASK_VALUE
 from sparrow_jax.rollout.sampling import sample, topk_logprobs
@@ -251,11 +251,14 @@ def _generate(graphdef, state, prompt_tokens, prompt_lengths, budgets, rng, *, c
     tokens, logps, top_v, top_i = bufs
     steps = jnp.arange(t_new)
     mask = steps[None, :] < resp_len[:, None]
-    return Trajectories(
+    traj = Trajectories(
         prompt_tokens=rep(prompt_tokens), prompt_lengths=prompt_lengths, tokens=tokens,
         logprobs=logps, topk_logprobs=top_v, topk_ids=top_i, budgets=budget_rec,
         cached_lengths=prompt_lengths[:, None] + steps[None, :], mask=mask,
         response_lengths=resp_len)
+    # Rows stay sharded over the data axis: each process then reads its own rows back
+    # (multihost.local_rows) and the learner consumes the global arrays as they are.
+    return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)), traj)
 
 
 def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
@@ -266,6 +269,10 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     prompt_tokens [Bp, P] int32 right-padded (P is padded up to a block multiple here),
     prompt_lengths [Bp] (each >= 1), budgets [num_bins] int32 tokens per length bin (ignored in
     dense mode). Rows of the result are grouped: rows g*n .. g*n+n-1 belong to prompt g.
+
+    Multi-process runs (`jax.process_count() > 1`): each process passes its own Bp prompts (the
+    same Bp everywhere) and a `spec`; the result is global (process p's prompts are its row block
+    p, see `sparrow_jax.multihost`), read a process's rows back with `multihost.local_rows`.
     """
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
@@ -279,10 +286,15 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     if cfg.mode == "sparse" and budgets.max() > cfg.max_budget:
         raise ValueError(f"schedule budget {budgets.max()} exceeds RolloutConfig.max_budget="
                          f"{cfg.max_budget} (the static selection width); raise max_budget")
-    plen = padded_length(prompt_tokens.shape[1], cfg.block_size)
+    multi = multihost.is_multiprocess()
+    if multi and spec is None:
+        raise ValueError(f"a {jax.process_count()}-process rollout needs spec= (a ShardingSpec "
+                         "whose mesh spans every process's devices)")
+    # Every process must compile the same shapes: pad to the widest prompt of any process.
+    plen = multihost.sync_max(padded_length(prompt_tokens.shape[1], cfg.block_size))
     prompt_tokens = np.pad(prompt_tokens, ((0, 0), (0, plen - prompt_tokens.shape[1])),
                            constant_values=cfg.pad_token_id)
-    b = prompt_tokens.shape[0] * group_size
+    b = prompt_tokens.shape[0] * group_size * jax.process_count()
     if spec is not None and b % spec.mesh.shape[spec.rules.get("batch") or "data"]:
         raise ValueError(f"rollout batch {b} is not divisible by the mesh's data axis "
                          f"{dict(spec.mesh.shape)}")
@@ -290,6 +302,10 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
                      model.dtype, spec, block_size=cfg.block_size)
     graphdef, state = nnx.split(model)
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths),
-                     jnp.asarray(budgets), rng, cfg=cfg, group_size=group_size, bin_size=bin_size,
-                     spec=spec)
+    if multi:
+        tokens_in = multihost.rows_to_global(prompt_tokens, spec)
+        lengths_in = multihost.rows_to_global(prompt_lengths, spec)
+    else:
+        tokens_in, lengths_in = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
+    return _generate(graphdef, state, tokens_in, lengths_in, jnp.asarray(budgets), rng, cfg=cfg,
+                     group_size=group_size, bin_size=bin_size, spec=spec)

@@ -1,0 +1,105 @@
+"""Multi-host data movement: per-process rows <-> global arrays sharded over the `data` axis.
+
+In a multi-process run (TPU pod slice, several GPU nodes) every process reads its own shard of
+prompts (`data.prompts` shards by `jax.process_index()`), but jitted programs take *global*
+arrays. The contract used by the rollout engine, the learner and the train loop:
+
+  * a batch is a stack of per-process row blocks in process order: process p owns rows
+    [p * b_local, (p + 1) * b_local) of the global `[b_local * num_processes, ...]` array;
+  * that block lives on p's own devices, because the mesh's `data` axis is laid out
+    process-major and the `model` axis stays inside one process (`check_mesh` enforces both);
+  * host-side work (decoding text, scoring rewards) runs on each process's own rows
+    (`local_rows`), scalar metrics are reduced over every process (`all_rows`).
+
+With one process every function here is the obvious single-host operation, so the single-host
+path of the callers does not change.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sparrow_jax.sharding import ShardingSpec
+
+__all__ = ["is_multiprocess", "check_mesh", "sync_max", "rows_to_global", "local_rows",
+           "all_rows"]
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def _data_axis(spec: ShardingSpec) -> str:
+    axis = spec.rules.get("batch") or "data"
+    if axis not in spec.mesh.shape:
+        raise ValueError(f"batch rule maps to {axis!r}, not an axis of mesh {dict(spec.mesh.shape)}")
+    return axis
+
+
+def check_mesh(spec: ShardingSpec) -> None:
+    """Raises unless each process owns a contiguous, disjoint block of the data axis.
+
+    That is what makes "process p's prompts are rows of block p" true: if the model axis spanned
+    two processes, both would hold the same rows and their different prompts could not both be
+    placed there.
+    """
+    axis = _data_axis(spec)
+    mesh = spec.mesh
+    devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
+    owners = [{d.process_index for d in np.ravel(devices[i])} for i in range(devices.shape[0])]
+    if any(len(o) != 1 for o in owners):
+        raise ValueError(f"mesh {dict(mesh.shape)}: a slice of the {axis!r} axis spans several "
+                         "processes; keep the model axis within one host (lower mesh_model)")
+    order = [o.pop() for o in owners]
+    if order != sorted(order):
+        raise ValueError(f"mesh {dict(mesh.shape)}: the {axis!r} axis is not process-major "
+                         f"(process of each slice: {order}); build it with sharding.make_mesh")
+
+
+def sync_max(value: int) -> int:
+    """The largest `value` over all processes (e.g. a padded prompt width, so that every process
+    compiles the same shapes)."""
+    if not is_multiprocess():
+        return int(value)
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+
+def rows_to_global(local: np.ndarray, spec: ShardingSpec) -> jax.Array:
+    """[b_local, ...] rows of this process -> global [b_local * num_processes, ...] array,
+    rows sharded over the data axis, everything else replicated. Every process must pass the
+    same b_local and trailing shape (make shapes equal with `sync_max` first)."""
+    local = np.asarray(local)
+    sharding = NamedSharding(spec.mesh, PartitionSpec(_data_axis(spec),
+                                                      *([None] * (local.ndim - 1))))
+    if not is_multiprocess():
+        return jax.device_put(local, sharding)
+    check_mesh(spec)
+    return jax.make_array_from_process_local_data(sharding, local)
+
+
+def local_rows(x: jax.Array | np.ndarray) -> np.ndarray:
+    """This process's rows of a global array whose rows are sharded over the data axis (the
+    inverse of `rows_to_global`); the whole array with one process."""
+    if not is_multiprocess() or not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    blocks: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:      # replicas along the model axis repeat a block
+        rows = shard.index[0] if shard.index else slice(None)
+        start = rows.start or 0
+        if rows != slice(None) and start not in blocks:
+            blocks[start] = np.asarray(shard.data)
+    if not blocks:
+        raise ValueError(f"array {x.shape} with sharding {x.sharding} is not row-sharded; "
+                         "cannot tell which rows belong to this process")
+    return np.concatenate([blocks[k] for k in sorted(blocks)], axis=0)
+
+
+def all_rows(local: np.ndarray) -> np.ndarray:
+    """Concatenation of every process's `local` rows in process order (for global metrics)."""
+    local = np.asarray(local)
+    if not is_multiprocess():
+        return local
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
