@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import load_hf
-from sparrow_jax.rollout import RolloutConfig, generate
+from sparrow_jax.rollout import RolloutConfig, decode, engine, generate, start
 from sparrow_jax.rollout.teacher_forced import replay_logprobs
 
 BIG = np.full(20, 4096, np.int32)
@@ -139,3 +139,37 @@ def test_bad_inputs(tiny):
         RolloutConfig(mode="fast")
     with pytest.raises(ValueError, match="max_budget"):
         RolloutConfig(max_budget=40)
+    state = start(model, toks, lens, cfg=cfg)
+    with pytest.raises(ValueError, match="prefilled for"):
+        decode(model, state, cfg=RolloutConfig(max_new_tokens=8, max_budget=64), budgets=[64])
+
+
+def test_prefill_state_serves_both_modes_and_decode_updates_cache_in_place(tiny):
+    """`start` is mode-independent: dense and sparse decode from copies of one prefill equal
+    `generate`; the decode program aliases the donated cache to its output (no second copy)."""
+    from flax import nnx
+    from sparrow_jax.kv_cache import cache_bytes
+    _, model = tiny
+    toks, lens = _prompts(np.random.default_rng(9), [30, 12])
+    cfgs = {m: RolloutConfig(max_new_tokens=40, mode=m, backend="xla", max_budget=48)
+            for m in ("dense", "sparse")}
+    budgets = np.full(20, 48)
+    state = start(model, toks, lens, cfg=cfgs["dense"], group_size=2, rng=jax.random.key(3))
+    for mode, cfg in cfgs.items():
+        fresh = jax.tree.map(jnp.copy, state)
+        got = decode(model, fresh, cfg=cfg, budgets=budgets, bin_size=16)
+        want = generate(model, toks, lens, cfg=cfg, budgets=budgets, bin_size=16, group_size=2,
+                        rng=jax.random.key(3))
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs),
+                                   rtol=1e-5, atol=1e-6)
+        assert fresh.cache.k[0].is_deleted()        # donated
+    assert (np.asarray(got.budgets)[np.asarray(got.mask)] == 48).any()   # sparse bound hit
+    graphdef, params = nnx.split(model)
+    compiled = engine._decode_program.lower(
+        graphdef, params, state, jnp.asarray(budgets, jnp.int32), cfg=cfgs["sparse"], bin_size=16,
+        spec=None).compile()
+    stats = compiled.memory_analysis()
+    whole_cache = cache_bytes(model.config, 4, state.cache.max_length, jnp.float32)
+    assert stats.alias_size_in_bytes >= whole_cache
+    assert stats.temp_size_in_bytes < whole_cache / 2

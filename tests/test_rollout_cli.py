@@ -140,12 +140,9 @@ def test_bench_rollout_json(capsys):
     r = records[0]
     assert r["context"] == 160 and r["budget"] == 48 and r["backend"] == "xla"
     assert r["config"]["num_hidden_layers"] == 3 and r["device"].startswith("cpu")
-    assert r["dense_e2e_tok_s"] > 0 and r["sparse_e2e_tok_s"] > 0 and r["prefill_s"] > 0
-    # Decode rates are differences of timed runs: at toy sizes under load they may come out
-    # unmeasurable (null), never negative or made up.
-    for key in ("dense_tok_s", "sparse_tok_s"):
-        assert r[key] is None or r[key] > 0
-    if r["dense_tok_s"] and r["sparse_tok_s"]:
-        assert r["ratio"] == pytest.approx(r["sparse_tok_s"] / r["dense_tok_s"])
-    assert set(r["compile_s"]) == {"prefill", "dense", "sparse:48:0,1"}
+    assert r["prefill_s"] > 0 and r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0
+    assert r["ratio"] == pytest.approx(r["sparse_tok_s"] / r["dense_tok_s"])
+    # Decode is timed alone: per-step time and tokens/s describe the same measurement.
+    assert r["dense_ms_per_step"] == pytest.approx(1e3 * 2 / r["dense_tok_s"])
+    assert set(r["compile_s"]) == {"dense", "sparse:48:0,1"}
     assert "dense tok/s" in out  # the human-readable table is printed too

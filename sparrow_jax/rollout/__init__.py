@@ -1,5 +1,6 @@
 """Jitted rollout engine: dense prefill, block-sparse decode loop, teacher-forced sparse forward."""
 
-from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, generate
+from sparrow_jax.rollout.engine import (DecodeState, RolloutConfig, Trajectories, decode, generate,
+                                        start)
 
-__all__ = ["RolloutConfig", "Trajectories", "generate"]
+__all__ = ["DecodeState", "RolloutConfig", "Trajectories", "decode", "generate", "start"]

@@ -6,23 +6,21 @@
 
 For each context length, one random prompt of (context - new_tokens) tokens is prefilled once and
 sampled `batch` times (group sampling, as in GRPO), in dense and in sparse mode, through the real
-engine (`sparrow_jax.rollout.generate`).
+engine (`sparrow_jax.rollout.start` + `decode`, which `generate` chains).
 
-Timing method. The engine is one jitted program (prefill + decode loop), so decode time is
-isolated by subtraction: t_decode = median t(new_tokens) - median t(1), where t(1) runs the
-program with max_new_tokens=1 (prefill and the first sample; the decode loop runs zero steps;
-shared by both modes). Decode tokens/s = batch x (new_tokens - 1) / t_decode. Programs are
-compiled ahead of time (not timed), then each runs `--repeats` times, dense and sparse
-interleaved so load from other processes hits both alike. Stop tokens are disabled: every row
-decodes exactly new_tokens tokens. The JSON lines also carry `ratio_cpu_time`, the ratio of
-decode tokens per process-CPU-second: steadier under other processes' load than wall time, but
-not a throughput (dense decode spreads over more threads than the sparse gather does).
+Timing method. The engine runs two compiled programs, prefill (`rollout.start`) and the decode
+loop (`rollout.decode`). Prefill runs once per context (its state is mode-independent); each
+timed run decodes a fresh copy of that state (the copy is not timed), so decode time is measured
+directly: decode tokens/s = batch x (new_tokens - 1) / t_decode (median of --repeats). Programs
+are compiled ahead of time (not timed); dense and sparse runs are interleaved so load from other
+processes hits both alike. Stop tokens are disabled: every row decodes exactly new_tokens
+tokens. The JSON lines also carry `ratio_cpu_time`, the ratio of decode tokens per process-CPU-
+second: steadier under other processes' load than wall time, but not a throughput (dense decode
+spreads over more threads than the sparse gather does).
 
 The engine's per-step cost depends only on the cache capacity (static shapes: dense decode reads
-the whole buffer, sparse decode gathers max_budget tokens), not on the live length, so a long
---new_tokens at a fixed --context measures the same per-step cost as a short one. On CPU,
-prefill of an 8K-16K prompt takes 20-70 s and its run-to-run jitter on a shared machine exceeds
-a short decode: use --new_tokens = context / 2 there (prefill shrinks 4x, decode dominates).
+the whole buffer, sparse decode gathers max_budget tokens), not on the live length, so a short
+--new_tokens at a fixed --context measures the same per-step cost as a long one.
 """
 
 from __future__ import annotations
@@ -133,25 +131,22 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
-def _precompile(model, prompt, lengths, cfg, budgets, bin_size: int, group_size: int,
-                rng) -> float:
-    """Compiles the engine's program without running it (a warm-up run would cost a whole
-    prefill + decode); returns seconds. The arguments mirror what `generate` passes (prompt
-    already a block multiple, int32 budgets), so the later `generate` calls hit this cache."""
+def _precompile(model, state, cfg, budgets, bin_size: int) -> float:
+    """Compiles the decode program for `state` without running it; returns seconds. Arguments
+    mirror what `rollout.decode` passes, so the timed calls hit this compilation."""
     from flax import nnx
     from sparrow_jax.rollout import engine
-    graphdef, state = nnx.split(model)
+    graphdef, params = nnx.split(model)
     t0 = time.perf_counter()
-    engine._generate.lower(graphdef, state, jnp.asarray(prompt), jnp.asarray(lengths),
-                           jnp.asarray(budgets, jnp.int32), rng, cfg=cfg, group_size=group_size,
-                           bin_size=bin_size, spec=None).compile()
+    engine._decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
+                                 cfg=cfg, bin_size=bin_size, spec=None).compile()
     return time.perf_counter() - t0
 
 
 def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
                   variants: Sequence[SparseRun]) -> list[dict[str, Any]]:
     """Dense + every sparse variant at one context length; one result dict per variant."""
-    from sparrow_jax.rollout import generate
+    from sparrow_jax.rollout import decode, start
     from sparrow_jax.rollout.engine import padded_length
     if context <= args.new_tokens + 1:
         raise SystemExit(f"sparrow bench rollout: --context {context} must exceed --new_tokens "
@@ -163,14 +158,10 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     lengths = np.asarray([plen], np.int32)
     key = jax.random.key(args.seed)
 
-    # name -> (cfg, budgets, bin_size). "prefill" runs max_new_tokens=1: shared by both modes
-    # (sparse mode adds only the prompt's block centroids, ~1 ms).
+    # name -> (cfg, budgets, bin_size) of each decode program.
     progs: dict[str, tuple[Any, np.ndarray, int]] = {}
-    dense_budgets = np.full(20, 1 << 20, np.int32)  # ignored in dense mode
-    progs["prefill"] = (dataclasses.replace(base_cfg, mode="dense", max_new_tokens=1),
-                        dense_budgets, 2000)
-    progs["dense"] = (dataclasses.replace(base_cfg, mode="dense", max_new_tokens=args.new_tokens),
-                      dense_budgets, 2000)
+    dense_cfg = dataclasses.replace(base_cfg, mode="dense", max_new_tokens=args.new_tokens)
+    progs["dense"] = (dense_cfg, np.full(20, 1 << 20, np.int32), 2000)  # budgets unused
     for v in variants:
         # Static selection width = the largest budget this context reaches: a wider width would
         # gather (and attend over) padding blocks every step.
@@ -179,20 +170,19 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
                                   max_new_tokens=args.new_tokens, dense_layers=v.dense_layers)
         progs[v.key] = (cfg, np.minimum(v.budgets, reach), v.bin_size)
 
+    # One prefill for every mode; its time includes compiling the prefill program.
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(start(model, prompt, lengths, cfg=dense_cfg,
+                                        group_size=args.batch, rng=key))
+    pre_w = time.perf_counter() - t0
+    compile_s = {name: _precompile(model, state, cfg, budgets, bin_size)
+                 for name, (cfg, budgets, bin_size) in progs.items()}
+
     def run(name: str):
         cfg, budgets, bin_size = progs[name]
-        return lambda: generate(model, prompt, lengths, cfg=cfg, budgets=budgets,
-                                bin_size=bin_size, group_size=args.batch, rng=key)
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))   # decode consumes it
+        return lambda: decode(model, fresh, cfg=cfg, budgets=budgets, bin_size=bin_size)
 
-    compile_s = {}
-    for name, (cfg, budgets, bin_size) in progs.items():
-        try:
-            compile_s[name] = _precompile(model, prompt, lengths, cfg, budgets, bin_size,
-                                          args.batch, key)
-        except Exception as e:  # engine internals moved: fall back to an untimed warm-up run
-            print(f"# ahead-of-time compile failed ({type(e).__name__}: {e}); warm-up run "
-                  "instead", file=sys.stderr)
-            compile_s[name] = _timed(run(name))[0]
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     for _ in range(args.repeats):
@@ -202,25 +192,19 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
             cpu.setdefault(name, []).append(c)
 
     steps = args.batch * (args.new_tokens - 1)
-    pre_w, pre_c = statistics.median(wall["prefill"]), statistics.median(cpu["prefill"])
 
-    def decode(name: str) -> dict[str, float | None]:
-        full_w, full_c = statistics.median(wall[name]), statistics.median(cpu[name])
-        dt, dc = full_w - pre_w, full_c - pre_c
-        # dt <= 0: prefill noise exceeded the whole decode; no number beats a made-up one.
-        return {"tok_s": steps / dt if dt > 0 else None,
-                "cpu_tok_s": steps / dc if dc > 0 else None,
-                "ms_per_step": 1e3 * dt / (args.new_tokens - 1) if dt > 0 else None,
-                "e2e_tok_s": args.batch * args.new_tokens / full_w,
-                "decode_share": max(dt, 0.0) / full_w}
+    def decode_rate(name: str) -> dict[str, float]:
+        dt, dc = statistics.median(wall[name]), statistics.median(cpu[name])
+        return {"tok_s": steps / dt, "cpu_tok_s": steps / dc,
+                "ms_per_step": 1e3 * dt / (args.new_tokens - 1)}
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b is not None else None
 
-    dense = decode("dense")
+    dense = decode_rate("dense")
     results = []
     for v in variants:
-        sparse = decode(v.key)
+        sparse = decode_rate(v.key)
         results.append({
             "context": context, "prompt_tokens": plen,
             "budget": int(v.budgets[0]) if v.fixed else None,
@@ -230,10 +214,9 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
             "ratio": ratio(sparse["tok_s"], dense["tok_s"]),
             "ratio_cpu_time": ratio(sparse["cpu_tok_s"], dense["cpu_tok_s"]),
             "dense_ms_per_step": dense["ms_per_step"], "sparse_ms_per_step": sparse["ms_per_step"],
-            "prefill_s": pre_w, "decode_share": min(dense["decode_share"], sparse["decode_share"]),
-            "dense_e2e_tok_s": dense["e2e_tok_s"], "sparse_e2e_tok_s": sparse["e2e_tok_s"],
+            "prefill_s": pre_w,
             "compile_s": {name: round(t, 2) for name, t in compile_s.items()
-                          if name in ("prefill", "dense", v.key)},
+                          if name in ("dense", v.key)},
         })
     return results
 
@@ -294,18 +277,12 @@ def main(argv: Sequence[str]) -> int:
                 ("prefill_s", 10, ".2f"))]
             cells[2] += "x"
             print(f"{context:>8} {label:>16} {layers:>12} " + " ".join(cells), flush=True)
-            if r["decode_share"] < 0.5:
-                # Decode time is a difference of two runs; when prefill dominates both, load
-                # noise in prefill swamps it.
-                print(f"# warning: decode is only {100 * r['decode_share']:.0f}% of a run at "
-                      f"context {context}; raise --new_tokens for a stable difference",
-                      file=sys.stderr, flush=True)
             if args.json:
                 record = {"bench": "rollout", "model": args.preset or "custom", "config": shape,
                           "dtype": dtype.name, "batch": args.batch,
                           "new_tokens": args.new_tokens, "repeats": args.repeats,
                           "device": device, "backend": backend,
-                          "method": "decode time = median t(new_tokens) - median t(1)", **r}
+                          "method": "decode program timed alone (median), prefill excluded", **r}
                 print(json.dumps(record), flush=True)
     return 0
 

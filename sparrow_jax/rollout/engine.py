@@ -160,53 +160,93 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
                          out_specs=(q, kv), check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "group_size", "bin_size", "spec"))
-def _generate(graphdef, state, prompt_tokens, prompt_lengths, budgets, rng, *, cfg: RolloutConfig,
-              group_size: int, bin_size: int, spec: ShardingSpec | None):
-    model: Qwen3ForCausalLM = nnx.merge(graphdef, state)
-    mcfg = model.config
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything the decode loop carries; the prefill program's output. B = prompts x group."""
+    step: jax.Array              # [] int32 next position to record (1 after prefill)
+    cache: KVCache
+    token: jax.Array             # [B] int32 last sampled token (fed next)
+    tokens: jax.Array            # [B, T] int32 recorded buffers, as in Trajectories
+    logprobs: jax.Array          # [B, T] f32
+    topk_logprobs: jax.Array     # [B, T, k] f32
+    topk_ids: jax.Array          # [B, T, k] int32
+    budgets: jax.Array           # [B, T] int32
+    done: jax.Array              # [B] bool
+    response_lengths: jax.Array  # [B] int32
+    rng: jax.Array
+    prompt_tokens: jax.Array     # [B, P] int32 (repeated per sample)
+    prompt_lengths: jax.Array    # [B] int32
+
+
+def _constrain(x, axes, spec: ShardingSpec | None):
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec.sharding(axes, x.shape))
+
+
+def _record(state: DecodeState, logits, cfg: RolloutConfig, active) -> DecodeState:
+    """Samples the next token from logits [B, V] and records it at position state.step."""
+    rng, sub = jax.random.split(state.rng)
+    tok, lp = sample(sub, logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    top_v, top_i = topk_logprobs(logits, cfg.record_topk, temperature=cfg.temperature)
+    tok = jnp.where(active, tok, cfg.pad_token_id)
+    step = state.step
+    return dataclasses.replace(
+        state, rng=rng, token=tok, tokens=state.tokens.at[:, step].set(tok),
+        logprobs=state.logprobs.at[:, step].set(jnp.where(active, lp, 0.0)),
+        topk_logprobs=state.topk_logprobs.at[:, step].set(top_v),
+        topk_ids=state.topk_ids.at[:, step].set(top_i),
+        response_lengths=state.response_lengths + active)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "group_size", "spec"))
+def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, *, cfg: RolloutConfig,
+                     group_size: int, spec: ShardingSpec | None) -> DecodeState:
+    """Dense prefill, cache layout for `group_size` samples per prompt, first sampled token.
+    Independent of the rollout mode: dense and sparse decode start from the same state."""
+    model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
     bp, plen = prompt_tokens.shape
-    b = bp * group_size
-    t_new = cfg.max_new_tokens
+    b, t_new = bp * group_size, cfg.max_new_tokens
     s_max = padded_length(plen + t_new, cfg.block_size)
-    max_selected = min(cfg.max_budget, s_max) // cfg.block_size
-
-    def constrain(x, axes):
-        return x if spec is None else jax.lax.with_sharding_constraint(x, spec.sharding(axes, x.shape))
-
     ks, vs, first_logits = prefill(model, prompt_tokens, prompt_lengths, chunk=cfg.prefill_chunk)
     # Group sampling: the n samples of a prompt share its prefill; copy the prompt cache n times.
     rep = functools.partial(jnp.repeat, repeats=group_size, axis=0)
     pad = ((0, 0), (0, 0), (0, s_max - plen), (0, 0))
-    k_layers = [constrain(jnp.pad(rep(k), pad), CACHE_AXES) for k in ks]
-    v_layers = [constrain(jnp.pad(rep(v), pad), CACHE_AXES) for v in vs]
-    cents = [constrain(selection.block_centroids(k, cfg.block_size), CACHE_AXES) for k in k_layers]
-    prompt_lengths = rep(prompt_lengths)
-    cache = KVCache(k=tuple(k_layers), v=tuple(v_layers), centroids=tuple(cents),
-                    lengths=prompt_lengths)
-
-    stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
+    k_layers = [_constrain(jnp.pad(rep(k), pad), CACHE_AXES, spec) for k in ks]
+    v_layers = [_constrain(jnp.pad(rep(v), pad), CACHE_AXES, spec) for v in vs]
+    cents = [_constrain(selection.block_centroids(k, cfg.block_size), CACHE_AXES, spec)
+             for k in k_layers]
+    lengths = rep(prompt_lengths)
     k_rec = cfg.record_topk
+    state = DecodeState(
+        step=jnp.int32(0),
+        cache=KVCache(k=tuple(k_layers), v=tuple(v_layers), centroids=tuple(cents),
+                      lengths=lengths),
+        token=jnp.zeros((b,), jnp.int32),
+        tokens=jnp.full((b, t_new), cfg.pad_token_id, jnp.int32),
+        logprobs=jnp.zeros((b, t_new), jnp.float32),
+        topk_logprobs=jnp.zeros((b, t_new, k_rec), jnp.float32),
+        topk_ids=jnp.zeros((b, t_new, k_rec), jnp.int32),
+        budgets=jnp.zeros((b, t_new), jnp.int32), done=jnp.zeros((b,), bool),
+        response_lengths=jnp.zeros((b,), jnp.int32), rng=rng,
+        prompt_tokens=rep(prompt_tokens), prompt_lengths=lengths)
+    state = _record(state, rep(first_logits), cfg, jnp.ones((b,), bool))
+    stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
+    return dataclasses.replace(state, step=jnp.int32(1),
+                               done=jnp.isin(state.token, stop_ids) | (t_new <= 1))
 
-    def record(bufs, step, logits, rng, active):
-        tok, lp = sample(rng, logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-        top_v, top_i = topk_logprobs(logits, k_rec, temperature=cfg.temperature)
-        tok = jnp.where(active, tok, cfg.pad_token_id)
-        tokens, logps, tv, ti = bufs
-        tokens = tokens.at[:, step].set(tok)
-        logps = logps.at[:, step].set(jnp.where(active, lp, 0.0))
-        tv = tv.at[:, step].set(top_v)
-        ti = ti.at[:, step].set(top_i)
-        return (tokens, logps, tv, ti), tok
 
-    bufs = (jnp.full((b, t_new), cfg.pad_token_id, jnp.int32), jnp.zeros((b, t_new), jnp.float32),
-            jnp.zeros((b, t_new, k_rec), jnp.float32), jnp.zeros((b, t_new, k_rec), jnp.int32))
-    active = jnp.ones((b,), bool)
-    rng, sub = jax.random.split(rng)
-    bufs, tok = record(bufs, 0, rep(first_logits), sub, active)
-    budget_rec = jnp.zeros((b, t_new), jnp.int32)
-    done = jnp.isin(tok, stop_ids) | (t_new <= 1)
-    resp_len = jnp.ones((b,), jnp.int32)
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "bin_size", "spec"),
+                   donate_argnames=("state",))
+def _decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
+                    bin_size: int, spec: ShardingSpec | None) -> tuple[Trajectories, tuple]:
+    """The decode `while_loop`. `state` is donated: the cache is updated in place. The final
+    cache and loop scalars are returned, unused, so that every donated buffer aliases an output
+    (a donated input with no output to alias would be copied into the loop, doubling the cache)."""
+    model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
+    mcfg = model.config
+    t_new, s_max = state.tokens.shape[1], state.cache.max_length
+    max_selected = min(cfg.max_budget, s_max) // cfg.block_size
+    stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
 
     def sparse_layer(i):
         return cfg.mode == "sparse" and i not in cfg.dense_layers
@@ -215,12 +255,11 @@ def _generate(graphdef, state, prompt_tokens, prompt_lengths, budgets, rng, *, c
                                                max_selected=max_selected), spec,
                              mcfg.num_key_value_heads) for sp in (False, True)}
 
-    def cond(carry):
-        step, _, _, _, done, _, _, _ = carry
-        return (step < t_new) & ~jnp.all(done)
+    def cond(st: DecodeState):
+        return (st.step < t_new) & ~jnp.all(st.done)
 
-    def body(carry):
-        step, cache, tok, bufs, done, budget_rec, resp_len, rng = carry
+    def body(st: DecodeState) -> DecodeState:
+        cache = st.cache
         lengths = cache.lengths + 1  # the fed token is written at index cache.lengths
         budget = budget_for_lengths(budgets, lengths, bin_size)
         budget_blocks = jnp.minimum(budget // cfg.block_size, max_selected).astype(jnp.int32)
@@ -233,38 +272,35 @@ def _generate(graphdef, state, prompt_tokens, prompt_lengths, budgets, rng, *, c
                                                       lengths, budget_blocks)
             return out[:, None]
 
-        hidden = model.run_layers(model.embed(tok[:, None]), cache.lengths[:, None], attend)
-        logits = model.logits(hidden[:, 0])
-        active = ~done
-        rng, sub = jax.random.split(rng)
-        bufs, tok = record(bufs, step, logits, sub, active)
+        hidden = model.run_layers(model.embed(st.token[:, None]), cache.lengths[:, None], attend)
+        active = ~st.done
+        st = _record(st, model.logits(hidden[:, 0]), cfg, active)
         used = budget if cfg.mode == "sparse" else jnp.zeros_like(budget)
-        budget_rec = budget_rec.at[:, step].set(jnp.where(active, used, 0))
-        resp_len = resp_len + active
         new_len = jnp.where(active, lengths, cache.lengths)
-        done = done | (active & (jnp.isin(tok, stop_ids) | (new_len + 1 > s_max)))
-        cache = KVCache(k=tuple(k_new), v=tuple(v_new), centroids=tuple(c_new), lengths=new_len)
-        return step + 1, cache, tok, bufs, done, budget_rec, resp_len, rng
+        done = st.done | (active & (jnp.isin(st.token, stop_ids) | (new_len + 1 > s_max)))
+        return dataclasses.replace(
+            st, step=st.step + 1, done=done,
+            budgets=st.budgets.at[:, st.step].set(jnp.where(active, used, 0)),
+            cache=KVCache(k=tuple(k_new), v=tuple(v_new), centroids=tuple(c_new),
+                          lengths=new_len))
 
-    carry = (jnp.int32(1), cache, tok, bufs, done, budget_rec, resp_len, rng)
-    _, cache, _, bufs, _, budget_rec, resp_len, _ = jax.lax.while_loop(cond, body, carry)
-    tokens, logps, top_v, top_i = bufs
+    st = jax.lax.while_loop(cond, body, state)
     steps = jnp.arange(t_new)
-    mask = steps[None, :] < resp_len[:, None]
     traj = Trajectories(
-        prompt_tokens=rep(prompt_tokens), prompt_lengths=prompt_lengths, tokens=tokens,
-        logprobs=logps, topk_logprobs=top_v, topk_ids=top_i, budgets=budget_rec,
-        cached_lengths=prompt_lengths[:, None] + steps[None, :], mask=mask,
-        response_lengths=resp_len)
+        prompt_tokens=st.prompt_tokens, prompt_lengths=st.prompt_lengths, tokens=st.tokens,
+        logprobs=st.logprobs, topk_logprobs=st.topk_logprobs, topk_ids=st.topk_ids,
+        budgets=st.budgets, cached_lengths=st.prompt_lengths[:, None] + steps[None, :],
+        mask=steps[None, :] < st.response_lengths[:, None], response_lengths=st.response_lengths)
     # Rows stay sharded over the data axis: each process then reads its own rows back
     # (multihost.local_rows) and the learner consumes the global arrays as they are.
-    return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)), traj)
+    traj = jax.tree.map(lambda x: _constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
+    return traj, (st.cache, st.step, st.token, st.done, st.rng)
 
 
 def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
              budgets, bin_size: int = 2000, group_size: int = 1, rng: jax.Array | None = None,
              spec: ShardingSpec | None = None) -> Trajectories:
-    """Samples `group_size` completions per prompt.
+    """Samples `group_size` completions per prompt: `start` (prefill) then `decode`.
 
     prompt_tokens [Bp, P] int32 right-padded (P is padded up to a block multiple here),
     prompt_lengths [Bp] (each >= 1), budgets [num_bins] int32 tokens per length bin (ignored in
@@ -274,6 +310,28 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     same Bp everywhere) and a `spec`; the result is global (process p's prompts are its row block
     p, see `sparrow_jax.multihost`), read a process's rows back with `multihost.local_rows`.
     """
+    _check_budgets(cfg, budgets)          # before the (long) prefill
+    state = start(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
+                  spec=spec)
+    return decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
+
+
+def _check_budgets(cfg: RolloutConfig, budgets) -> np.ndarray:
+    budgets = np.asarray(budgets, np.int32)
+    if budgets.ndim != 1 or budgets.size == 0:
+        raise ValueError(f"budgets must be a non-empty [num_bins] array, got shape {budgets.shape}")
+    if cfg.mode == "sparse" and budgets.max() > cfg.max_budget:
+        raise ValueError(f"schedule budget {budgets.max()} exceeds RolloutConfig.max_budget="
+                         f"{cfg.max_budget} (the static selection width); raise max_budget")
+    return budgets
+
+
+def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
+          group_size: int = 1, rng: jax.Array | None = None,
+          spec: ShardingSpec | None = None) -> DecodeState:
+    """The prefill program: validates and pads the prompts, fills the cache (one copy per
+    sample), samples the first token. Arguments as in `generate`; the result feeds `decode`
+    (whose `cfg` may differ in mode, dense layers and max_budget only)."""
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
     if prompt_tokens.ndim != 2 or prompt_lengths.shape != prompt_tokens.shape[:1]:
@@ -282,10 +340,6 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     if prompt_lengths.min() < 1 or prompt_lengths.max() > prompt_tokens.shape[1]:
         raise ValueError(f"prompt_lengths must be in [1, {prompt_tokens.shape[1]}], "
                          f"got {prompt_lengths.tolist()}")
-    budgets = np.asarray(budgets, np.int32)
-    if cfg.mode == "sparse" and budgets.max() > cfg.max_budget:
-        raise ValueError(f"schedule budget {budgets.max()} exceeds RolloutConfig.max_budget="
-                         f"{cfg.max_budget} (the static selection width); raise max_budget")
     multi = multihost.is_multiprocess()
     if multi and spec is None:
         raise ValueError(f"a {jax.process_count()}-process rollout needs spec= (a ShardingSpec "
@@ -300,12 +354,29 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
                          f"{dict(spec.mesh.shape)}")
     check_cache_fits(model.config, b, padded_length(plen + cfg.max_new_tokens, cfg.block_size),
                      model.dtype, spec, block_size=cfg.block_size)
-    graphdef, state = nnx.split(model)
+    graphdef, params = nnx.split(model)
     rng = jax.random.key(0) if rng is None else rng
     if multi:
         tokens_in = multihost.rows_to_global(prompt_tokens, spec)
         lengths_in = multihost.rows_to_global(prompt_lengths, spec)
     else:
         tokens_in, lengths_in = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
-    return _generate(graphdef, state, tokens_in, lengths_in, jnp.asarray(budgets), rng, cfg=cfg,
-                     group_size=group_size, bin_size=bin_size, spec=spec)
+    return _prefill_program(graphdef, params, tokens_in, lengths_in, rng, cfg=cfg,
+                            group_size=group_size, spec=spec)
+
+
+def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, budgets,
+           bin_size: int = 2000, spec: ShardingSpec | None = None) -> Trajectories:
+    """The decode program: runs `state` (from `start`, consumed: its buffers are donated) until
+    every row stopped or reached cfg.max_new_tokens. budgets [num_bins] int32 as in `generate`."""
+    budgets = _check_budgets(cfg, budgets)
+    shapes = (state.tokens.shape[1], state.topk_ids.shape[2],
+              state.cache.max_length // state.cache.centroids[0].shape[2])
+    wanted = (cfg.max_new_tokens, cfg.record_topk, cfg.block_size)
+    if shapes != wanted:
+        raise ValueError(f"state was prefilled for (max_new_tokens, record_topk, block_size) = "
+                         f"{shapes}, cfg has {wanted}")
+    graphdef, params = nnx.split(model)
+    traj, _ = _decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
+                              bin_size=bin_size, spec=spec)
+    return traj
