@@ -45,25 +45,72 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rotated * sin
 
 
+def _causal_attention_rows(q: Array, k: Array, v: Array, key_mask: Array, *,
+                           q_offset: int) -> Array:
+    """Queries at absolute indices q_offset.. against keys 0..S-1 (S = the keys given).
+
+    q [B, C, Hq, D], k/v [B, S, Hkv, D], key_mask [B, S] bool -> [B, C, Hq, D]. Key j is visible
+    to query i iff j <= i and key_mask[j].
+    """
+    b, c, hq, d = q.shape
+    s_len, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, c, hkv, hq // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    causal = (jnp.arange(s_len)[None, :] <= (q_offset + jnp.arange(c))[:, None])    # [C, S]
+    visible = causal[None, :, :] & key_mask[:, None, :]                               # [B, C, S]
+    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, c, hq, d).astype(q.dtype)
+
+
 def dense_causal_attention(layer_idx: int, q: Array, k: Array, v: Array, positions: Array,
                            attention_mask: Array) -> Array:
     """Exact causal GQA attention over a whole sequence.
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], attention_mask [B, T] (1 = real token). Causality is by
     index (key j visible to query i iff j <= i), so left- and right-padded batches both work.
+    Materialises [B, Hq, T, T] scores: see `chunked_causal_attention` for long sequences.
     """
     del layer_idx, positions
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (d ** -0.5)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    visible = causal[None, :, :] & attention_mask.astype(bool)[:, None, :]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    return _causal_attention_rows(q, k, v, attention_mask.astype(bool), q_offset=0)
+
+
+def chunked_causal_attention(query_chunk: int) -> FullAttentionFn:
+    """`dense_causal_attention`, computed `query_chunk` queries at a time (memory-efficient).
+
+    A `lax.scan` over query chunks whose body is rematerialised in the backward pass: forward and
+    gradient hold one [B, Hq, query_chunk, T] score block at a time instead of [B, Hq, T, T]
+    (a scan, not a Python loop, so XLA cannot schedule the chunks side by side). Same values as
+    the one-shot version (a test checks values, gradients and the compiled memory); the same
+    FLOPs too - masked future keys are still multiplied.
+    """
+    if query_chunk <= 0:
+        raise ValueError(f"query_chunk must be positive, got {query_chunk}")
+
+    def attention(layer_idx: int, q: Array, k: Array, v: Array, positions: Array,
+                  attention_mask: Array) -> Array:
+        del layer_idx, positions
+        b, t, hq, d = q.shape
+        n = -(-t // query_chunk)
+        # [n, B, C, Hq, D]; padded queries (beyond T) are dropped after the scan.
+        q_chunks = jnp.pad(q, ((0, 0), (0, n * query_chunk - t), (0, 0), (0, 0)))
+        q_chunks = q_chunks.reshape(b, n, query_chunk, hq, d).swapaxes(0, 1)
+        key_mask = attention_mask.astype(bool)
+
+        @jax.checkpoint
+        def rows(q_chunk, offset):
+            return _causal_attention_rows(q_chunk, k, v, key_mask, q_offset=offset)
+
+        def body(carry, xs):
+            return carry, rows(*xs)
+
+        offsets = jnp.arange(n, dtype=jnp.int32) * query_chunk
+        _, out = jax.lax.scan(body, None, (q_chunks, offsets))
+        return out.swapaxes(0, 1).reshape(b, n * query_chunk, hq, d)[:, :t]
+
+    return attention
 
 
 class RMSNorm(nnx.Module):

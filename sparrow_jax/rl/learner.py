@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from sparrow_jax import mismatch
-from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, chunked_causal_attention
 from sparrow_jax.rl import grpo
 from sparrow_jax.rollout.engine import Trajectories
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
@@ -44,6 +44,8 @@ class LearnerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 0      # rows per micro-batch (multiple of the group size); 0 = all
     logit_chunk: int = 256         # time steps per [B, chunk, V] logits slice
+    attention_chunk: int = 0       # dense forwards: queries per [B, H, chunk, T] score block,
+                                   # rematerialised in backward (long sequences); 0 = one-shot
     temperature: float = 1.0       # the sampling temperature: the policy is pi(.)^(1/T)
     alpha_mode: str = "full"       # "full": exact full-vocabulary alpha via a sparse replay
                                    # "topk": the paper's top-k lower bound (no extra forward)
@@ -52,7 +54,8 @@ class LearnerConfig:
     def __post_init__(self):
         if self.alpha_mode not in ALPHA_MODES:
             raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
-        if self.learning_rate <= 0 or self.micro_batch_size < 0 or self.logit_chunk <= 0:
+        if (self.learning_rate <= 0 or self.micro_batch_size < 0 or self.logit_chunk <= 0
+                or self.attention_chunk < 0):
             raise ValueError(f"bad learner config {self}")
 
 
@@ -81,15 +84,21 @@ class SparseReplay:
     dense_layers: tuple[int, ...] = (0, 1)
 
 
+def _dense_attention(cfg: LearnerConfig):
+    """The training forward's attention: one-shot, or query-chunked for long sequences."""
+    return chunked_causal_attention(cfg.attention_chunk) if cfg.attention_chunk else None
+
+
 def _analyze(model: Qwen3ForCausalLM, traj: Trajectories, budgets, replay: SparseReplay | None,
              cfg: LearnerConfig) -> dict[str, jax.Array]:
-    hidden_d = trajectory_hidden(model, traj)
+    hidden_d = trajectory_hidden(model, traj, attention_fn=_dense_attention(cfg))
     hidden_s = None
     if cfg.alpha_mode == "full" and replay is not None:
         fn = sparse_attention_fn(budgets=budgets, bin_size=replay.bin_size,
                                  prompt_lengths=traj.prompt_lengths,
                                  max_selected=replay.max_selected, block_size=replay.block_size,
-                                 dense_layers=replay.dense_layers)
+                                 dense_layers=replay.dense_layers,
+                                 query_chunk=cfg.attention_chunk)
         hidden_s = trajectory_hidden(model, traj, attention_fn=fn)
     k = traj.topk_ids.shape[-1]
 
@@ -121,7 +130,7 @@ def _loss_terms(params, rest, graphdef, batch: LearnerBatch, denominator, tis_me
                 cfg: LearnerConfig, loss_cfg: grpo.LossConfig):
     model = nnx.merge(graphdef, params, rest)
     traj = batch.traj
-    hidden = trajectory_hidden(model, traj)
+    hidden = trajectory_hidden(model, traj, attention_fn=_dense_attention(cfg))
 
     def chunk(h, tok):
         lp = jax.nn.log_softmax(model.logits(h) / cfg.temperature, axis=-1)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax import selection
-from sparrow_jax.model.qwen3 import _MASK_VALUE, Qwen3ForCausalLM, dense_causal_attention
+from sparrow_jax.model.qwen3 import (_MASK_VALUE, Qwen3ForCausalLM, chunked_causal_attention,
+                                     dense_causal_attention)
 from sparrow_jax.rollout.engine import Trajectories, budget_for_lengths, padded_length
 
 
@@ -45,41 +46,63 @@ def response_hidden(hidden: jax.Array, traj: Trajectories) -> jax.Array:
 
 def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: jax.Array,
                         max_selected: int, block_size: int = 16,
-                        dense_layers: tuple[int, ...] = (0, 1)):
+                        dense_layers: tuple[int, ...] = (0, 1), query_chunk: int = 0):
     """A FullAttentionFn for `Qwen3ForCausalLM.hidden_states` that replays block top-k selection.
 
     Queries inside the prompt (prefill) and all queries of dense layers attend densely.
+    query_chunk > 0 processes that many queries at a time (a `lax.map`), so the [B, H, T, S]
+    scores and the [B, T, Hkv, S] selection mask exist one chunk at a time (long sequences).
     """
+    dense_fn = chunked_causal_attention(query_chunk) if query_chunk else dense_causal_attention
+
     def attend(layer_idx, q, k, v, positions, attention_mask):
         if layer_idx in dense_layers:
-            return dense_causal_attention(layer_idx, q, k, v, positions, attention_mask)
+            return dense_fn(layer_idx, q, k, v, positions, attention_mask)
         b, t, hq, d = q.shape
-        hkv = k.shape[2]
         kt = k.transpose(0, 2, 1, 3)                                   # [B, Hkv, S, D]
         centroids = selection.block_centroids(kt, block_size)           # [B, Hkv, NB, D]
-        nb = centroids.shape[2]
-        scores = selection.centroid_scores(q, centroids[:, None])        # [B, T, Hkv, NB]
-        lengths = jnp.broadcast_to((positions + 1)[..., None], (b, t, hkv))
-        budget_blocks = (budget_for_lengths(budgets, positions + 1, bin_size) // block_size)
-        budget_blocks = jnp.broadcast_to(jnp.minimum(budget_blocks, max_selected)[..., None],
-                                         (b, t, hkv)).astype(jnp.int32)
-        idx, _ = selection.select_from_scores(scores, lengths, budget_blocks,
-                                              max_selected=max_selected, block_size=block_size)
-        # Padding repeats the last valid id, so scattering every entry marks exactly the selection.
-        chosen = jnp.put_along_axis(jnp.zeros((b, t, hkv, nb), bool), idx, True, axis=-1,
-                                    inplace=False)
-        chosen = jnp.repeat(chosen, block_size, axis=-1)                 # [B, T, Hkv, S]
-        key_idx = jnp.arange(t)
-        causal = key_idx[None, :] <= key_idx[:, None]                    # [T, S]
-        is_decode = positions >= prompt_lengths[:, None]                 # [B, T]
-        visible = causal[None, :, None, :] & jnp.where(is_decode[..., None, None], chosen, True)
-        visible = visible & attention_mask.astype(bool)[:, None, None, :]  # [B, T, Hkv, S]
-        qg = q.reshape(b, t, hkv, hq // hkv, d)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
-        s = jnp.where(visible.transpose(0, 2, 1, 3)[:, :, None], s, _MASK_VALUE)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
-        return out.reshape(b, t, hq, d).astype(q.dtype)
+        key_mask = attention_mask.astype(bool)
+
+        def rows(q_c, pos_c, offset):
+            """Queries at indices offset.. : q_c [B, C, Hq, D], pos_c [B, C] -> [B, C, Hq, D]."""
+            c, hkv, nb = q_c.shape[1], k.shape[2], centroids.shape[2]
+            scores = selection.centroid_scores(q_c, centroids[:, None])      # [B, C, Hkv, NB]
+            lengths = jnp.broadcast_to((pos_c + 1)[..., None], (b, c, hkv))
+            budget_blocks = budget_for_lengths(budgets, pos_c + 1, bin_size) // block_size
+            budget_blocks = jnp.broadcast_to(jnp.minimum(budget_blocks, max_selected)[..., None],
+                                             (b, c, hkv)).astype(jnp.int32)
+            idx, _ = selection.select_from_scores(scores, lengths, budget_blocks,
+                                                  max_selected=max_selected,
+                                                  block_size=block_size)
+            # Padding repeats the last valid id, so scattering every entry marks exactly the
+            # selection.
+            chosen = jnp.put_along_axis(jnp.zeros((b, c, hkv, nb), bool), idx, True, axis=-1,
+                                        inplace=False)
+            chosen = jnp.repeat(chosen, block_size, axis=-1)                 # [B, C, Hkv, S]
+            causal = jnp.arange(t)[None, :] <= (offset + jnp.arange(c))[:, None]   # [C, S]
+            is_decode = pos_c >= prompt_lengths[:, None]                         # [B, C]
+            visible = causal[None, :, None, :] & jnp.where(is_decode[..., None, None], chosen,
+                                                           True)
+            visible = visible & key_mask[:, None, None, :]                      # [B, C, Hkv, S]
+            qg = q_c.reshape(b, c, hkv, hq // hkv, d)
+            s = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+                           preferred_element_type=jnp.float32) * d ** -0.5
+            s = jnp.where(visible.transpose(0, 2, 1, 3)[:, :, None], s, _MASK_VALUE)
+            p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+            out = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+            return out.reshape(b, c, hq, d).astype(q.dtype)
+
+        if not query_chunk:
+            return rows(q, positions, 0)
+        n = -(-t // query_chunk)
+        pad = n * query_chunk - t
+        q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+            b, n, query_chunk, hq, d).swapaxes(0, 1)
+        pos_chunks = jnp.pad(positions, ((0, 0), (0, pad)), mode="edge").reshape(
+            b, n, query_chunk).swapaxes(0, 1)
+        offsets = jnp.arange(n, dtype=jnp.int32) * query_chunk
+        out = jax.lax.map(lambda xs: rows(*xs), (q_chunks, pos_chunks, offsets))
+        return out.swapaxes(0, 1).reshape(b, n * query_chunk, hq, d)[:, :t]
     return attend
 
 
