@@ -45,24 +45,53 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rotated * sin
 
 
-def _causal_attention_rows(q: Array, k: Array, v: Array, key_mask: Array, *,
-                           q_offset: int) -> Array:
-    """Queries at absolute indices q_offset.. against keys 0..S-1 (S = the keys given).
+def masked_gqa_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
+    """GQA attention of C queries over S keys under an explicit visibility mask (f32 softmax).
 
-    q [B, C, Hq, D], k/v [B, S, Hkv, D], key_mask [B, S] bool -> [B, C, Hq, D]. Key j is visible
-    to query i iff j <= i and key_mask[j].
+    q [B, C, Hq, D], k/v [B, S, Hkv, D], visible [B, Hkv or 1, C, S] bool -> [B, C, Hq, D].
     """
     b, c, hq, d = q.shape
-    s_len, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     qg = q.reshape(b, c, hkv, hq // hkv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (d ** -0.5)
-    causal = (jnp.arange(s_len)[None, :] <= (q_offset + jnp.arange(c))[:, None])    # [C, S]
-    visible = causal[None, :, :] & key_mask[:, None, :]                               # [B, C, S]
-    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
+    scores = jnp.where(visible[:, :, None], scores * (d ** -0.5), _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, c, hq, d).astype(q.dtype)
+
+
+def _causal_attention_rows(q: Array, k: Array, v: Array, key_mask: Array, *,
+                           q_offset) -> Array:
+    """Queries at absolute indices q_offset.. against keys 0..S-1: key j is visible to query i
+    iff j <= i and key_mask[j]. q [B, C, Hq, D], k/v [B, S, Hkv, D], key_mask [B, S] bool."""
+    c, s_len = q.shape[1], k.shape[1]
+    causal = jnp.arange(s_len)[None, :] <= (q_offset + jnp.arange(c))[:, None]      # [C, S]
+    return masked_gqa_attention(q, k, v, (causal[None] & key_mask[:, None, :])[:, None])
+
+
+def map_query_chunks(rows: Callable[[Array, Array, Array], Array], query_chunk: int, q: Array,
+                     positions: Array) -> Array:
+    """Whole-sequence attention `query_chunk` queries at a time.
+
+    rows(q_chunk [B, C, Hq, D], positions_chunk [B, C], offset []) -> [B, C, Hq, D] computes the
+    chunk whose first query has index `offset`. Runs as a `lax.scan` (so XLA cannot schedule
+    the chunks side by side) whose body is rematerialised in the backward pass: forward and
+    gradient hold one chunk's [B, H, C, S] scores at a time. q [B, T, Hq, D] -> [B, T, Hq, D].
+    """
+    if query_chunk <= 0:
+        raise ValueError(f"query_chunk must be positive, got {query_chunk}")
+    b, t, hq, d = q.shape
+    n = -(-t // query_chunk)
+    pad = n * query_chunk - t          # padded queries (beyond T) are dropped at the end
+    q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+        b, n, query_chunk, hq, d).swapaxes(0, 1)                          # [n, B, C, Hq, D]
+    pos_chunks = jnp.pad(positions, ((0, 0), (0, pad)), mode="edge").reshape(
+        b, n, query_chunk).swapaxes(0, 1)                                   # [n, B, C]
+    offsets = jnp.arange(n, dtype=jnp.int32) * query_chunk
+    body = jax.checkpoint(lambda xs: rows(*xs))
+    _, out = jax.lax.scan(lambda carry, xs: (carry, body(xs)), None,
+                          (q_chunks, pos_chunks, offsets))
+    return out.swapaxes(0, 1).reshape(b, n * query_chunk, hq, d)[:, :t]
 
 
 def dense_causal_attention(layer_idx: int, q: Array, k: Array, v: Array, positions: Array,
@@ -78,37 +107,20 @@ def dense_causal_attention(layer_idx: int, q: Array, k: Array, v: Array, positio
 
 
 def chunked_causal_attention(query_chunk: int) -> FullAttentionFn:
-    """`dense_causal_attention`, computed `query_chunk` queries at a time (memory-efficient).
-
-    A `lax.scan` over query chunks whose body is rematerialised in the backward pass: forward and
-    gradient hold one [B, Hq, query_chunk, T] score block at a time instead of [B, Hq, T, T]
-    (a scan, not a Python loop, so XLA cannot schedule the chunks side by side). Same values as
-    the one-shot version (a test checks values, gradients and the compiled memory); the same
-    FLOPs too - masked future keys are still multiplied.
+    """`dense_causal_attention`, computed `query_chunk` queries at a time (`map_query_chunks`):
+    one [B, Hq, query_chunk, T] score block at a time instead of [B, Hq, T, T], in the forward
+    and the gradient. Same values; the same FLOPs too (masked future keys are still multiplied).
     """
     if query_chunk <= 0:
         raise ValueError(f"query_chunk must be positive, got {query_chunk}")
 
     def attention(layer_idx: int, q: Array, k: Array, v: Array, positions: Array,
                   attention_mask: Array) -> Array:
-        del layer_idx, positions
-        b, t, hq, d = q.shape
-        n = -(-t // query_chunk)
-        # [n, B, C, Hq, D]; padded queries (beyond T) are dropped after the scan.
-        q_chunks = jnp.pad(q, ((0, 0), (0, n * query_chunk - t), (0, 0), (0, 0)))
-        q_chunks = q_chunks.reshape(b, n, query_chunk, hq, d).swapaxes(0, 1)
+        del layer_idx
         key_mask = attention_mask.astype(bool)
-
-        @jax.checkpoint
-        def rows(q_chunk, offset):
-            return _causal_attention_rows(q_chunk, k, v, key_mask, q_offset=offset)
-
-        def body(carry, xs):
-            return carry, rows(*xs)
-
-        offsets = jnp.arange(n, dtype=jnp.int32) * query_chunk
-        _, out = jax.lax.scan(body, None, (q_chunks, offsets))
-        return out.swapaxes(0, 1).reshape(b, n * query_chunk, hq, d)[:, :t]
+        return map_query_chunks(
+            lambda q_c, _, offset: _causal_attention_rows(q_c, k, v, key_mask, q_offset=offset),
+            query_chunk, q, positions)
 
     return attention
 

@@ -54,8 +54,10 @@ class LearnerConfig:
     def __post_init__(self):
         if self.alpha_mode not in ALPHA_MODES:
             raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
-        if (self.learning_rate <= 0 or self.micro_batch_size < 0 or self.logit_chunk <= 0
-                or self.attention_chunk < 0):
+        if self.attention_chunk < 0:
+            raise ValueError(f"LearnerConfig.attention_chunk must be >= 0 (0 = one-shot), got "
+                             f"{self.attention_chunk}")
+        if self.learning_rate <= 0 or self.micro_batch_size < 0 or self.logit_chunk <= 0:
             raise ValueError(f"bad learner config {self}")
 
 

@@ -198,9 +198,6 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
         return {"tok_s": steps / dt, "cpu_tok_s": steps / dc,
                 "ms_per_step": 1e3 * dt / (args.new_tokens - 1)}
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b is not None else None
-
     dense = decode_rate("dense")
     results = []
     for v in variants:
@@ -211,8 +208,8 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
             "schedule": None if v.fixed else v.label, "bin_size": v.bin_size,
             "dense_layers": list(v.dense_layers),
             "dense_tok_s": dense["tok_s"], "sparse_tok_s": sparse["tok_s"],
-            "ratio": ratio(sparse["tok_s"], dense["tok_s"]),
-            "ratio_cpu_time": ratio(sparse["cpu_tok_s"], dense["cpu_tok_s"]),
+            "ratio": sparse["tok_s"] / dense["tok_s"],
+            "ratio_cpu_time": sparse["cpu_tok_s"] / dense["cpu_tok_s"],
             "dense_ms_per_step": dense["ms_per_step"], "sparse_ms_per_step": sparse["ms_per_step"],
             "prefill_s": pre_w,
             "compile_s": {name: round(t, 2) for name, t in compile_s.items()
@@ -221,8 +218,8 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     return results
 
 
-def _fmt(x: float | None, width: int, spec: str) -> str:
-    return f"{'n/a':>{width}}" if x is None else f"{x:>{width}{spec}}"
+def _fmt(x: float, width: int, spec: str) -> str:
+    return f"{x:>{width}{spec}}"
 
 
 def main(argv: Sequence[str]) -> int:

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax import selection
-from sparrow_jax.model.qwen3 import (_MASK_VALUE, Qwen3ForCausalLM, chunked_causal_attention,
-                                     dense_causal_attention)
+from sparrow_jax.model.qwen3 import (Qwen3ForCausalLM, chunked_causal_attention,
+                                     dense_causal_attention, map_query_chunks,
+                                     masked_gqa_attention)
 from sparrow_jax.rollout.engine import Trajectories, budget_for_lengths, padded_length
 
 
@@ -50,15 +51,15 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
     """A FullAttentionFn for `Qwen3ForCausalLM.hidden_states` that replays block top-k selection.
 
     Queries inside the prompt (prefill) and all queries of dense layers attend densely.
-    query_chunk > 0 processes that many queries at a time (a `lax.map`), so the [B, H, T, S]
-    scores and the [B, T, Hkv, S] selection mask exist one chunk at a time (long sequences).
+    query_chunk > 0 processes that many queries at a time (`map_query_chunks`), so the
+    [B, H, T, S] scores and the [B, T, Hkv, S] selection mask exist one chunk at a time.
     """
     dense_fn = chunked_causal_attention(query_chunk) if query_chunk else dense_causal_attention
 
     def attend(layer_idx, q, k, v, positions, attention_mask):
         if layer_idx in dense_layers:
             return dense_fn(layer_idx, q, k, v, positions, attention_mask)
-        b, t, hq, d = q.shape
+        b, t = q.shape[:2]
         kt = k.transpose(0, 2, 1, 3)                                   # [B, Hkv, S, D]
         centroids = selection.block_centroids(kt, block_size)           # [B, Hkv, NB, D]
         key_mask = attention_mask.astype(bool)
@@ -84,25 +85,11 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
             visible = causal[None, :, None, :] & jnp.where(is_decode[..., None, None], chosen,
                                                            True)
             visible = visible & key_mask[:, None, None, :]                      # [B, C, Hkv, S]
-            qg = q_c.reshape(b, c, hkv, hq // hkv, d)
-            s = jnp.einsum("btkgd,bskd->bkgts", qg, k,
-                           preferred_element_type=jnp.float32) * d ** -0.5
-            s = jnp.where(visible.transpose(0, 2, 1, 3)[:, :, None], s, _MASK_VALUE)
-            p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-            out = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
-            return out.reshape(b, c, hq, d).astype(q.dtype)
+            return masked_gqa_attention(q_c, k, v, visible.transpose(0, 2, 1, 3))
 
         if not query_chunk:
             return rows(q, positions, 0)
-        n = -(-t // query_chunk)
-        pad = n * query_chunk - t
-        q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
-            b, n, query_chunk, hq, d).swapaxes(0, 1)
-        pos_chunks = jnp.pad(positions, ((0, 0), (0, pad)), mode="edge").reshape(
-            b, n, query_chunk).swapaxes(0, 1)
-        offsets = jnp.arange(n, dtype=jnp.int32) * query_chunk
-        out = jax.lax.map(lambda xs: rows(*xs), (q_chunks, pos_chunks, offsets))
-        return out.swapaxes(0, 1).reshape(b, n * query_chunk, hq, d)[:, :t]
+        return map_query_chunks(rows, query_chunk, q, positions)
     return attend
 
 
