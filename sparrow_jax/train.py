@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from sparrow_jax import checkpoint as ckpt
 from sparrow_jax import evaluation, mismatch, multihost
+from sparrow_jax.controller import ControllerConfig, ScheduleController
 from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
 from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
 from sparrow_jax.metrics import MetricsWriter, StepTimer, gin_config_markdown
@@ -36,7 +37,7 @@ from sparrow_jax.model import load_hf, load_tokenizer
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig, SparseReplay
 from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.engine import RolloutConfig
-from sparrow_jax.schedule import ControllerConfig, ScheduleController, make_schedule
+from sparrow_jax.schedule import make_schedule
 from sparrow_jax.sharding import ShardingSpec, make_mesh
 
 log = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ Each process has 4 CPU devices (XLA_FLAGS set by the launcher) and joins the oth
 jax.distributed on localhost, exactly as hosts of a pod slice do.
 """
 
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -55,7 +56,13 @@ def train(root: Path, pid: int, nproc: int, port: int, params: list[str]) -> Non
     sys.exit(cli.main(argv))
 
 
+# A worker normally finishes in about a minute. If the processes ever deadlock (e.g. in a
+# cross-process collective), print every thread's stack to the log and exit, so the test fails
+# with a diagnosis instead of waiting out the launcher's timeout.
+HANG_SECONDS = 300
+
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     role, root, pid, nproc, port = sys.argv[1:6]
     if role == "generate":
         generate(Path(root), int(pid), int(nproc), int(port))

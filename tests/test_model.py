@@ -153,7 +153,7 @@ def test_rope_scaling_rejected(tmp_path):
         load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("chunk", [8, 16, 64])
+@pytest.mark.parametrize("chunk", [3, 8, 16, 64])   # 3: 13 chunks in 8 causal groups
 @pytest.mark.parametrize("left_pad", [False, True])
 def test_chunked_attention_equals_one_shot_values_and_grads(chunk, left_pad):
     from sparrow_jax.model import chunked_causal_attention, dense_causal_attention
@@ -186,22 +186,52 @@ def test_chunked_attention_equals_one_shot_values_and_grads(chunk, left_pad):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
 
 
-def test_chunked_attention_gradient_needs_less_memory():
-    """The point of chunking: the compiled gradient's temporaries shrink with the chunk."""
-    from sparrow_jax.model import chunked_causal_attention, dense_causal_attention
-    b, t, hq, hkv, d = 1, 1024, 4, 2, 16
-    q = jnp.ones((b, t, hq, d))
-    kv = jnp.ones((b, t, hkv, d))
-    mask, positions = jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32)
+@pytest.mark.parametrize("t, chunk", [(1024, 64), (1000, 64), (37, 8), (5, 8)])
+def test_causal_chunks_skip_future_keys(t, chunk):
+    """Each query chunk attends only to the keys its group can see: every query still sees its
+    whole causal prefix, and the score work is ~(1 + 1/groups)/2 of the full T x T."""
+    from sparrow_jax.model.qwen3 import CAUSAL_GROUPS, map_causal_query_chunks
+    seen = []
 
-    def temp_bytes(fn):
+    def rows(q_c, pos_c, offset, key_end):
+        seen.append((q_c.shape[1], key_end))
+        return q_c + key_end - (offset + jnp.arange(q_c.shape[1]))[None, :, None, None]
+
+    q = jnp.zeros((1, t, 1, 1))
+    out = map_causal_query_chunks(rows, chunk, q, jnp.zeros((1, t), jnp.int32))
+    # key_end - query index > 0 for every real query: its own key and all before are visible.
+    assert out.shape == q.shape and float(out.min()) >= 1
+    n_chunks = -(-t // chunk)
+    assert len(seen) == min(n_chunks, CAUSAL_GROUPS)      # one traced body per group
+    work = 0
+    lo = 0
+    for _, key_end in seen:          # the groups' scans; query rows lo..key_end-1 per group
+        work += (key_end - lo) * key_end
+        lo = key_end
+    assert lo == t
+    assert work <= t * t * (1 + 1 / min(n_chunks, CAUSAL_GROUPS)) / 2 + chunk * t
+
+
+def test_chunked_attention_gradient_needs_less_memory():
+    """The point of chunking: the compiled gradient's temporaries grow linearly in T (one
+    [B, Hq, chunk, <=T] block at a time), not quadratically like the one-shot [B, Hq, T, T]."""
+    from sparrow_jax.model import chunked_causal_attention, dense_causal_attention
+    b, hq, hkv, d = 1, 4, 2, 16
+
+    def temp_bytes(fn, t):
+        q, kv = jnp.ones((b, t, hq, d)), jnp.ones((b, t, hkv, d))
+        mask, positions = jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32)
         loss = lambda q, k, v: jnp.sum(fn(0, q, k, v, positions, mask))
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    one_shot, chunked = temp_bytes(dense_causal_attention), temp_bytes(chunked_causal_attention(64))
-    scores = b * hq * t * t * 4                            # one f32 [B, Hq, T, T] block
-    assert one_shot >= scores
-    assert chunked < scores / 3 and chunked < one_shot / 8, (one_shot, chunked)
+    chunked = chunked_causal_attention(64)
+    one_shot = {t: temp_bytes(dense_causal_attention, t) for t in (1024, 2048)}
+    small = {t: temp_bytes(chunked, t) for t in (1024, 2048)}
+    scores = b * hq * 1024 * 1024 * 4                      # one f32 [B, Hq, T, T] block
+    assert one_shot[1024] >= scores
+    assert small[1024] < scores / 2 and small[1024] < one_shot[1024] / 7, (one_shot, small)
+    assert one_shot[2048] > 3.8 * one_shot[1024] and small[2048] < 2.2 * small[1024], (
+        one_shot, small)
     with pytest.raises(ValueError, match="query_chunk"):
         chunked_causal_attention(0)

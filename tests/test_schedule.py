@@ -1,4 +1,4 @@
-"""sparrow_jax.schedule: paper tables, validation, JSON, lookups and the online controller."""
+"""sparrow_jax.schedule (paper tables, validation, JSON, lookups) and sparrow_jax.controller."""
 
 import json
 
@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sparrow_jax.controller import (
+    ControllerConfig, ControllerState, ScheduleController, controller_update,
+)
 from sparrow_jax.schedule import (
-    DENSE_BUDGET, PAPER_SCHEDULES, ControllerConfig, ControllerState, Schedule,
-    ScheduleController, controller_update, load_schedule, make_schedule,
+    DENSE_BUDGET, PAPER_SCHEDULES, Schedule, load_schedule, make_schedule,
 )
 
 PAPER = {

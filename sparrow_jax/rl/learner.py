@@ -44,7 +44,7 @@ class LearnerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 0      # rows per micro-batch (multiple of the group size); 0 = all
     logit_chunk: int = 256         # time steps per [B, chunk, V] logits slice
-    attention_chunk: int = 0       # dense forwards: queries per [B, H, chunk, T] score block,
+    attention_chunk: int = 0       # queries per [B, H, chunk, <=T] score block, causal groups,
                                    # rematerialised in backward (long sequences); 0 = one-shot
     temperature: float = 1.0       # the sampling temperature: the policy is pi(.)^(1/T)
     alpha_mode: str = "full"       # "full": exact full-vocabulary alpha via a sparse replay

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from sparrow_jax import selection
 from sparrow_jax.model.qwen3 import (Qwen3ForCausalLM, chunked_causal_attention,
-                                     dense_causal_attention, map_query_chunks,
+                                     dense_causal_attention, map_causal_query_chunks,
                                      masked_gqa_attention)
 from sparrow_jax.rollout.engine import Trajectories, budget_for_lengths, padded_length
 
@@ -51,7 +51,7 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
     """A FullAttentionFn for `Qwen3ForCausalLM.hidden_states` that replays block top-k selection.
 
     Queries inside the prompt (prefill) and all queries of dense layers attend densely.
-    query_chunk > 0 processes that many queries at a time (`map_query_chunks`), so the
+    query_chunk > 0 processes that many queries at a time (`map_causal_query_chunks`), so the
     [B, H, T, S] scores and the [B, T, Hkv, S] selection mask exist one chunk at a time.
     """
     dense_fn = chunked_causal_attention(query_chunk) if query_chunk else dense_causal_attention
@@ -64,10 +64,13 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
         centroids = selection.block_centroids(kt, block_size)           # [B, Hkv, NB, D]
         key_mask = attention_mask.astype(bool)
 
-        def rows(q_c, pos_c, offset):
-            """Queries at indices offset.. : q_c [B, C, Hq, D], pos_c [B, C] -> [B, C, Hq, D]."""
-            c, hkv, nb = q_c.shape[1], k.shape[2], centroids.shape[2]
-            scores = selection.centroid_scores(q_c, centroids[:, None])      # [B, C, Hkv, NB]
+        def rows(q_c, pos_c, offset, key_end):
+            """Queries at indices offset.. against keys [0, key_end) (their causal prefix):
+            q_c [B, C, Hq, D], pos_c [B, C] -> [B, C, Hq, D]."""
+            key_end = min(-(-key_end // block_size) * block_size, t)   # whole blocks
+            nb = key_end // block_size
+            c, hkv = q_c.shape[1], k.shape[2]
+            scores = selection.centroid_scores(q_c, centroids[:, None, :, :nb])   # [B, C, Hkv, NB]
             lengths = jnp.broadcast_to((pos_c + 1)[..., None], (b, c, hkv))
             budget_blocks = budget_for_lengths(budgets, pos_c + 1, bin_size) // block_size
             budget_blocks = jnp.broadcast_to(jnp.minimum(budget_blocks, max_selected)[..., None],
@@ -79,17 +82,18 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
             # selection.
             chosen = jnp.put_along_axis(jnp.zeros((b, c, hkv, nb), bool), idx, True, axis=-1,
                                         inplace=False)
-            chosen = jnp.repeat(chosen, block_size, axis=-1)                 # [B, C, Hkv, S]
-            causal = jnp.arange(t)[None, :] <= (offset + jnp.arange(c))[:, None]   # [C, S]
+            chosen = jnp.repeat(chosen, block_size, axis=-1)                 # [B, C, Hkv, S']
+            causal = jnp.arange(key_end)[None, :] <= (offset + jnp.arange(c))[:, None]  # [C, S']
             is_decode = pos_c >= prompt_lengths[:, None]                         # [B, C]
             visible = causal[None, :, None, :] & jnp.where(is_decode[..., None, None], chosen,
                                                            True)
-            visible = visible & key_mask[:, None, None, :]                      # [B, C, Hkv, S]
-            return masked_gqa_attention(q_c, k, v, visible.transpose(0, 2, 1, 3))
+            visible = visible & key_mask[:, None, None, :key_end]               # [B, C, Hkv, S']
+            return masked_gqa_attention(q_c, k[:, :key_end], v[:, :key_end],
+                                        visible.transpose(0, 2, 1, 3))
 
         if not query_chunk:
-            return rows(q, positions, 0)
-        return map_query_chunks(rows, query_chunk, q, positions)
+            return rows(q, positions, 0, t)
+        return map_causal_query_chunks(rows, query_chunk, q, positions)
     return attend
 
 
