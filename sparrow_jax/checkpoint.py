@@ -331,7 +331,7 @@ class CheckpointManager:
         if saved and jax.process_count() > 1:
             # Let every host finish with the saved arrays and meet before the next step's
             # programs: without this, a 2-process CPU run deadlocked in the learner step right
-            # after a save in about half the runs (0 of 6 with it; root cause not found).
+            # after a save in about half the runs (none in 7 runs with it; root cause not found).
             jax.block_until_ready((params, opt_state))
             multihost_utils.sync_global_devices(f"sparrow-checkpoint-saved-{step}")
         return saved

@@ -12,7 +12,7 @@ from sparrow_jax.controller import (
     ControllerConfig, ControllerState, ScheduleController, controller_update,
 )
 from sparrow_jax.schedule import (
-    DENSE_BUDGET, PAPER_SCHEDULES, Schedule, load_schedule, make_schedule,
+    DENSE_BUDGET, Schedule, load_schedule, make_schedule,
 )
 
 PAPER = {

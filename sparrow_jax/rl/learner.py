@@ -18,7 +18,6 @@ from typing import Any
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
