@@ -221,6 +221,22 @@ def test_xla_chunked_paths(monkeypatch, dtype):
     assert_close(run_dense("xla", q, k, v, ln), numpy_dense(q, k, v, ln), dtype)
 
 
+def test_xla_leading_masked_chunks(monkeypatch):
+    """The online softmax keeps masked scores finite (NEG_INF): a chunk that holds only masked
+    tokens before any real one (here blocks past the length, one block per chunk) must leave no
+    trace in the result, and a row with no real token gives 0 / -inf."""
+    from pallas_kernels import reference
+    monkeypatch.setattr(reference, "CHUNK_BYTES", 2 * 2 * 1 * BS * 32 * 4)   # 1 block per chunk
+    lengths = [40, 40]
+    q, k, v, ln = make_inputs(10, b=2, hkv=1, g=2, s=128, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    bi = jnp.array([[[6, 7, 0, 2]], [[5, 6, 7, 7]]], jnp.int32)    # row 1: nothing < length
+    nb = jnp.array([[4], [3]], jnp.int32)
+    got = run_sparse("xla", q, k, v, bi, nb, ln)
+    assert_close(got, numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got[0][1]), 0.0)
+
+
 def test_triton_split_k_merge():
     """Forced split-K (including splits with no valid entry) matches the single-split result."""
     lengths = [128, 33]

@@ -34,15 +34,28 @@ def sampling_logprobs(logits: jax.Array, *, temperature: float, top_k: int = 0,
     return jax.nn.log_softmax(logits, axis=-1)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """x [B, V] f32 -> [B] int32: index of the first maximum (as jnp.argmax).
+
+    A max and a min-of-indices instead of argmax's (value, index) pair reduction, which XLA:CPU
+    runs ~5x slower at [16, 4096] (0.6 ms per decode step). A row of NaNs gives V - 1.
+    """
+    best = jnp.max(x, axis=-1, keepdims=True)
+    idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    first = jnp.min(jnp.where(x == best, idx, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)
+
+
 def sample(rng: jax.Array, logits: jax.Array, *, temperature: float, top_k: int = 0,
            top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """logits [B, V] -> (tokens [B] int32, logprob of each sampled token [B] f32)."""
     logp = sampling_logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     if temperature == 0:
-        tokens = jnp.argmax(logits, axis=-1)
+        tokens = first_argmax(logits.astype(jnp.float32))
     else:
-        tokens = jax.random.categorical(rng, logp, axis=-1)
-    tokens = tokens.astype(jnp.int32)
+        # Gumbel-max, exactly what jax.random.categorical(rng, logp) computes (same noise, same
+        # token), with the faster argmax below.
+        tokens = first_argmax(logp + jax.random.gumbel(rng, logp.shape, jnp.float32))
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
