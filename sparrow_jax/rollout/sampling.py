@@ -54,7 +54,7 @@ def sample(rng: jax.Array, logits: jax.Array, *, temperature: float, top_k: int 
         tokens = first_argmax(logits.astype(jnp.float32))
     else:
         # Gumbel-max, exactly what jax.random.categorical(rng, logp) computes (same noise, same
-        # token), with the faster argmax below.
+        # token), with first_argmax for the argmax.
         tokens = first_argmax(logp + jax.random.gumbel(rng, logp.shape, jnp.float32))
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
