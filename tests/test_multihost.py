@@ -101,7 +101,7 @@ def test_two_process_train_checkpoints_and_resumes(root):
                 "TrainConfig.reward = 'synthetic_exact'", "TrainConfig.reward_processes = 0",
                 "TrainConfig.prompts_per_step = 2", "TrainConfig.group_size = 2",
                 f"TrainConfig.total_steps = {steps}", "TrainConfig.eval_every = 2",
-                # A save before a learner step: once a deadlock (see Checkpointer.save).
+                # A save before a learner step: once a deadlock (see CheckpointManager.save).
                 "TrainConfig.checkpoint_every = 1", "TrainConfig.mesh_model = 2",
                 "RolloutConfig.max_new_tokens = 24", "RolloutConfig.max_budget = 64",
                 "RolloutConfig.backend = 'xla'", f"make_schedule.budgets = {[48] * 20}",
