@@ -330,8 +330,9 @@ class CheckpointManager:
         saved = bool(self._mngr.save(step, args=ocp.args.Composite(**items), force=force))
         if saved and jax.process_count() > 1:
             # Let every host finish with the saved arrays and meet before the next step's
-            # programs: without this, a 2-process CPU run deadlocked in the learner step right
-            # after a save in about half the runs (none in 7 runs with it; root cause not found).
+            # programs, so no host starts the next step with the save still in flight. (The
+            # 2-process CPU deadlock once seen right after a save was XLA:CPU launch-thread
+            # starvation under a burst of small programs; see Learner.grads.)
             jax.block_until_ready((params, opt_state))
             multihost_utils.sync_global_devices(f"sparrow-checkpoint-saved-{step}")
         return saved

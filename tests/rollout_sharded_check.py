@@ -111,7 +111,7 @@ def learner_update(out_dir: str) -> dict:
                         stop_token_ids=())
     kw = dict(cfg=cfg, budgets=BUDGETS, bin_size=48, group_size=2, rng=jax.random.key(3))
     rewards = np.asarray([1.0, 0.0, 0.0, 1.0], np.float32)
-    after, learners = {}, {}
+    after, learners, grads, layout = {}, {}, {}, {}
     for name, mesh_or_none in (("single", None), ("sharded", mesh)):
         model = load_hf(path, dtype=jnp.float32, mesh=mesh_or_none)
         traj = generate(model, toks, lens, spec=spec if mesh_or_none else None, **kw)
@@ -119,6 +119,15 @@ def learner_update(out_dir: str) -> dict:
                           group_size=2)
         batch = LearnerBatch(traj=traj, logp_old=learner.analyze(traj)["logp_old"],
                              advantages=learner.advantages(rewards))
+        grads[name] = jax.tree.leaves(learner.grads(batch)[0])
+        if mesh_or_none is not None:
+            # Group size 1 (same advantages) lets each micro-batch take one row from each data
+            # shard (split_micro_batches' row_shards=2) instead of contiguous rows.
+            spread = Learner(model, LearnerConfig(learning_rate=1e-2, micro_batch_size=2),
+                             group_size=1)
+            layout["spread"] = spread._micro_batching(traj.tokens)
+            layout["contiguous"] = learner._micro_batching(traj.tokens)
+            grads["spread"] = jax.tree.leaves(spread.grads(batch)[0])
         learner.update(batch)
         after[name] = jax.tree.leaves(learner.params)
         learners[name] = learner
@@ -135,7 +144,12 @@ def learner_update(out_dir: str) -> dict:
             "max_param_diff": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                                   for a, b in zip(after["single"], after["sharded"])),
             "max_param_step": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-                                  for a, b in zip(after["single"], before))}
+                                  for a, b in zip(after["single"], before)),
+            "layout": layout,
+            "grad_scale": max(float(np.abs(np.asarray(g)).max()) for g in grads["single"]),
+            **{f"max_grad_diff_{k}": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                                         for a, b in zip(grads["single"], grads[k]))
+               for k in ("sharded", "spread")}}
 
 
 if __name__ == "__main__":

@@ -51,3 +51,9 @@ def test_sharded_learner_update_equals_unsharded(results):
     assert r["max_param_diff"] <= 0.01 * r["max_param_step"], r
     assert r["moments_like_params"], r                # Adam moments sharded like their weight
     assert r["counter_devices"] == 8, r               # step counter replicated, not on device 0
+    # Micro-batches of contiguous rows, and of one row from each data shard: both give the
+    # full-batch gradient of one device.
+    assert r["layout"] == {"contiguous": {"num_micro": 2, "row_shards": 1},
+                           "spread": {"num_micro": 2, "row_shards": 2}}, r
+    for k in ("sharded", "spread"):
+        assert r[f"max_grad_diff_{k}"] <= 1e-4 * r["grad_scale"], r

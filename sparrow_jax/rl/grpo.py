@@ -18,6 +18,7 @@ micro-batches and `finalize_metrics` turns the pairs into masked means.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping
 
 import gin
@@ -35,6 +36,7 @@ _LOG_RATIO_CLAMP = 20.0
 _K3_CLAMP = 10.0
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "normalize_std", "eps"))
 def group_advantages(
     rewards: Array, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Array:

@@ -122,9 +122,55 @@ def _analyze(model: Qwen3ForCausalLM, traj: Trajectories, budgets, replay: Spars
     return jax.tree.map(lambda x: jnp.where(traj.mask, x, 0.0), out)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "replay", "cfg"))
-def _analyze_jit(graphdef, state, traj, budgets, *, replay, cfg):
-    return _analyze(nnx.merge(graphdef, state), traj, budgets, replay, cfg)
+def split_micro_batches(tree, num_micro: int, row_shards: int = 1):
+    """Rows `[B, ...]` of every leaf -> `[num_micro, B // num_micro, ...]` micro-batches.
+
+    With `row_shards` = D > 1 (rows sharded D ways over the data axis), micro-batch j takes the
+    j-th run of B / (D * num_micro) consecutive rows from *each* shard, so every micro-batch is
+    spread over all data shards like the batch itself and slicing it moves no rows between
+    devices. With D = 1 micro-batch j is rows [j * B / num_micro, (j + 1) * B / num_micro).
+    """
+    def split(x):
+        per = x.shape[0] // (row_shards * num_micro)
+        x = x.reshape(row_shards, num_micro, per, *x.shape[1:]).swapaxes(0, 1)
+        return x.reshape(num_micro, row_shards * per, *x.shape[3:])
+    return jax.tree.map(split, tree)
+
+
+def merge_micro_batches(tree, row_shards: int = 1):
+    """Inverse of `split_micro_batches`: `[num_micro, M, ...]` -> rows `[num_micro * M, ...]`."""
+    def merge(x):
+        n, m = x.shape[:2]
+        x = x.reshape(n, row_shards, m // row_shards, *x.shape[2:]).swapaxes(0, 1)
+        return x.reshape(n * m, *x.shape[3:])
+    return jax.tree.map(merge, tree)
+
+
+def row_shards(x: jax.Array, num_micro: int, group_size: int) -> int:
+    """How many data shards the rows of `x` are split over, when micro-batches can take an equal
+    run of whole groups from each of them (see `split_micro_batches`); otherwise 1."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
+        return 1
+    axes = sharding.spec[0]
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    shards = 1
+    for a in axes:
+        shards *= sharding.mesh.shape[a]
+    rows = x.shape[0]
+    return shards if rows % (shards * num_micro * group_size) == 0 else 1
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "replay", "cfg", "num_micro",
+                                             "row_shards"))
+def _analyze_jit(graphdef, state, traj, budgets, *, replay, cfg, num_micro, row_shards):
+    """All micro-batches of `_analyze` in one program (`lax.map`), rows back in batch order."""
+    model = nnx.merge(graphdef, state)
+    if num_micro == 1:
+        return _analyze(model, traj, budgets, replay, cfg)
+    parts = split_micro_batches(traj, num_micro, row_shards)
+    out = jax.lax.map(lambda part: _analyze(model, part, budgets, replay, cfg), parts)
+    return merge_micro_batches(out, row_shards)
 
 
 def _loss_terms(params, rest, graphdef, batch: LearnerBatch, denominator, tis_mean,
@@ -147,12 +193,58 @@ def _loss_terms(params, rest, graphdef, batch: LearnerBatch, denominator, tis_me
     return loss_sum / denominator, sums
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "loss_cfg"))
-def _micro_grads(params, rest, batch, denominator, tis_mean, *, graphdef, cfg, loss_cfg):
+def _empty_metric_sums(shapes: grpo.MetricSums) -> grpo.MetricSums:
+    """Identity of `grpo.merge_metric_sums` for metric sums shaped like `shapes`."""
+    def fill(name, v):
+        value = -jnp.inf if name.endswith("_max") else jnp.inf if name.endswith("_min") else 0
+        return jnp.full(v.shape, value, v.dtype)
+    return {name: (fill(name, v), jnp.zeros(c.shape, c.dtype)) for name, (v, c) in shapes.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "loss_cfg", "num_micro",
+                                             "row_shards"))
+def _batch_grads(params, rest, batch: LearnerBatch, *, graphdef, cfg: LearnerConfig,
+                 loss_cfg: grpo.LossConfig, num_micro: int, row_shards: int):
+    """Full-batch (grads, metrics, loss), accumulated over micro-batches by a `lax.scan`.
+
+    One program for the whole step: the global loss denominator and TIS mean, then the scan.
+    Only one micro-batch's activations are alive at a time; the carry is the gradient sum.
+    """
+    traj = batch.traj
+    eff = grpo.effective_mask(batch.logp_old, traj.logprobs, traj.mask,
+                              token_rejection=loss_cfg.token_rejection,
+                              sequence_veto=loss_cfg.sequence_veto)
+    denominator = jnp.maximum(grpo.loss_denominator(eff, loss_cfg.aggregation), 1.0)
+    tis_mean = jnp.float32(1.0)
+    if loss_cfg.tis_renormalize:
+        w_sum, n = grpo.tis_weight_sums(batch.logp_old, traj.logprobs, traj.mask,
+                                        tis_cap=loss_cfg.tis_cap,
+                                        token_rejection=loss_cfg.token_rejection,
+                                        sequence_veto=loss_cfg.sequence_veto)
+        tis_mean = w_sum / jnp.maximum(n, 1)
     grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
-    (loss, sums), grads = grad_fn(params, rest, graphdef, batch, denominator, tis_mean, cfg,
-                                  loss_cfg)
-    return loss, sums, grads
+
+    def micro(part):
+        (loss, sums), grads = grad_fn(params, rest, graphdef, part, denominator, tis_mean, cfg,
+                                      loss_cfg)
+        return grads, sums, loss
+
+    if num_micro == 1:
+        grads, sums, loss = micro(batch)
+        return grads, grpo.finalize_metrics(sums), loss
+    parts = split_micro_batches(batch, num_micro, row_shards)
+
+    def step(carry, part):
+        grads, sums, loss = micro(part)
+        acc_grads, acc_sums, acc_loss = carry
+        return (jax.tree.map(jnp.add, acc_grads, grads),
+                grpo.merge_metric_sums(acc_sums, sums), acc_loss + loss), None
+
+    shapes = jax.eval_shape(micro, jax.tree.map(lambda x: x[0], parts))
+    init = (jax.tree.map(jnp.zeros_like, params), _empty_metric_sums(shapes[1]),
+            jnp.zeros((), shapes[2].dtype))
+    grads, sums, loss = jax.lax.scan(step, init, parts)[0]
+    return grads, grpo.finalize_metrics(sums), loss
 
 
 @functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
@@ -212,17 +304,18 @@ class Learner:
         """Dense logprobs of the sampled tokens (the PPO anchor) and per-token alpha."""
         graphdef, state = nnx.split(self.model)
         budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
-        parts = [_analyze_jit(graphdef, state, part, budgets, replay=replay, cfg=self.cfg)
-                 for part in self._micro_batches(traj)]
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+        return _analyze_jit(graphdef, state, traj, budgets, replay=replay, cfg=self.cfg,
+                            **self._micro_batching(traj.tokens))
 
-    def _micro_batches(self, tree):
-        """Row slices of `tree` of micro_batch_size rows (one slice when it is 0)."""
-        rows = jax.tree.leaves(tree)[0].shape[0]
+    def _micro_batching(self, x: jax.Array) -> dict[str, int]:
+        """Static micro-batch layout for a batch whose rows are `x`'s rows."""
+        rows = x.shape[0]
         mb = self.cfg.micro_batch_size or rows
         if rows % mb:
             raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={mb}")
-        return [jax.tree.map(lambda x: x[s:s + mb], tree) for s in range(0, rows, mb)]
+        num_micro = rows // mb
+        return {"num_micro": num_micro,
+                "row_shards": row_shards(x, num_micro, self.group_size) if num_micro > 1 else 1}
 
     def advantages(self, rewards) -> jax.Array:
         return grpo.group_advantages(jnp.asarray(rewards, jnp.float32), self.group_size,
@@ -230,26 +323,14 @@ class Learner:
                                      eps=self.loss_cfg.advantage_eps)
 
     def grads(self, batch: LearnerBatch) -> tuple[Any, dict[str, jax.Array], jax.Array]:
-        """Exact full-batch gradient, accumulated over micro-batches. Returns (grads, metrics, loss)."""
-        traj, lc = batch.traj, self.loss_cfg
-        eff = grpo.effective_mask(batch.logp_old, traj.logprobs, traj.mask,
-                                  token_rejection=lc.token_rejection, sequence_veto=lc.sequence_veto)
-        denominator = jnp.maximum(grpo.loss_denominator(eff, lc.aggregation), 1.0)
-        tis_mean = jnp.float32(1.0)
-        if lc.tis_renormalize:
-            w_sum, n = grpo.tis_weight_sums(batch.logp_old, traj.logprobs, traj.mask,
-                                            tis_cap=lc.tis_cap, token_rejection=lc.token_rejection,
-                                            sequence_veto=lc.sequence_veto)
-            tis_mean = w_sum / jnp.maximum(n, 1)
-        params = self.params
-        total_loss, grads, sums = 0.0, None, None
-        for part in self._micro_batches(batch):
-            loss, s, g = _micro_grads(params, self.rest, part, denominator, tis_mean,
-                                      graphdef=self.graphdef, cfg=self.cfg, loss_cfg=lc)
-            total_loss = total_loss + loss
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-            sums = s if sums is None else grpo.merge_metric_sums(sums, s)
-        return grads, grpo.finalize_metrics(sums), total_loss
+        """Exact full-batch gradient, accumulated over micro-batches. Returns (grads, metrics, loss).
+
+        One jitted program per call (not one per micro-batch and per parameter): a burst of
+        small multi-device programs can starve XLA:CPU's launch threads when devices span
+        processes (observed as a 2-process deadlock), and each dispatch costs latency anyway.
+        """
+        return _batch_grads(self.params, self.rest, batch, graphdef=self.graphdef, cfg=self.cfg,
+                            loss_cfg=self.loss_cfg, **self._micro_batching(batch.traj.tokens))
 
     def update(self, batch: LearnerBatch) -> dict[str, float]:
         grads, metrics, loss = self.grads(batch)
