@@ -146,7 +146,7 @@ def merge_micro_batches(tree, row_shards: int = 1):
     return jax.tree.map(merge, tree)
 
 
-def row_shards(x: jax.Array, num_micro: int, group_size: int) -> int:
+def data_row_shards(x: jax.Array, num_micro: int, group_size: int) -> int:
     """How many data shards the rows of `x` are split over, when micro-batches can take an equal
     run of whole groups from each of them (see `split_micro_batches`); otherwise 1."""
     sharding = getattr(x, "sharding", None)
@@ -314,8 +314,8 @@ class Learner:
         if rows % mb:
             raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={mb}")
         num_micro = rows // mb
-        return {"num_micro": num_micro,
-                "row_shards": row_shards(x, num_micro, self.group_size) if num_micro > 1 else 1}
+        shards = data_row_shards(x, num_micro, self.group_size) if num_micro > 1 else 1
+        return {"num_micro": num_micro, "row_shards": shards}
 
     def advantages(self, rewards) -> jax.Array:
         return grpo.group_advantages(jnp.asarray(rewards, jnp.float32), self.group_size,
@@ -323,7 +323,7 @@ class Learner:
                                      eps=self.loss_cfg.advantage_eps)
 
     def grads(self, batch: LearnerBatch) -> tuple[Any, dict[str, jax.Array], jax.Array]:
-        """Exact full-batch gradient, accumulated over micro-batches. Returns (grads, metrics, loss).
+        """Exact full-batch gradient over micro-batches. Returns (grads, metrics, loss).
 
         One jitted program per call (not one per micro-batch and per parameter): a burst of
         small multi-device programs can starve XLA:CPU's launch threads when devices span
