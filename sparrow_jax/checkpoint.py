@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 if TYPE_CHECKING:  # etils comes with orbax; only its Path type is named here
     from etils import epath
@@ -328,13 +327,6 @@ class CheckpointManager:
         if operative_config is not None:
             items["operative_config"] = _TextSave(operative_config)
         saved = bool(self._mngr.save(step, args=ocp.args.Composite(**items), force=force))
-        if saved and jax.process_count() > 1:
-            # Let every host finish with the saved arrays and meet before the next step's
-            # programs, so no host starts the next step with the save still in flight. (The
-            # 2-process CPU deadlock once seen right after a save was XLA:CPU launch-thread
-            # starvation under a burst of small programs; see Learner.grads.)
-            jax.block_until_ready((params, opt_state))
-            multihost_utils.sync_global_devices(f"sparrow-checkpoint-saved-{step}")
         return saved
 
     def _resolve_step(self, step: int | None) -> int:

@@ -262,7 +262,6 @@ def _masked_mean(x: Array, mask: Array, n: Array) -> Array:
 @functools.partial(
     jax.jit, static_argnames=("thresholds", "bin_size", "quantile", "num_bins")
 )
-@functools.partial(jax.jit, static_argnames=("thresholds", "bin_size", "quantile", "num_bins"))
 def mismatch_summary(
     alpha: Array,
     positions: Array,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from typing import Any
 
 import gin
@@ -154,11 +155,8 @@ def data_row_shards(x: jax.Array, num_micro: int, group_size: int) -> int:
         return 1
     axes = sharding.spec[0]
     axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-    shards = 1
-    for a in axes:
-        shards *= sharding.mesh.shape[a]
-    rows = x.shape[0]
-    return shards if rows % (shards * num_micro * group_size) == 0 else 1
+    shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    return shards if x.shape[0] % (shards * num_micro * group_size) == 0 else 1
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "replay", "cfg", "num_micro",
