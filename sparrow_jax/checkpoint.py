@@ -33,29 +33,54 @@ the *current* mesh, which may differ from the one that saved them; see :func:`ab
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
+import logging
 import os
+import posixpath
+import re
 import signal
 import tempfile
 import threading
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-
-if TYPE_CHECKING:  # etils comes with orbax; only its Path type is named here
-    from etils import epath
+from etils import epath  # orbax's own path library: local paths and gs:// (s3://, ...) URIs
 
 __all__ = ["CheckpointManager", "abstract_like", "abstract_with_shardings", "decode_extra",
-           "encode_extra", "save_json_atomic", "write_text_atomic"]
+           "encode_extra", "is_uri", "resolve_run_dir", "save_json_atomic", "tree_path_names",
+           "write_text_atomic"]
 
 PyTree = Any
 CHECKPOINT_SUBDIR = "checkpoints"
 OPERATIVE_CONFIG_FILE = "operative_config.gin"
 _ITEMS = ("params", "opt_state", "extra", "operative_config")
+
+
+# -- run directories: local paths or URIs ---------------------------------------------------------
+
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_uri(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a URI (``gs://bucket/run``, ``s3://...``) rather than a local path."""
+    return bool(_URI_RE.match(os.fspath(path)))
+
+
+def resolve_run_dir(run_dir: str | os.PathLike[str]) -> epath.Path:
+    """The run directory as an ``epath.Path``: a URI unchanged, a local path made absolute.
+
+    Orbax needs absolute local paths; a URI must not go through ``pathlib.Path.resolve()``,
+    which would turn ``gs://b/run`` into ``<cwd>/gs:/b/run`` and train into the local disk.
+    """
+    text = os.fspath(run_dir)
+    if is_uri(text):
+        return epath.Path(text)
+    return epath.Path(os.path.abspath(os.path.expanduser(text)))
 
 
 # -- atomic small-file writes ---------------------------------------------------------------------
@@ -64,8 +89,15 @@ _ITEMS = ("params", "opt_state", "extra", "operative_config")
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Writes ``text`` to ``path`` via a temp file in the same directory + ``os.replace``.
 
-    Readers see either the old or the new content, never a torn file.
+    Readers see either the old or the new content, never a torn file. A URI (``gs://...``) is
+    written with one ``epath`` write instead: object stores publish an object only once its
+    upload completes, which gives the same guarantee (and they have no rename to build it from).
     """
+    if is_uri(path):
+        target = epath.Path(os.fspath(path))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        return
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
@@ -182,6 +214,20 @@ def abstract_with_shardings(tree: PyTree, shardings: jax.sharding.Sharding | PyT
     return jax.tree.unflatten(treedef, out)
 
 
+def tree_path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A jax key path as plain strings, so that an NNX ``State``'s paths (``DictKey(0)``,
+    ``GetAttrKey('value')``) and the nested dicts of orbax metadata (``DictKey('0')``) compare."""
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
 # -- the gin-config item: a minimal text CheckpointHandler ----------------------------------------
 
 
@@ -211,6 +257,27 @@ class _TextRestore(ocp.args.CheckpointArgs):
 # -- the manager ----------------------------------------------------------------------------------
 
 
+class _DropReadOnlyNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "directory is read only" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_read_only_warning(active: bool):
+    """Orbax logs a WARNING that the directory is read only when it is opened read_only - which
+    is what was asked for, so it would only alarm `sparrow export` users."""
+    if not active:
+        yield
+        return
+    flt = _DropReadOnlyNotice()
+    logger = logging.getLogger("absl")
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
+
+
 class CheckpointManager:
     """Saves/restores ``(params, opt_state, extra, operative_config)`` per step of a run.
 
@@ -229,6 +296,11 @@ class CheckpointManager:
       catch_sigterm: in single-process runs, turn SIGTERM into ``should_stop_for_preemption() ==
         True`` (multi-process runs get this from JAX's preemption notifier). The previous handler
         is restored by ``close()``. Only possible from the main thread.
+      read_only: open an existing run only to read it (``sparrow export``, possibly while the
+        run is still training): nothing is created, saved or deleted - in particular the
+        ``<step>.orbax-checkpoint-tmp`` directory of the live run's in-progress save is left alone.
+
+    ``run_dir`` may be a URI (``gs://bucket/run``): it is handed to orbax unchanged.
     """
 
     def __init__(
@@ -239,19 +311,31 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         enable_async: bool = False,
         catch_sigterm: bool = False,
+        read_only: bool = False,
     ) -> None:
         self.run_dir = os.fspath(run_dir)
-        self.directory = os.path.join(self.run_dir, CHECKPOINT_SUBDIR)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            save_interval_steps=save_interval_steps,
-            enable_async_checkpointing=enable_async,
-            # Remove <step>.orbax-checkpoint-tmp leftovers of a crashed save (runs in the
-            # background; the next save waits for it).
-            cleanup_tmp_directories=True,
-            create=True,
-        )
-        self._mngr = ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
+        # posixpath, not os.path: also right for URIs ("gs://b/run" + "checkpoints").
+        self.directory = posixpath.join(self.run_dir, CHECKPOINT_SUBDIR)
+        self.read_only = read_only
+        if read_only:
+            if not epath.Path(self.directory).is_dir():
+                raise FileNotFoundError(f"no checkpoint directory {self.directory} (is "
+                                        f"{self.run_dir} a `sparrow train` run directory?)")
+            options = ocp.CheckpointManagerOptions(read_only=True, max_to_keep=None,
+                                                   save_interval_steps=0, create=False,
+                                                   cleanup_tmp_directories=False)
+        else:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                save_interval_steps=save_interval_steps,
+                enable_async_checkpointing=enable_async,
+                # Remove <step>.orbax-checkpoint-tmp leftovers of a crashed save (runs in the
+                # background; the next save waits for it).
+                cleanup_tmp_directories=True,
+                create=True,
+            )
+        with _quiet_read_only_warning(read_only):
+            self._mngr = ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
         self._sigterm = threading.Event()
         self._prev_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
         self._sigterm_installed = False
@@ -290,7 +374,7 @@ class CheckpointManager:
 
     def step_dir(self, step: int) -> str:
         """Directory of a finalized step (``run_dir/checkpoints/<step>``)."""
-        return os.path.join(self.directory, str(step))
+        return posixpath.join(self.directory, str(step))
 
     # -- save / restore --------------------------------------------------------------------------
 
@@ -316,6 +400,8 @@ class CheckpointManager:
             overwritten (returns False).
         """
         step = int(step)
+        if self.read_only:
+            raise RuntimeError(f"CheckpointManager({self.run_dir!r}) was opened read_only")
         if step in self._mngr.all_steps():
             return False
         force = force or self._sigterm.is_set()
@@ -335,7 +421,8 @@ class CheckpointManager:
             if step is None:
                 raise FileNotFoundError(f"no finalized checkpoint in {self.directory}")
         elif int(step) not in self._mngr.all_steps():
-            raise FileNotFoundError(f"step {step} not in {self.directory}: {self.all_steps()}")
+            raise FileNotFoundError(f"step {step} not in {self.directory}; available steps: "
+                                    f"{self.all_steps()}")
         return int(step)
 
     def restore(
@@ -371,13 +458,32 @@ class CheckpointManager:
         opt_state = out["opt_state"] if abstract_opt_state is not None else None
         return params, opt_state, decode_extra(out["extra"])
 
+    def restore_params(self, step: int | None, abstract_params: PyTree) -> PyTree:
+        """Restores only the params item of ``step`` (default latest): the optimizer state (2x
+        the params in AdamW) is never read. ``abstract_params`` as in :meth:`restore`."""
+        step = self._resolve_step(step)
+        out = self._mngr.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params)))
+        return out["params"]
+
+    def params_metadata(self, step: int | None = None
+                        ) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
+        """``{path: (shape, dtype)}`` of the params saved at ``step`` (default latest), read from
+        orbax's metadata without loading any array; a path is the tuple of the tree's keys as
+        strings (an NNX ``State`` gives e.g. ``("layers", "0", "mlp", "up_proj", "kernel",
+        "value")``, see :func:`tree_path_names`)."""
+        directory = epath.Path(self.step_dir(self._resolve_step(step))) / "params"
+        tree = ocp.StandardCheckpointHandler().metadata(directory).tree
+        return {tree_path_names(p): (tuple(m.shape), np.dtype(m.dtype))
+                for p, m in jax.tree_util.tree_leaves_with_path(tree)}
+
     def read_operative_config(self, step: int | None = None) -> str | None:
         """Gin config text saved with ``step`` (default latest), or ``None`` if none was given."""
-        path = os.path.join(self.step_dir(self._resolve_step(step)), "operative_config", OPERATIVE_CONFIG_FILE)
-        if not os.path.exists(path):
+        path = (epath.Path(self.step_dir(self._resolve_step(step))) / "operative_config"
+                / OPERATIVE_CONFIG_FILE)
+        if not path.exists():
             return None
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        return path.read_text(encoding="utf-8")
 
     # -- lifecycle -------------------------------------------------------------------------------
 

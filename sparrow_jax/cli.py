@@ -21,6 +21,7 @@ COMMANDS = {
     "sft": ("sparrow_jax.sft", "main", "supervised warm-up of the synthetic demo model"),
     "rollout": ("sparrow_jax.rollout.run", "main", "generate completions for a JSONL prompt file"),
     "calibrate": ("sparrow_jax.calibrate", "main", "offline per-bin budget sweep -> schedule"),
+    "export": ("sparrow_jax.export", "main", "a training checkpoint -> Hugging Face directory"),
 }
 BENCHES = {
     "kernel": ("pallas_kernels.bench", "main", "dense vs block-sparse decode attention"),

@@ -3,6 +3,7 @@ the train loop."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Sequence
 
@@ -12,6 +13,7 @@ import numpy as np
 from sparrow_jax import multihost
 from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, generate
+from sparrow_jax.sharding import ShardingSpec
 
 
 def decode_responses(tokenizer, traj: Trajectories) -> list[str]:
@@ -26,15 +28,55 @@ def score(pool: RewardPool, texts: Sequence[str], answers: Sequence[str],
     return pool.score(list(zip(texts, answers, prompts, metas)))
 
 
-def batch_records(records: Sequence[dict[str, Any]], pad_id: int) -> dict[str, Any]:
-    """Prompt records (data.prompts format) -> a right-padded batch like PromptIterator yields."""
-    lengths = np.asarray([len(r["prompt_ids"]) for r in records], np.int32)
-    ids = np.full((len(records), int(lengths.max())), pad_id, np.int32)
-    for i, r in enumerate(records):
+def batch_records(records: Sequence[dict[str, Any]], pad_id: int, *, rows: int | None = None,
+                  filler: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Prompt records (data.prompts format) -> a right-padded batch like PromptIterator yields.
+
+    rows: pad the batch to this many rows with copies of `filler` (default: the first record):
+    a real prompt, so the padded rows prefill and decode like any other. `valid` [rows] bool
+    marks the real rows; `evaluate` masks the others out of every metric.
+    """
+    rows = len(records) if rows is None else rows
+    if rows < len(records):
+        raise ValueError(f"rows={rows} is fewer than the {len(records)} records")
+    filler = filler if filler is not None else (records[0] if records else None)
+    if rows > len(records) and filler is None:
+        raise ValueError("padding an empty record list needs a filler record")
+    padded = list(records) + [filler] * (rows - len(records))
+    if not padded:
+        raise ValueError("batch_records: no records")
+    lengths = np.asarray([len(r["prompt_ids"]) for r in padded], np.int32)
+    ids = np.full((rows, int(lengths.max())), pad_id, np.int32)
+    for i, r in enumerate(padded):
         ids[i, :lengths[i]] = r["prompt_ids"]
     return {"prompt_ids": ids, "prompt_lengths": lengths,
-            "answers": [r["answer"] for r in records], "prompts": [r["prompt"] for r in records],
-            "metas": [r.get("meta") for r in records]}
+            "answers": [r["answer"] for r in padded], "prompts": [r["prompt"] for r in padded],
+            "metas": [r.get("meta") for r in padded],
+            "valid": np.arange(rows) < len(records)}
+
+
+def data_shards(spec: ShardingSpec | None) -> int:
+    """How many ways the rows of a rollout batch are split (the mesh's batch axis; 1 unsharded)."""
+    if spec is None:
+        return 1
+    return int(spec.mesh.shape[spec.rules.get("batch") or "data"])
+
+
+def shard_eval_batch(records: Sequence[dict[str, Any]], pad_id: int,
+                     spec: ShardingSpec | None = None) -> dict[str, Any]:
+    """This process's share of the held-out `records` as one batch.
+
+    Process p takes records p, p + P, ... (P processes). Every process gets the same row count,
+    padded so that the global batch divides the data axis (the rollout shards rows over it);
+    with 5 prompts on an 8-way data axis that is 8 rows, 3 of them masked padding.
+    """
+    if not records:
+        raise ValueError("no held-out prompts to evaluate")
+    n_proc = jax.process_count()
+    unit = math.lcm(data_shards(spec), n_proc)
+    total = -(-len(records) // unit) * unit
+    mine = list(records[jax.process_index()::n_proc])
+    return batch_records(mine, pad_id, rows=total // n_proc, filler=records[0])
 
 
 def timed_generate(model, batch, *, cfg: RolloutConfig, budgets, bin_size: int, group_size: int,
@@ -50,7 +92,8 @@ def timed_generate(model, batch, *, cfg: RolloutConfig, budgets, bin_size: int, 
 def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: RolloutConfig,
              budgets, bin_size: int, rng, spec=None, diagnostics: dict[str, RewardPool] | None = None
              ) -> dict[str, float]:
-    """One pass over held-out prompts (group size 1) in cfg.mode; reward, length and tokens/s.
+    """One pass over held-out prompts (group size 1) in cfg.mode; reward, length and tokens/s
+    over the rows that `batch["valid"]` marks real (all rows when the batch has no mask).
 
     The program is compiled by a first call, so callers that compare speeds should evaluate
     each mode once before timing (the train loop's evaluations after the first do that).
@@ -58,13 +101,24 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     traj, seconds = timed_generate(model, batch, cfg=cfg, budgets=budgets, bin_size=bin_size,
                                    group_size=1, rng=rng, spec=spec)
     texts = decode_responses(tokenizer, traj)
-    rewards, _ = score(pool, texts, batch["answers"], batch["prompts"], batch["metas"])
-    # Means over every process's prompts.
-    rewards = multihost.all_rows(rewards)
-    lengths = multihost.all_rows(multihost.local_rows(traj.response_lengths))
-    out = {"reward": float(rewards.mean()), "response_length": float(lengths.mean()),
+    # Padding rows (batch["valid"] False, see shard_eval_batch) are neither scored nor counted.
+    valid = np.asarray(batch.get("valid", np.ones(len(texts), bool)), bool)
+    keep = np.flatnonzero(valid)
+
+    def scored(reward_pool: RewardPool) -> np.ndarray:
+        out = np.zeros(len(texts), np.float32)  # same shape on every process, for all_rows
+        if keep.size:
+            out[keep] = score(reward_pool, [texts[i] for i in keep],
+                              [batch["answers"][i] for i in keep],
+                              [batch["prompts"][i] for i in keep],
+                              [batch["metas"][i] for i in keep])[0]
+        return multihost.all_rows(out)
+
+    # Means over every process's real prompts.
+    mask = multihost.all_rows(valid)
+    lengths = multihost.all_rows(multihost.local_rows(traj.response_lengths))[mask]
+    out = {"reward": float(scored(pool)[mask].mean()), "response_length": float(lengths.mean()),
            "tokens_per_s": float(lengths.sum() / seconds), "seconds": seconds}
     for name, diag in (diagnostics or {}).items():
-        diag_rewards = score(diag, texts, batch["answers"], batch["prompts"], batch["metas"])[0]
-        out[f"reward_{name}"] = float(multihost.all_rows(diag_rewards).mean())
+        out[f"reward_{name}"] = float(scored(diag)[mask].mean())
     return out

@@ -13,6 +13,12 @@ Layout of a run directory written here::
     run_dir/events.out.tfevents.*   # one file per MetricsWriter (i.e. per (re)start)
     run_dir/metrics.jsonl           # {"step": s, "time": unix_seconds, "<tag>": value|null, ...}
 
+A run directory may be a URI (``gs://bucket/run``). Object stores cannot append to a file, and
+TensorBoard's writer (without TensorFlow) reaches a bucket only through an optional fsspec plugin,
+so for a URI both files are written to a local mirror directory (named in a log line) and the
+whole files are copied to the URI with ``etils.epath`` every ``flush_secs``, on ``flush()`` and
+on ``close()``; a resumed run first copies the URI's ``metrics.jsonl`` back into the mirror.
+
 Only process 0 writes (``jax.process_index() == 0``); other processes get a no-op writer so the
 train loop can call it unconditionally.
 """
@@ -20,8 +26,11 @@ train loop can call it unconditionally.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
+import tempfile
 import time
 from collections import defaultdict
 from types import TracebackType
@@ -29,6 +38,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
+from etils import epath
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -44,6 +54,18 @@ __all__ = [
 ]
 
 JSONL_NAME = "metrics.jsonl"
+EVENTS_PREFIX = "events.out.tfevents."
+log = logging.getLogger(__name__)
+
+
+def _is_uri(path: str) -> bool:
+    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path))
+
+
+def local_mirror_dir(uri: str) -> str:
+    """The local directory that mirrors a URI run directory's metrics files (one per URI)."""
+    return os.path.join(tempfile.gettempdir(), "sparrow-metrics-mirror",
+                        re.sub(r"[^A-Za-z0-9._-]+", "_", uri))
 
 
 def _to_float(tag: str, value: Any) -> float:
@@ -76,11 +98,28 @@ class MetricsWriter:
         self.enabled = (jax.process_index() == 0) if enabled is None else bool(enabled)
         self._events: EventFileWriter | None = None
         self._jsonl: Any = None
+        self._flush_secs = flush_secs
+        # Where the files are written: the run directory itself, or a local mirror of a URI.
+        self.local_dir = local_mirror_dir(self.run_dir) if _is_uri(self.run_dir) else self.run_dir
+        self._last_upload = time.monotonic()
         if self.enabled:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self._events = EventFileWriter(self.run_dir, flush_secs=flush_secs)
+            os.makedirs(self.local_dir, exist_ok=True)
+            if self.local_dir != self.run_dir:
+                remote = epath.Path(self.run_dir)
+                remote.mkdir(parents=True, exist_ok=True)
+                # The URI is the record: drop what an earlier process left in the mirror (its
+                # close() uploaded it), then continue the URI's metrics.jsonl on resume.
+                for name in os.listdir(self.local_dir):
+                    if name == JSONL_NAME or name.startswith(EVENTS_PREFIX):
+                        os.remove(os.path.join(self.local_dir, name))
+                if (remote / JSONL_NAME).exists():
+                    with open(os.path.join(self.local_dir, JSONL_NAME), "wb") as f:
+                        f.write((remote / JSONL_NAME).read_bytes())
+                log.info("metrics of %s are written to the local mirror %s and copied to the URI "
+                         "every %.0f s and at close", self.run_dir, self.local_dir, flush_secs)
+            self._events = EventFileWriter(self.local_dir, flush_secs=flush_secs)
             # Append mode: a resumed run continues the same file; readers keep the last line per step.
-            self._jsonl = open(os.path.join(self.run_dir, JSONL_NAME), "a", encoding="utf-8")
+            self._jsonl = open(os.path.join(self.local_dir, JSONL_NAME), "a", encoding="utf-8")
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -104,6 +143,9 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         # Flush per call: the JSONL file is the crash-proof record of the run.
         self._jsonl.flush()
+        mirrored = self.local_dir != self.run_dir
+        if mirrored and time.monotonic() - self._last_upload >= self._flush_secs:
+            self.flush()
 
     def text(self, step: int, tag: str, markdown: str) -> None:
         """Writes a text-plugin summary (rendered as markdown by TensorBoard)."""
@@ -124,6 +166,19 @@ class MetricsWriter:
             self._events.flush()
         if self._jsonl is not None:
             self._jsonl.flush()
+        self._upload()
+
+    def _upload(self) -> None:
+        """Copies the mirrored files to a URI run directory (whole files: no appends on object
+        stores); a no-op for local run directories."""
+        if not self.enabled or self.local_dir == self.run_dir:
+            return
+        remote = epath.Path(self.run_dir)
+        for name in sorted(os.listdir(self.local_dir)):
+            if name == JSONL_NAME or name.startswith(EVENTS_PREFIX):
+                with open(os.path.join(self.local_dir, name), "rb") as f:
+                    (remote / name).write_bytes(f.read())
+        self._last_upload = time.monotonic()
 
     def close(self) -> None:
         """Flushes and closes; further calls become no-ops. Idempotent."""
@@ -133,6 +188,7 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        self._upload()
         self.enabled = False
 
     def __enter__(self) -> "MetricsWriter":
@@ -184,9 +240,9 @@ def read_text(run_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, str]
 
 def read_jsonl(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Reads ``run_dir/metrics.jsonl``; a torn last line (crash mid-write) is dropped."""
-    path = os.path.join(os.fspath(run_dir), JSONL_NAME)
+    path = epath.Path(os.fspath(run_dir)) / JSONL_NAME  # epath: a gs:// run directory reads too
     records = []
-    with open(path, encoding="utf-8") as f:
+    with path.open("r") as f:
         for line in f:
             try:
                 records.append(json.loads(line))

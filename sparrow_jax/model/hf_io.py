@@ -174,6 +174,26 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
 
 
+def stop_token_ids(tokenizer: Any, model_dir: str | os.PathLike) -> tuple[int, ...]:
+    """Every id that ends a generation: the tokenizer's eos, then each `eos_token_id` in the model
+    directory's generation_config.json (chat checkpoints such as Qwen3 stop on <|im_end|> and
+    <|endoftext|>, while the tokenizer names only one of them). Deduplicated, in that order.
+
+    The one source of stop ids for `sparrow train` (rollout and evaluation) and `sparrow rollout`.
+    """
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen_cfg = Path(model_dir) / "generation_config.json"
+    if gen_cfg.is_file():
+        try:
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{gen_cfg}: not valid JSON ({e})") from None
+        ids.extend(int(i) for i in ([eos] if isinstance(eos, int) else eos or []))
+    return tuple(dict.fromkeys(ids))
+
+
 def save_hf(model: Qwen3ForCausalLM, path: str | os.PathLike, *, tokenizer=None,
             dtype: Any = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Writes `model` as a Hugging Face directory that transformers loads as Qwen3ForCausalLM."""

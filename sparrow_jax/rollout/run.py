@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 import pallas_kernels
+from sparrow_jax.model import stop_token_ids
 from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, generate, padded_length
 
 log = logging.getLogger(__name__)
@@ -68,20 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- setup ---------------------------------------------------------------------------------------
-def stop_token_ids(tokenizer: Any, model_dir: str) -> tuple[int, ...]:
-    """The tokenizer's eos, plus generation_config.json's eos ids when the model ships one
-    (chat checkpoints such as Qwen3 stop on <|im_end|> and <|endoftext|>)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    gen_cfg = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_cfg):
-        with open(gen_cfg) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.extend(int(i) for i in ([eos] if isinstance(eos, int) else eos or []))
-    return tuple(dict.fromkeys(ids))  # dedupe, keep order
-
-
 def resolve_schedule(name: str | None):
     """--schedule: a name, a JSON file, or inline JSON (a budget list or a Schedule dict)."""
     from sparrow_jax.schedule import Schedule, load_schedule, make_schedule

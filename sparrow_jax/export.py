@@ -1,0 +1,285 @@
+"""`sparrow export`: the policy of a training checkpoint as a Hugging Face directory.
+
+    sparrow export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16] [--model_path DIR]
+
+Reads only the params item of `RUN_DIR/checkpoints/<step>` (latest step by default; the optimizer
+state is never loaded), in the dtype it was saved in (orbax metadata says which: f32 master
+weights, or bf16 in older runs), and writes
+
+    DIR/config.json              the base model's config.json, dtype fields set to --dtype
+    DIR/model*.safetensors       the trained weights (+ model.safetensors.index.json if sharded)
+    DIR/tokenizer files          the base model's tokenizer, re-saved by transformers
+    DIR/generation_config.json   the base model's, or eos/bos/pad synthesized from config.json
+    DIR/sparrow_export.json      provenance: run directory, step, stored and exported dtypes
+
+The base model directory is `TrainConfig.model_path` of the run's operative gin config;
+`--model_path` replaces it when the run was trained elsewhere. RUN_DIR may be a URI (gs://...);
+the export is written to a local directory, assembled beside it and renamed into place, so an
+interrupted export never looks complete. A run that is still training can be exported: the
+checkpoint is opened read-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from gin import config_parser
+
+from sparrow_jax import checkpoint as ckpt
+from sparrow_jax.model import (Qwen3ForCausalLM, load_tokenizer, read_config, save_hf,
+                               stop_token_ids)
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16")
+PROVENANCE_FILE = "sparrow_export.json"
+
+
+class ExportError(SystemExit):
+    """A user-facing input error: printed as one line, exit status 1."""
+
+    def __init__(self, message: str):
+        super().__init__(f"sparrow export: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    step: int
+    stored_dtype: str            # dtype of the checkpoint's params
+    dtype: str                   # dtype of the written tensors
+    num_params: int
+    stop_token_ids: tuple[int, ...]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `sparrow export` (called by sparrow_jax.cli.build_parser)."""
+    parser.add_argument("run_dir", help="run directory of `sparrow train` (local path or URI)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--out", required=True, help="output Hugging Face directory (local)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="dtype of the written weights (default: as stored in the checkpoint)")
+    parser.add_argument("--model_path", default=None,
+                        help="base model directory (config.json, tokenizer); default: "
+                             "TrainConfig.model_path of the run's operative config")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --out directory")
+
+
+# -- reading the run -------------------------------------------------------------------------------
+class _Placeholder(config_parser.ParserDelegate):
+    """Parses any gin file without the configurables being registered: references and macros
+    become inert strings, which is enough to read one literal binding."""
+
+    def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> str:
+        return "@" + scoped_configurable_name + ("()" if evaluate else "")
+
+    def macro(self, macro_name: str) -> str:
+        return "%" + macro_name
+
+
+def gin_binding(config_text: str, selector: str, arg_name: str) -> Any:
+    """The literal value bound to `selector.arg_name` (unscoped) in a gin config, or None.
+
+    gin's own parser (not a regex): operative configs wrap long values onto continuation lines,
+    and a module-qualified selector (`sparrow_jax.train.TrainConfig`) names the same binding.
+    """
+    value = None
+    for stmt in config_parser.ConfigParser(config_text, _Placeholder()):
+        if (isinstance(stmt, config_parser.BindingStatement) and not stmt.scope
+                and stmt.arg_name == arg_name
+                and (stmt.selector == selector or stmt.selector.endswith("." + selector))):
+            value = stmt.value  # the last binding wins, as in gin
+    return value
+
+
+def _operative_config(mngr: ckpt.CheckpointManager, step: int) -> str | None:
+    """The gin config saved with the step, else the run directory's operative_config.gin."""
+    text = mngr.read_operative_config(step)
+    if text is None:
+        path = ckpt.epath.Path(mngr.run_dir) / ckpt.OPERATIVE_CONFIG_FILE
+        text = path.read_text() if path.exists() else None
+    return text
+
+
+def _model_dir(mngr: ckpt.CheckpointManager, step: int, override: str | None) -> Path:
+    if override:
+        path, origin = Path(override), "--model_path"
+    else:
+        text = _operative_config(mngr, step)
+        if text is None:
+            raise ExportError(f"{mngr.run_dir} has no operative_config.gin to read "
+                              "TrainConfig.model_path from; pass --model_path DIR")
+        value = gin_binding(text, "TrainConfig", "model_path")
+        if not isinstance(value, str) or not value:
+            raise ExportError("the run's operative config binds no TrainConfig.model_path; "
+                              "pass --model_path DIR")
+        path, origin = Path(value), "TrainConfig.model_path of the run"
+    if not (path / "config.json").is_file():
+        raise ExportError(f"base model directory {str(path)!r} ({origin}) is gone or has no "
+                          "config.json; pass --model_path DIR with the same config.json and "
+                          "tokenizer")
+    return path
+
+
+def _abstract_params(mngr: ckpt.CheckpointManager, step: int, model_dir: Path):
+    """(graphdef, abstract params on the host CPU in the stored dtypes, stored dtype name).
+
+    Shapes come from config.json, dtypes from the checkpoint's metadata; a shape that differs
+    (another base model than the run's) or a missing parameter is a clear error here instead of
+    an orbax traceback. The target sits on the CPU: exporting is host work, and a 32B model's
+    f32 master weights need not fit one accelerator.
+    """
+    cfg = read_config(model_dir)
+    stored = mngr.params_metadata(step)
+    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, dtype=jnp.float32,
+                                                    param_dtype=jnp.float32))
+    # Every variable of the model is a Param (load_hf fills the whole state from safetensors),
+    # which is exactly what the learner checkpoints: nnx.state(model, nnx.Param).
+    graphdef, state = nnx.split(model)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    dtypes = set()
+
+    def target(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        key = ckpt.tree_path_names(path)
+        name = ".".join(k for k in key if k != "value")
+        if key not in stored:
+            raise ExportError(f"checkpoint step {step} has no parameter {name!r}: was the run "
+                              f"trained from {model_dir}? (override with --model_path)")
+        shape, dtype = stored[key]
+        if tuple(shape) != tuple(leaf.shape):
+            raise ExportError(f"parameter {name!r} is {tuple(shape)} in checkpoint step {step} "
+                              f"but {tuple(leaf.shape)} for {model_dir}/config.json; pass "
+                              "--model_path DIR of the model the run trained")
+        dtypes.add(np.dtype(dtype).name)
+        return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=cpu)
+
+    abstract = jax.tree_util.tree_map_with_path(target, state)
+    extra = sorted(".".join(k for k in key if k != "value") for key in
+                   set(stored) - {ckpt.tree_path_names(p) for p, _ in
+                                  jax.tree_util.tree_leaves_with_path(state)})
+    if extra:
+        # DistillSparse adapters (lora) will be merged by a later --merge_lora; anything else
+        # means the checkpoint belongs to another architecture.
+        raise ExportError(f"checkpoint step {step} holds parameters a Qwen3 model of "
+                          f"{model_dir}/config.json does not have: {extra[:5]}")
+    stored_dtype = dtypes.pop() if len(dtypes) == 1 else "mixed(" + ",".join(sorted(dtypes)) + ")"
+    return graphdef, abstract, stored_dtype
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def _check_out(out: Path, overwrite: bool) -> None:
+    if ckpt.is_uri(str(out)):
+        raise ExportError(f"--out {out} must be a local directory (copy it to a bucket afterwards)")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"--out {out} is not empty; choose a new directory or pass --overwrite")
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=parent, prefix=".sparrow-export-probe-")
+        probe.close()
+    except OSError as e:
+        raise ExportError(f"--out {out} is not writable ({e.strerror or e})") from None
+
+
+def _generation_config(model_dir: Path, hf_config: dict[str, Any],
+                       tokenizer: Any) -> dict[str, Any]:
+    """The base model's generation_config.json, or the stop/bos/pad ids from config.json (and
+    the tokenizer's eos), which is what transformers derives when the file is missing."""
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    eos = [i for i in (hf_config.get("eos_token_id"), tokenizer.eos_token_id) if i is not None]
+    eos = list(dict.fromkeys(i for e in eos for i in (e if isinstance(e, list) else [e])))
+    gen: dict[str, Any] = {"_from_model_config": True}
+    for key, value in (("bos_token_id", hf_config.get("bos_token_id")),
+                       ("eos_token_id", eos[0] if len(eos) == 1 else eos or None),
+                       ("pad_token_id", hf_config.get("pad_token_id"))):
+        if value is not None:
+            gen[key] = value
+    return gen
+
+
+def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
+           dtype: str | None = None, model_path: str | os.PathLike | None = None,
+           overwrite: bool = False) -> ExportResult:
+    """Writes the policy of `run_dir`'s checkpoint `step` (default latest) to `out` as a Hugging
+    Face directory that `load_hf` and transformers load. See the module docstring."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
+    run = ckpt.resolve_run_dir(run_dir)
+    out = Path(os.path.abspath(os.fspath(out)))
+    _check_out(out, overwrite)
+    if not ckpt.is_uri(str(run)) and not run.is_dir():
+        raise ExportError(f"run directory {run} does not exist")
+    try:
+        mngr = ckpt.CheckpointManager(run, read_only=True)
+    except FileNotFoundError as e:
+        raise ExportError(str(e)) from None
+    with mngr:
+        steps = mngr.all_steps()
+        if not steps:
+            raise ExportError(f"no checkpoint in {mngr.directory} (has the run saved a step yet?)")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise ExportError(f"step {step} is not a checkpoint of {run}; available steps: {steps}")
+        model_dir = _model_dir(mngr, step, str(model_path) if model_path else None)
+        graphdef, abstract, stored_dtype = _abstract_params(mngr, step, model_dir)
+        log.info("exporting %s step %d (params stored as %s) with base model %s", run, step,
+                 stored_dtype, model_dir)
+        params = mngr.restore_params(step, abstract)
+    model = nnx.merge(graphdef, params)
+    dtype = dtype or (stored_dtype if stored_dtype in DTYPES else "float32")
+    tokenizer = load_tokenizer(model_dir)
+    hf_config = json.loads((model_dir / "config.json").read_text())
+
+    # Assemble beside `out`, then rename: an interrupted export leaves no half directory at `out`.
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
+    try:
+        save_hf(model, staging, tokenizer=tokenizer, dtype=dtype)
+        # The base config.json verbatim (fields our Qwen3Config does not model survive), with
+        # the dtype of the weights actually written.
+        hf_config.update({k: dtype for k in ("torch_dtype", "dtype")})
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        gen = _generation_config(model_dir, hf_config, tokenizer)
+        (staging / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+        (staging / PROVENANCE_FILE).write_text(json.dumps(
+            {"run_dir": str(run), "step": step, "stored_dtype": stored_dtype, "dtype": dtype,
+             "base_model": str(model_dir), "num_params": num_params}, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)  # empty, or --overwrite (checked above)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    stops = stop_token_ids(tokenizer, out)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    log.info("wrote %s: step %d, %.2fM params as %s in %s, tokenizer, generation_config.json "
+             "(stop ids %s)", out, step, num_params / 1e6, dtype, ", ".join(files), list(stops))
+    return ExportResult(out=out, step=step, stored_dtype=stored_dtype, dtype=dtype,
+                        num_params=num_params, stop_token_ids=stops)
+
+
+def main(args: argparse.Namespace) -> int:
+    r = export(args.run_dir, args.out, step=args.step, dtype=args.dtype,
+               model_path=args.model_path, overwrite=args.overwrite)
+    print(f"exported step {r.step} of {args.run_dir} -> {r.out} ({r.num_params / 1e6:.2f}M params, "
+          f"{r.dtype}; stored as {r.stored_dtype})", file=sys.stderr)
+    return 0

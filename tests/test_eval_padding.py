@@ -1,0 +1,63 @@
+"""Held-out evaluation whose prompt count does not divide the data shards: the batch is padded
+(padded rows masked out of every metric) instead of raising.
+
+The 8-device part runs in a subprocess (tests/eval_padding_check.py): the host devices come from
+XLA_FLAGS, which must be set before jax is first imported.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sparrow_jax import evaluation
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _records(n):
+    return [{"prompt_ids": list(range(1, 3 + i)), "answer": f"a{i}", "prompt": f"p{i}",
+             "meta": {"i": i}} for i in range(n)]
+
+
+def test_batch_records_pads_with_masked_rows():
+    b = evaluation.batch_records(_records(3), pad_id=0, rows=5)
+    assert b["prompt_ids"].shape == (5, 4)
+    assert b["valid"].tolist() == [True, True, True, False, False]
+    assert b["prompt_lengths"].tolist() == [2, 3, 4, 2, 2]  # padding rows copy a real prompt
+    assert b["answers"][:3] == ["a0", "a1", "a2"]
+    assert evaluation.batch_records(_records(2), pad_id=0)["valid"].all()
+    with pytest.raises(ValueError, match="fewer than"):
+        evaluation.batch_records(_records(3), pad_id=0, rows=2)
+
+
+def test_shard_eval_batch_single_device_keeps_every_prompt():
+    b = evaluation.shard_eval_batch(_records(5), pad_id=0)
+    assert b["prompt_ids"].shape[0] == 5 and b["valid"].all()
+    with pytest.raises(ValueError, match="no held-out prompts"):
+        evaluation.shard_eval_batch([], pad_id=0)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_padding")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "eval_padding_check.py"), str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, f"eval padding check failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_five_prompts_on_eight_way_data_mesh_equal_unsharded(result):
+    assert result["mesh"] == {"data": 8, "model": 1}
+    assert (result["rows"], result["valid"]) == (8, 5)        # 3 padded rows, masked
+    for mode in ("dense", "sparse"):
+        r = result[mode]
+        assert r["sharded_reward"] == pytest.approx(r["reward"], abs=1e-6), (mode, r)
+        assert r["sharded_length"] == pytest.approx(r["length"], abs=1e-6), (mode, r)
+        # The check can fail: counting the padding rows would give another mean.
+        assert not np.isclose(r["reward_if_padding_counted"], r["reward"]), (mode, r)
