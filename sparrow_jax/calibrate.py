@@ -310,8 +310,8 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
     log.info("calibrating %s: %d budgets x %d rows x <= %d new tokens, bins of %d", cfg.model_path,
              len(grid), n_rows, cfg.max_new_tokens, cfg.bin_size)
 
-    learner = Learner(model, LearnerConfig(alpha_mode="full", temperature=cfg.temperature),
-                      group_size=cfg.group_size)
+    learner = Learner(model, LearnerConfig(alpha_mode="full"), group_size=cfg.group_size,
+                      sampling=rcfg.sampling)
     per_budget, lengths = [], None
     bar = tqdm(total=len(grid) + int(cfg.noise_floor), desc="calibrate", unit="run")
     for b in grid:
@@ -326,9 +326,8 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
         bar.set_postfix(budget="dense")
         k = min(model.config.vocab_size, cfg.noise_floor_topk)
         dense_cfg = dataclasses.replace(rcfg, mode="dense", record_topk=k)
-        dense_learner = Learner(model, LearnerConfig(alpha_mode="topk",
-                                                     temperature=cfg.temperature),
-                                group_size=cfg.group_size)
+        dense_learner = Learner(model, LearnerConfig(alpha_mode="topk"),
+                                group_size=cfg.group_size, sampling=dense_cfg.sampling)
         data = _measure(model, dense_learner, batches, dense_cfg, cfg, None, None)
         floor = _summarize(data, cfg)
         floor.update(topk=k, exact=k >= model.config.vocab_size)

@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import time
-from pathlib import Path
 
 import gin
 import jax
@@ -33,10 +32,12 @@ from sparrow_jax.controller import ControllerConfig, ScheduleController
 from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
 from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
 from sparrow_jax.metrics import MetricsWriter, StepTimer, gin_config_markdown
-from sparrow_jax.model import load_hf, load_tokenizer
-from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig, SparseReplay
+from sparrow_jax.model import compute_copy, load_hf, load_tokenizer, stop_token_ids
+from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rl.rewards import RewardPool
+from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
 from sparrow_jax.rollout.engine import RolloutConfig
+from sparrow_jax.shapes import default_buckets
 from sparrow_jax.schedule import make_schedule
 from sparrow_jax.sharding import ShardingSpec, make_mesh
 
@@ -66,7 +67,12 @@ class TrainConfig:
     checkpoint_every: int = 10
     max_to_keep: int = 3
     seed: int = 0
-    dtype: str = "auto"               # "auto" = bf16 on accelerators, f32 on CPU
+    dtype: str = "auto"               # compute dtype of rollout and learner forwards:
+                                      # "auto" = bf16 on accelerators, f32 on CPU
+    param_dtype: str = "float32"      # master weights and AdamW moments (bf16 cannot hold an
+                                      # lr-1e-6 update); the rollout gets a compute-dtype copy
+    rollout_batch_prompts: int = 0    # prompts per rollout program call (0 = prompts_per_step):
+                                      # a step's rollout runs in sequential calls of this size
     mesh_model: int = 1               # model-parallel axis size; the rest of the devices is data
     distributed: bool = False         # multi-host: jax.distributed.initialize() (TPU pods, SLURM)
     # Explicit multi-process launch where no cluster is auto-detected (plain GPU nodes, local
@@ -91,6 +97,18 @@ class TrainConfig:
                              "distributed = True")
         if self.group_size < 2:
             raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
+        if self.rollout_batch_prompts < 0 or (
+                self.rollout_batch_prompts and self.prompts_per_step % self.rollout_batch_prompts):
+            raise ValueError(f"TrainConfig.rollout_batch_prompts={self.rollout_batch_prompts} "
+                             f"must divide prompts_per_step={self.prompts_per_step}")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if value != "auto" or name == "param_dtype":
+                try:
+                    jnp.dtype(value)
+                except TypeError:
+                    raise ValueError(f"TrainConfig.{name} = {value!r} is not a dtype name "
+                                     "(float32, bfloat16, ...)") from None
 
 
 def _scalars(prefix: str, d: dict) -> dict[str, float]:
@@ -102,7 +120,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir).resolve()  # orbax needs absolute paths
+        # A URI (gs://...) stays a URI for orbax and epath; a local path becomes absolute
+        # (orbax needs that). pathlib's resolve() would turn gs://b/run into <cwd>/gs:/b/run.
+        self.run_dir = ckpt.resolve_run_dir(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log.info("devices: %s", jax.devices())
         self.spec = None
@@ -112,8 +132,12 @@ class Trainer:
             if multihost.is_multiprocess():
                 multihost.check_mesh(self.spec)
         dtype = None if cfg.dtype == "auto" else jnp.dtype(cfg.dtype)
-        self.model = load_hf(cfg.model_path, dtype=dtype,
+        # The learner's model holds the f32 master weights and computes in `dtype`.
+        self.model = load_hf(cfg.model_path, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
                              mesh=self.spec.mesh if self.spec else None)
+        log.info("precision: master weights %s, compute %s", cfg.param_dtype,
+                 jnp.dtype(self.model.dtype).name)
+        self._rollout_copy = None
         self.tokenizer = load_tokenizer(cfg.model_path)
         tok = self.tokenizer
         self.data = make_prompt_iterator(cfg.train_data, tok, batch_size=cfg.prompts_per_step,
@@ -122,15 +146,12 @@ class Trainer:
         if cfg.eval_data:
             ds = PromptDataset.from_files(cfg.eval_data, tok)
             log.info("eval data: %s", ds.report.summary())
-            # Each process evaluates its own equal slice of the held-out prompts.
-            n_proc = jax.process_count()
-            per_process = min(cfg.eval_prompts, len(ds.records)) // n_proc
-            if per_process == 0:
-                raise ValueError(f"{len(ds.records)} eval prompts cannot be split over {n_proc} "
-                                 "processes")
-            records = ds.records[jax.process_index()::n_proc][:per_process]
-            self.eval_batch = evaluation.batch_records(records, tok.pad_token_id)
-        stops = tuple(sorted({t for t in [tok.eos_token_id] if t is not None}))
+            # Each process evaluates its share of the held-out prompts, padded to a row count
+            # the data axis divides (padded rows are masked out of every metric).
+            self.eval_batch = evaluation.shard_eval_batch(ds.records[:cfg.eval_prompts],
+                                                          tok.pad_token_id, spec=self.spec)
+        stops = stop_token_ids(tok, cfg.model_path)
+        log.info("stop tokens: %s", list(stops))
         self.rollout_cfg = RolloutConfig(stop_token_ids=stops, pad_token_id=tok.pad_token_id or 0)
         self.rollout_cfg = dataclasses.replace(self.rollout_cfg, mode=cfg.rollout_mode)
         schedule = make_schedule()
@@ -156,7 +177,11 @@ class Trainer:
         learner_cfg = LearnerConfig()
         if rc.mode == "dense" and learner_cfg.alpha_mode == "full":
             learner_cfg = dataclasses.replace(learner_cfg, alpha_mode="none")
-        self.learner = Learner(self.model, learner_cfg, group_size=cfg.group_size)
+        self.length_buckets = learner_cfg.length_buckets or default_buckets(
+            rc.max_new_tokens, multiple=rc.block_size)
+        # The learner's policy is the rollout's sampling distribution (temperature, truncation).
+        self.learner = Learner(self.model, learner_cfg, group_size=cfg.group_size,
+                               sampling=self.rollout_cfg.sampling)
         self.pool = RewardPool(cfg.reward, processes=cfg.reward_processes,
                                timeout_s=cfg.reward_timeout_s)
         self.diagnostics = {n: RewardPool(n, processes=0) for n in cfg.diagnostic_rewards}
@@ -168,6 +193,13 @@ class Trainer:
         self.operative = gin.operative_config_str()
         ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
         self.writer.text(0, "config/operative_gin", gin_config_markdown(self.operative))
+
+    def rollout_model(self):
+        """The policy in the compute dtype for rollout and evaluation: cast once per RL step
+        (after the update), not per decode step; the same model when dtypes already agree."""
+        if self._rollout_copy is None:
+            self._rollout_copy = compute_copy(self.model)
+        return self._rollout_copy
 
     # -- checkpoints ------------------------------------------------------------------------
     def _extra(self) -> dict:
@@ -186,6 +218,7 @@ class Trainer:
         params, opt_state, extra = self.ckpt.restore(
             latest, ckpt.abstract_like(self.learner.params), ckpt.abstract_like(self.learner.opt_state))
         nnx.update(self.model, params)
+        self._rollout_copy = None
         self.learner.opt_state = opt_state
         # Saved by process 0; hosts run in lock step, so only the shard index differs.
         self.data.set_state({**extra["data"], "shard_index": jax.process_index()})
@@ -202,9 +235,13 @@ class Trainer:
             batch = next(self.data)
         rng = jax.random.fold_in(jax.random.key(cfg.seed), self.step)
         with timer("rollout"):
-            traj, seconds = evaluation.timed_generate(
-                self.model, batch, cfg=self.rollout_cfg, budgets=budgets, bin_size=sched.bin_size,
-                group_size=cfg.group_size, rng=rng, spec=self.spec)
+            actor = self.rollout_model()
+
+            def generate(sub, i):
+                return evaluation.timed_generate(
+                    actor, sub, cfg=self.rollout_cfg, budgets=budgets, bin_size=sched.bin_size,
+                    group_size=cfg.group_size, rng=jax.random.fold_in(rng, i), spec=self.spec)
+            traj, seconds = rollout_in_sub_batches(generate, batch, cfg.rollout_batch_prompts)
         n = cfg.group_size
         answers = [a for a in batch["answers"] for _ in range(n)]
         prompts = [p for p in batch["prompts"] for _ in range(n)]
@@ -213,13 +250,14 @@ class Trainer:
             texts = evaluation.decode_responses(self.tokenizer, traj)
             rewards, info = evaluation.score(self.pool, texts, answers, prompts, metas)
         with timer("learner"):
-            analysis = self.learner.analyze(traj, budgets, self.replay)
+            # The learner works on the batch's longest sequence rounded up to a bucket.
+            traj = trim_to_bucket(traj, self.length_buckets, multiple=self.rollout_cfg.block_size)
             # Advantages need whole groups; a process's rows are whole groups of its prompts.
             rows = (multihost.rows_to_global(rewards.astype(np.float32), self.spec)
                     if multihost.is_multiprocess() else rewards)
-            lb = LearnerBatch(traj=traj, logp_old=analysis["logp_old"],
-                              advantages=self.learner.advantages(rows))
-            loss_metrics = self.learner.update(lb)
+            analysis, loss_metrics = self.learner.step(traj, self.learner.advantages(rows),
+                                                       budgets, self.replay)
+            self._rollout_copy = None      # the policy changed: recast before the next rollout
         # Metrics over every process's rows.
         rewards = multihost.all_rows(rewards)
         lengths = multihost.all_rows(multihost.local_rows(traj.response_lengths))
@@ -256,7 +294,7 @@ class Trainer:
         for mode in ("dense", "sparse"):
             rc = dataclasses.replace(self.rollout_cfg, mode=mode,
                                      temperature=self.cfg.eval_temperature)
-            r = evaluation.evaluate(self.model, self.tokenizer, self.pool, self.eval_batch, cfg=rc,
+            r = evaluation.evaluate(self.rollout_model(), self.tokenizer, self.pool, self.eval_batch, cfg=rc,
                                     budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
                                     rng=rng, spec=self.spec, diagnostics=self.diagnostics)
             out.update({f"eval_{mode}/{k}": v for k, v in r.items()})

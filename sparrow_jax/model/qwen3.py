@@ -7,6 +7,7 @@ post-RoPE q/k/v, so the block-sparse path can never drift from the dense model.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Protocol
 
 import jax
@@ -26,6 +27,16 @@ class FullAttentionFn(Protocol):
 
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
+
+# Per-layer rematerialisation in the gradient forward: what each layer keeps for the backward pass.
+#   "none": everything (fastest, most memory); "full": only the layer's input (recompute the
+#   layer); "dots": the outputs of the weight matmuls (dots without batch dimensions), recompute
+#   attention scores, norms and activations - the usual LLM trade-off.
+REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+REMAT_MODES = ("none", *REMAT_POLICIES)
 
 
 def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
@@ -250,14 +261,21 @@ class Qwen3ForCausalLM(nnx.Module):
     def embed(self, tokens: Array) -> Array:
         return self.embed_tokens(tokens).astype(self.dtype)
 
-    def run_layers(self, x: Array, positions: Array, attend: AttendFn) -> Array:
-        """x [B, T, H] -> final-normed hidden [B, T, H]; `attend` sees every layer's q/k/v."""
+    def run_layers(self, x: Array, positions: Array, attend: AttendFn, *,
+                   remat: str | None = None) -> Array:
+        """x [B, T, H] -> final-normed hidden [B, T, H]; `attend` sees every layer's q/k/v.
+
+        remat: one of REMAT_MODES for this call (None: "full" if the model was built with
+        remat=True, else "none")."""
+        mode = remat or ("full" if self.remat else "none")
+        if mode not in REMAT_MODES:
+            raise ValueError(f"remat must be one of {REMAT_MODES}, got {mode!r}")
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         for i, layer in enumerate(self.layers):
             def layer_fn(layer, x, cos, sin, i=i):
                 return layer(x, cos, sin, lambda q, k, v: attend(i, q, k, v))
-            if self.remat:
-                layer_fn = nnx.remat(layer_fn)
+            if mode != "none":
+                layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[mode])
             x = layer_fn(layer, x, cos, sin)
         return self.norm(x)
 
@@ -272,11 +290,13 @@ class Qwen3ForCausalLM(nnx.Module):
     # -- whole-sequence forwards ---------------------------------------------------------------
     def hidden_states(self, tokens: Array, positions: Array | None = None,
                       attention_mask: Array | None = None, *,
-                      attention_fn: FullAttentionFn | None = None) -> Array:
+                      attention_fn: FullAttentionFn | None = None,
+                      remat: str | None = None) -> Array:
         """tokens [B, T] -> final-normed hidden [B, T, H].
 
         attention_mask [B, T]: 1 for real tokens (default all ones). positions default to
         cumsum(mask) - 1, which is right for left padding as well as right padding.
+        remat: per-layer rematerialisation for gradients (see `run_layers`).
         """
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, dtype=jnp.int32)
@@ -285,13 +305,32 @@ class Qwen3ForCausalLM(nnx.Module):
         fn = attention_fn or dense_causal_attention
         return self.run_layers(
             self.embed(tokens), positions,
-            lambda i, q, k, v: fn(i, q, k, v, positions, attention_mask))
+            lambda i, q, k, v: fn(i, q, k, v, positions, attention_mask), remat=remat)
 
     def __call__(self, tokens: Array, positions: Array | None = None,
                  attention_mask: Array | None = None, *,
                  attention_fn: FullAttentionFn | None = None) -> Array:
         return self.logits(self.hidden_states(tokens, positions, attention_mask,
                                               attention_fn=attention_fn))
+
+
+def compute_copy(model: Qwen3ForCausalLM, dtype=None) -> Qwen3ForCausalLM:
+    """The model with its parameters cast to `dtype` (default: its compute dtype), for rollout
+    from f32 master weights: the cast happens once here instead of inside every decode step's
+    matmuls, and a bf16 copy halves the weight bytes each decode step reads. Shardings are kept.
+    Returns `model` itself when every parameter already has that dtype."""
+    dtype = jnp.dtype(dtype or model.dtype)
+    graphdef, state = nnx.split(model)
+    leaves = jax.tree.leaves(state)
+    if all(not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype for x in leaves):
+        return model
+    return nnx.merge(graphdef, _cast_floats(state, dtype=dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _cast_floats(tree, *, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)
 
 
 def default_dtype() -> jnp.dtype:

@@ -22,7 +22,8 @@ import pallas_kernels
 from sparrow_jax import multihost, selection
 from sparrow_jax.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, _MASK_VALUE
-from sparrow_jax.rollout.sampling import sample, topk_logprobs
+from sparrow_jax.rollout.sampling import SamplingParams, sample, topk_logprobs
+from sparrow_jax.shapes import COMPILES, bucket_length, default_buckets
 from sparrow_jax.sharding import ShardingSpec
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class RolloutConfig:
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     scorer: str = "centroid"
+    # Prompt widths are padded up to one of these (static shapes: one prefill/decode program per
+    # bucket touched); () = two buckets per octave from 64 tokens (sparrow_jax.shapes).
+    prompt_buckets: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.mode not in ("sparse", "dense"):
@@ -55,11 +59,23 @@ class RolloutConfig:
         if self.max_budget % self.block_size or self.max_budget < 3 * self.block_size:
             raise ValueError(f"max_budget={self.max_budget} must be a multiple of block_size="
                              f"{self.block_size} and >= 3 blocks (sink + 2 local)")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"bad sampling settings temperature={self.temperature} top_p={self.top_p}")
+        SamplingParams(self.temperature, self.top_k, self.top_p)   # validates
+        if any(b <= 0 or b % self.block_size for b in self.prompt_buckets):
+            raise ValueError(f"RolloutConfig.prompt_buckets {self.prompt_buckets} must be positive "
+                             f"multiples of block_size={self.block_size}")
         if self.scorer != "centroid":
             raise ValueError(f"rollout scorer {self.scorer!r} not supported (the cache keeps "
                              "centroids only); use scorer='centroid'")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The sampled distribution; the learner takes it from here (one source of truth)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    def prompt_width(self, width: int) -> int:
+        """The static prompt width (a bucket) for prompts of up to `width` tokens."""
+        buckets = self.prompt_buckets or default_buckets(1 << 17, multiple=self.block_size)
+        return bucket_length(width, buckets, multiple=self.block_size)
 
 
 @jax.tree_util.register_dataclass
@@ -344,8 +360,11 @@ def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rollou
     if multi and spec is None:
         raise ValueError(f"a {jax.process_count()}-process rollout needs spec= (a ShardingSpec "
                          "whose mesh spans every process's devices)")
-    # Every process must compile the same shapes: pad to the widest prompt of any process.
-    plen = multihost.sync_max(padded_length(prompt_tokens.shape[1], cfg.block_size))
+    # Every process must compile the same shapes: pad to the widest prompt of any process,
+    # rounded up to a bucket so that varying widths reuse a few programs.
+    widest = int(prompt_lengths.max())
+    plen = multihost.sync_max(cfg.prompt_width(widest))
+    prompt_tokens = prompt_tokens[:, :min(prompt_tokens.shape[1], plen)]
     prompt_tokens = np.pad(prompt_tokens, ((0, 0), (0, plen - prompt_tokens.shape[1])),
                            constant_values=cfg.pad_token_id)
     b = prompt_tokens.shape[0] * group_size * jax.process_count()
@@ -355,6 +374,9 @@ def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rollou
     check_cache_fits(model.config, b, padded_length(plen + cfg.max_new_tokens, cfg.block_size),
                      model.dtype, spec, block_size=cfg.block_size)
     graphdef, params = nnx.split(model)
+    COMPILES.note("rollout/prefill", prompts=prompt_tokens.shape[0] * jax.process_count(),
+                  prompt_width=plen, group_size=group_size, max_new_tokens=cfg.max_new_tokens,
+                  dtype=jnp.dtype(model.dtype).name)
     rng = jax.random.key(0) if rng is None else rng
     if multi:
         tokens_in = multihost.rows_to_global(prompt_tokens, spec)
@@ -377,6 +399,9 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
         raise ValueError(f"state was prefilled for (max_new_tokens, record_topk, block_size) = "
                          f"{shapes}, cfg has {wanted}")
     graphdef, params = nnx.split(model)
+    COMPILES.note("rollout/decode", rows=state.tokens.shape[0],
+                  prompt_width=state.prompt_tokens.shape[1], max_new_tokens=cfg.max_new_tokens,
+                  mode=cfg.mode, max_budget=cfg.max_budget, dtype=jnp.dtype(model.dtype).name)
     traj, _ = _decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
                               bin_size=bin_size, spec=spec)
     return traj

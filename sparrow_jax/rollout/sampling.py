@@ -1,6 +1,14 @@
-"""Token sampling with temperature / top-k / top-p, and the log-probabilities recorded per token."""
+"""Token sampling with temperature / top-k / top-p, and the log-probabilities recorded per token.
+
+`SamplingParams` is the one description of the sampling distribution: the rollout samples from
+it and records its log-probabilities, and the learner computes the dense policy's log-probs
+(PPO ratio, TIS weight) and the acceptance rate alpha under the *same* temperature and
+truncation (`sampling_logprobs`), so the two sides can never disagree.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -8,23 +16,42 @@ import jax.numpy as jnp
 _NEG = -jnp.inf
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Temperature (0 = greedy), top-k (0 = off) and top-p (1 = off) of the sampled policy."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"bad sampling settings temperature={self.temperature} "
+                             f"top_k={self.top_k} top_p={self.top_p}")
+
+    def logprobs(self, logits: jax.Array) -> jax.Array:
+        """`sampling_logprobs` under these settings: logits [..., V] -> log-probs [..., V]."""
+        return sampling_logprobs(logits, temperature=self.temperature, top_k=self.top_k,
+                                 top_p=self.top_p)
+
+
 def sampling_logprobs(logits: jax.Array, *, temperature: float, top_k: int = 0,
                       top_p: float = 1.0) -> jax.Array:
-    """logits [B, V] -> log-probs [B, V] of the distribution actually sampled from.
+    """logits [..., V] -> log-probs [..., V] of the distribution actually sampled from.
 
     Temperature first, then top-k and top-p truncation, renormalised; truncated tokens get -inf.
     temperature == 0 means greedy: the returned log-probs are those of temperature 1 (untruncated),
-    which is what the learner compares against.
+    which is what the learner compares against. The truncated set is a function of the logits
+    (not differentiated through): the learner's policy is this renormalised distribution.
     """
     logits = logits.astype(jnp.float32)
     if temperature == 0:
         return jax.nn.log_softmax(logits, axis=-1)
     logits = logits / temperature
     if top_k and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        kth = jax.lax.stop_gradient(jax.lax.top_k(logits, top_k)[0][..., -1:])
         logits = jnp.where(logits < kth, _NEG, logits)
     if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        sorted_logits = jax.lax.stop_gradient(jnp.sort(logits, axis=-1)[..., ::-1])
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
         mass_before = jnp.cumsum(probs, axis=-1) - probs

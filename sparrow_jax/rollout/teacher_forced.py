@@ -98,11 +98,11 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
 
 
 def trajectory_hidden(model: Qwen3ForCausalLM, traj: Trajectories, *, attention_fn=None,
-                      block_size: int = 16) -> jax.Array:
+                      block_size: int = 16, remat: str | None = None) -> jax.Array:
     """Final-normed hidden states that predict each generated token: [B, T, H]."""
     seq, mask = build_sequences(traj, block_size)
     positions = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
-    hidden = model.hidden_states(seq, positions, mask, attention_fn=attention_fn)
+    hidden = model.hidden_states(seq, positions, mask, attention_fn=attention_fn, remat=remat)
     return response_hidden(hidden, traj)
 
 
@@ -120,9 +120,14 @@ def map_time_chunks(fn, chunk: int, *arrays: jax.Array):
     """Applies fn to slices [:, i:i+chunk] of arrays shaped [B, T, ...]; concatenates on axis 1.
 
     A static Python loop (not lax.map) so reverse-mode autodiff through it stays simple and
-    each chunk's [B, chunk, V] intermediate is freed before the next.
+    each chunk's [B, chunk, V] intermediate is freed before the next. Each chunk is
+    rematerialised (`jax.checkpoint`): a gradient saves only the chunk's inputs (e.g. hidden
+    states [B, chunk, H]) and recomputes its logits in the backward pass, instead of keeping one
+    f32 [B, chunk, V] log-softmax per chunk alive - [B, T, V] in total, ~20 GB for one 33K-token
+    row at V = 152K.
     """
     t = arrays[0].shape[1]
+    fn = jax.checkpoint(fn)
     outs = [fn(*(a[:, i:i + chunk] for a in arrays)) for i in range(0, t, chunk)]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 

@@ -1,0 +1,293 @@
+"""The learner's compiled programs: analysis (dense logprobs + alpha), gradients, the update.
+
+Each is one jitted program per call (never one per micro-batch or per parameter: a burst of
+small multi-device programs starved XLA:CPU's launch threads in 2-process runs, and every
+dispatch costs latency anyway). Row layout: a batch `[B, ...]` whose rows may be sharded D ways
+over the data axis is split into mini-batches (one optimizer step each) and those into
+micro-batches (gradient accumulation) by `split_micro_batches`, which takes an equal run of
+whole groups from every data shard, so slicing never moves rows between devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from sparrow_jax import mismatch
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, chunked_causal_attention
+from sparrow_jax.rl import grpo
+from sparrow_jax.rollout.engine import Trajectories
+from sparrow_jax.rollout.sampling import SamplingParams
+from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
+                                                trajectory_hidden)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LearnerBatch:
+    """Per-row learner inputs; rows of a GRPO group are consecutive."""
+    traj: Trajectories
+    logp_old: jax.Array | None   # [B, T] dense policy before the update; None = computed by the
+                                 # gradient program itself (one mini-batch, one epoch: pi = pi_old)
+    advantages: jax.Array        # [B]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseReplay:
+    """How the rollout selected blocks, to replay it teacher-forced (for alpha_mode='full')."""
+    bin_size: int
+    max_selected: int
+    block_size: int = 16
+    dense_layers: tuple[int, ...] = (0, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramOptions:
+    """The static settings the programs need (hashable: a jit static argument)."""
+    logit_chunk: int
+    attention_chunk: int
+    remat: str
+    alpha_mode: str
+    sampling: SamplingParams
+
+
+def _dense_attention(opts: ProgramOptions):
+    """The training forward's attention: one-shot, or query-chunked for long sequences."""
+    return chunked_causal_attention(opts.attention_chunk) if opts.attention_chunk else None
+
+
+def _sparse_hidden(model, traj: Trajectories, budgets, replay: SparseReplay | None,
+                   opts: ProgramOptions):
+    """The teacher-forced replay of the sparse actor, [B, T, H], or None (no alpha replay)."""
+    if opts.alpha_mode != "full" or replay is None:
+        return None
+    fn = sparse_attention_fn(budgets=budgets, bin_size=replay.bin_size,
+                             prompt_lengths=traj.prompt_lengths, max_selected=replay.max_selected,
+                             block_size=replay.block_size, dense_layers=replay.dense_layers,
+                             query_chunk=opts.attention_chunk)
+    return jax.lax.stop_gradient(trajectory_hidden(model, traj, attention_fn=fn))
+
+
+def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hidden_s=None):
+    """Per-token outputs from hidden states, `logit_chunk` steps at a time (each chunk
+    rematerialised, see map_time_chunks): logp [B, T] of the sampled tokens under the dense
+    policy (differentiable), and, from the same logits, alpha [B, T] and the replay's logp."""
+    k = traj.topk_ids.shape[-1]
+
+    def chunk(h_d, tokens, top_v, top_i, h_s=None):
+        logits_d = model.logits(h_d)
+        lp_d = opts.sampling.logprobs(logits_d)
+        out = {"logp": jnp.take_along_axis(lp_d, tokens[..., None], -1)[..., 0]}
+        lp_d = jax.lax.stop_gradient(lp_d)
+        if opts.alpha_mode == "topk":
+            # The paper's lower bound compares the untruncated top-k on both sides (the rollout
+            # records its top-k at the sampling temperature, untruncated).
+            t = opts.sampling.temperature or 1.0
+            dv, di = jax.lax.top_k(jax.nn.log_softmax(
+                jax.lax.stop_gradient(logits_d) / t, axis=-1), k)
+            out["alpha"] = mismatch.acceptance_rate_topk(top_v, top_i, dv, di)
+        if h_s is not None:
+            lp_s = opts.sampling.logprobs(model.logits(h_s))
+            out["alpha"] = mismatch.acceptance_rate_from_logprobs(lp_s, lp_d)
+            out["logp_sparse_replay"] = jnp.take_along_axis(lp_s, tokens[..., None], -1)[..., 0]
+        return out
+
+    arrays = [hidden_d, traj.tokens, traj.topk_logprobs, traj.topk_ids]
+    if hidden_s is not None:
+        arrays.append(hidden_s)
+    return map_time_chunks(chunk, opts.logit_chunk, *arrays)
+
+
+def _analyze(model, traj: Trajectories, budgets, replay, opts: ProgramOptions):
+    hidden_d = trajectory_hidden(model, traj, attention_fn=_dense_attention(opts))
+    out = _token_outputs(model, opts, hidden_d, traj,
+                         _sparse_hidden(model, traj, budgets, replay, opts))
+    out["logp_old"] = out.pop("logp")
+    return jax.tree.map(lambda x: jnp.where(traj.mask, x, 0.0), out)
+
+
+def split_micro_batches(tree, num_micro: int, row_shards: int = 1):
+    """Rows `[B, ...]` of every leaf -> `[num_micro, B // num_micro, ...]` micro-batches.
+
+    With `row_shards` = D > 1 (rows sharded D ways over the data axis), micro-batch j takes the
+    j-th run of B / (D * num_micro) consecutive rows from *each* shard, so every micro-batch is
+    spread over all data shards like the batch itself and slicing it moves no rows between
+    devices. With D = 1 micro-batch j is rows [j * B / num_micro, (j + 1) * B / num_micro).
+    """
+    def split(x):
+        per = x.shape[0] // (row_shards * num_micro)
+        x = x.reshape(row_shards, num_micro, per, *x.shape[1:]).swapaxes(0, 1)
+        return x.reshape(num_micro, row_shards * per, *x.shape[3:])
+    return jax.tree.map(split, tree)
+
+
+def merge_micro_batches(tree, row_shards: int = 1):
+    """Inverse of `split_micro_batches`: `[num_micro, M, ...]` -> rows `[num_micro * M, ...]`."""
+    def merge(x):
+        n, m = x.shape[:2]
+        x = x.reshape(n, row_shards, m // row_shards, *x.shape[2:]).swapaxes(0, 1)
+        return x.reshape(n * m, *x.shape[3:])
+    return jax.tree.map(merge, tree)
+
+
+def data_row_shards(x: jax.Array, num_parts: int, group_size: int) -> int:
+    """How many data shards the rows of `x` are split over, when `num_parts` parts (mini x
+    micro-batches) can each take an equal run of whole groups from every shard (see
+    `split_micro_batches`); otherwise 1."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
+        return 1
+    axes = sharding.spec[0]
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    return shards if x.shape[0] % (shards * num_parts * group_size) == 0 else 1
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "replay", "opts", "num_micro",
+                                             "row_shards"))
+def analyze_program(graphdef, state, traj, budgets, *, replay, opts: ProgramOptions,
+                    num_micro: int, row_shards: int):
+    """All micro-batches of `_analyze` in one program (`lax.map`), rows back in batch order."""
+    model = nnx.merge(graphdef, state)
+    if num_micro == 1:
+        return _analyze(model, traj, budgets, replay, opts)
+    parts = split_micro_batches(traj, num_micro, row_shards)
+    out = jax.lax.map(lambda part: _analyze(model, part, budgets, replay, opts), parts)
+    return merge_micro_batches(out, row_shards)
+
+
+def _loss_terms(params, rest, graphdef, batch: LearnerBatch, budgets, denominator, tis_mean,
+                opts: ProgramOptions, loss_cfg: grpo.LossConfig, replay: SparseReplay | None):
+    """(loss_sum / denominator, (metric sums, per-token outputs)) of one micro-batch."""
+    model = nnx.merge(graphdef, params, rest)
+    traj = batch.traj
+    hidden = trajectory_hidden(model, traj, attention_fn=_dense_attention(opts),
+                               remat=opts.remat)
+    fused = batch.logp_old is None
+    hidden_s = _sparse_hidden(model, traj, budgets, replay, opts) if fused else None
+    out = _token_outputs(model, opts, hidden, traj, hidden_s)
+    logp = out.pop("logp")
+    # Fused (one mini-batch, one epoch): the parameters are still pi_old's, so pi_old's logprobs
+    # are this forward's, not a second forward's.
+    logp_old = jax.lax.stop_gradient(logp) if fused else batch.logp_old
+    loss_sum, _, sums = grpo.policy_loss_terms(
+        logp, logp_old, traj.logprobs, batch.advantages, traj.mask,
+        clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
+        tis_cap=loss_cfg.tis_cap, aggregation=loss_cfg.aggregation, kl_coef=0.0,
+        token_rejection=loss_cfg.token_rejection, sequence_veto=loss_cfg.sequence_veto,
+        tis_renormalize=loss_cfg.tis_renormalize, tis_mean=tis_mean)
+    tokens = {}
+    if fused:
+        tokens = {"logp_old": logp_old, **out}
+        tokens = jax.tree.map(lambda x: jnp.where(traj.mask, x, 0.0), tokens)
+    return loss_sum / denominator, (sums, tokens)
+
+
+def _empty_metric_sums(shapes: grpo.MetricSums) -> grpo.MetricSums:
+    """Identity of `grpo.merge_metric_sums` for metric sums shaped like `shapes`."""
+    def fill(name, v):
+        value = -jnp.inf if name.endswith("_max") else jnp.inf if name.endswith("_min") else 0
+        return jnp.full(v.shape, value, v.dtype)
+    return {name: (fill(name, v), jnp.zeros(c.shape, c.dtype)) for name, (v, c) in shapes.items()}
+
+
+def fusable(loss_cfg: grpo.LossConfig) -> bool:
+    """Whether pi_old's logprobs may come from the gradient forward itself: the loss's global
+    denominator and TIS mean must not depend on them (no rejection, veto or renormalisation)."""
+    return (loss_cfg.token_rejection is None and loss_cfg.sequence_veto is None
+            and not loss_cfg.tis_renormalize)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "opts", "loss_cfg", "replay",
+                                             "num_mini", "num_micro", "row_shards"))
+def grads_program(params, rest, batch: LearnerBatch, budgets, mini_index, *, graphdef,
+                  opts: ProgramOptions, loss_cfg: grpo.LossConfig,
+                  replay: SparseReplay | None, num_mini: int, num_micro: int, row_shards: int):
+    """Gradient of mini-batch `mini_index` (traced: one program for all of them) of `batch`.
+
+    Returns (grads, metrics, loss, tokens): the mini-batch's exact gradient, accumulated over
+    `num_micro` micro-batches by a `lax.scan` against one global denominator (only one
+    micro-batch's activations alive at a time; the carry is the gradient sum); tokens are the
+    per-token analysis outputs in the mini-batch's row order when `batch.logp_old` is None.
+    """
+    if num_mini > 1:
+        batch = jax.tree.map(lambda x: x[mini_index],
+                             split_micro_batches(batch, num_mini, row_shards))
+    traj = batch.traj
+    if batch.logp_old is None:
+        eff = traj.mask > 0
+    else:
+        eff = grpo.effective_mask(batch.logp_old, traj.logprobs, traj.mask,
+                                  token_rejection=loss_cfg.token_rejection,
+                                  sequence_veto=loss_cfg.sequence_veto)
+    denominator = jnp.maximum(grpo.loss_denominator(eff, loss_cfg.aggregation), 1.0)
+    tis_mean = jnp.float32(1.0)
+    if loss_cfg.tis_renormalize:
+        w_sum, n = grpo.tis_weight_sums(batch.logp_old, traj.logprobs, traj.mask,
+                                        tis_cap=loss_cfg.tis_cap,
+                                        token_rejection=loss_cfg.token_rejection,
+                                        sequence_veto=loss_cfg.sequence_veto)
+        tis_mean = w_sum / jnp.maximum(n, 1)
+    grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
+
+    def micro(part):
+        (loss, (sums, tokens)), grads = grad_fn(params, rest, graphdef, part, budgets,
+                                                denominator, tis_mean, opts, loss_cfg, replay)
+        return grads, sums, loss, tokens
+
+    if num_micro == 1:
+        grads, sums, loss, tokens = micro(batch)
+        return grads, grpo.finalize_metrics(sums), loss, tokens
+    parts = split_micro_batches(batch, num_micro, row_shards)
+
+    def step(carry, part):
+        grads, sums, loss, tokens = micro(part)
+        acc_grads, acc_sums, acc_loss = carry
+        return (jax.tree.map(jnp.add, acc_grads, grads),
+                grpo.merge_metric_sums(acc_sums, sums), acc_loss + loss), tokens
+
+    shapes = jax.eval_shape(micro, jax.tree.map(lambda x: x[0], parts))
+    init = (jax.tree.map(jnp.zeros_like, params), _empty_metric_sums(shapes[1]),
+            jnp.zeros((), shapes[2].dtype))
+    (grads, sums, loss), tokens = jax.lax.scan(step, init, parts)
+    return grads, grpo.finalize_metrics(sums), loss, merge_micro_batches(tokens, row_shards)
+
+
+@functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
+def apply_program(params, opt_state, grads, *, tx):
+    """One optimizer step on the (f32 master) parameters; params and state are donated."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State):
+    """Shardings for `tx.init(params)`: moments shard like their parameter, counters and other
+    scalars are replicated over the parameters' mesh. Without them jit places the (input-
+    independent) zero moments on one device: unsharded Adam state on the first accelerator and
+    a device-set clash when a checkpoint restores onto that layout."""
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    first = jax.tree.leaves(param_shardings)
+    if not first or not isinstance(first[0], jax.sharding.NamedSharding):
+        return None                 # unsharded model: one device, nothing to place
+    replicated = jax.sharding.NamedSharding(first[0].mesh, jax.sharding.PartitionSpec())
+    abstract = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(tx, lambda _, sharding: sharding, abstract, param_shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
+def check_model(model: Qwen3ForCausalLM) -> None:
+    """Master parameters must be able to hold an lr-1e-6 update."""
+    dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    if any(jnp.dtype(d).itemsize < 4 for d in dtypes):
+        logging.getLogger(__name__).warning(
+            "the learner's parameters are %s: AdamW updates at small learning rates "
+            "round to nothing in 16-bit floats (bf16 spacing near 0.03 is ~1.2e-4). Keep master "
+            "weights in float32 (TrainConfig.param_dtype = 'float32'); the compute dtype is "
+            "TrainConfig.dtype.", sorted(jnp.dtype(d).name for d in dtypes))

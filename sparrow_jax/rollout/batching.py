@@ -1,0 +1,97 @@
+"""A step's rollout in sub-batches, and trajectories trimmed to the learner's length buckets.
+
+At real scale one RL step's rollouts (e.g. 64 prompts x 8 samples of up to 32K tokens) do not fit
+one rollout program's KV cache, so the step runs `rollout_batch_prompts` prompts per program call
+and joins the trajectories. The learner then works on the batch's longest sequence rounded up to
+a bucket, not on prompt + max_new_tokens.
+
+Row layout (see `sparrow_jax.multihost`): process p owns a contiguous block of rows. Each
+sub-batch is such a global array; `join_trajectories` keeps that true for the joined batch (block
+p = process p's rows of sub-batch 0, then of sub-batch 1, ...), the order in which each process
+lists its own prompts on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.rollout.engine import Trajectories
+from sparrow_jax.shapes import bucket_length
+
+
+def split_prompts(batch: dict[str, Any], per_call: int) -> list[dict[str, Any]]:
+    """A prompt batch (PromptIterator format) -> sub-batches of `per_call` prompts (0 = one)."""
+    n = len(batch["prompt_lengths"])
+    per_call = per_call or n
+    if n % per_call:
+        raise ValueError(f"{n} prompts per step is not a multiple of rollout_batch_prompts="
+                         f"{per_call} (every rollout program call must have the same shape)")
+    out = []
+    for i in range(0, n, per_call):
+        sub = {}
+        for k, v in batch.items():
+            sub[k] = v[i:i + per_call] if isinstance(v, (np.ndarray, list, tuple)) else v
+        out.append(sub)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("num_processes",))
+def _join(trajs: Sequence[Trajectories], *, num_processes: int) -> Trajectories:
+    def join(*xs):
+        if len(xs) == 1:
+            return xs[0]
+        blocks = [x.reshape(num_processes, x.shape[0] // num_processes, *x.shape[1:]) for x in xs]
+        out = jnp.concatenate(blocks, axis=1)
+        return out.reshape(-1, *out.shape[2:])
+    out = jax.tree.map(join, *trajs)
+    # Keep rows where the sub-batches had them (sharded over the data axis).
+    first = trajs[0].tokens.sharding
+    if isinstance(first, jax.sharding.NamedSharding):
+        spec = first.spec[0] if first.spec else None
+        out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
+            first.mesh, jax.sharding.PartitionSpec(spec, *([None] * (x.ndim - 1))))), out)
+    return out
+
+
+def join_trajectories(trajs: Sequence[Trajectories]) -> Trajectories:
+    """Sub-batch trajectories -> one batch (row blocks per process kept contiguous). One program."""
+    if len(trajs) == 1:
+        return trajs[0]
+    return _join(tuple(trajs), num_processes=jax.process_count())
+
+
+@functools.partial(jax.jit, static_argnames=("length",))
+def _trim(traj: Trajectories, *, length: int) -> Trajectories:
+    def cut(x):
+        return x[:, :length] if x.ndim >= 2 else x
+    per_token = {"tokens", "logprobs", "topk_logprobs", "topk_ids", "budgets", "cached_lengths",
+                 "mask"}
+    return Trajectories(**{k: cut(v) if k in per_token else v for k, v in vars(traj).items()})
+
+
+def trim_to_bucket(traj: Trajectories, buckets: Sequence[int], *, multiple: int = 16
+                   ) -> Trajectories:
+    """Per-token arrays cut to the longest response of the batch rounded up to a bucket (never
+    beyond the generated width). One compiled program per bucket; every process agrees on the
+    length (it is read from the global array)."""
+    width = traj.tokens.shape[1]
+    longest = int(jax.device_get(jnp.max(traj.response_lengths)))
+    length = min(bucket_length(max(longest, 1), buckets, multiple=multiple), width)
+    return traj if length == width else _trim(traj, length=length)
+
+
+def rollout_in_sub_batches(generate_fn: Callable[[dict[str, Any], int], tuple[Trajectories, float]],
+                           batch: dict[str, Any], per_call: int) -> tuple[Trajectories, float]:
+    """Runs `generate_fn(sub_batch, index) -> (traj, seconds)` per sub-batch; joined result and
+    total seconds."""
+    trajs, seconds = [], 0.0
+    for i, sub in enumerate(split_prompts(batch, per_call)):
+        traj, s = generate_fn(sub, i)
+        trajs.append(traj)
+        seconds += s
+    return join_trajectories(trajs), seconds
