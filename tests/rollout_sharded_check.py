@@ -25,6 +25,7 @@ from flax import nnx  # noqa: E402
 
 from hf_fixtures import make_tiny_qwen3  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
+from sparrow_jax.rl import learner_programs  # noqa: E402
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig  # noqa: E402
 from sparrow_jax.rollout import RolloutConfig, generate  # noqa: E402
 from sparrow_jax.sharding import ShardingSpec, make_mesh  # noqa: E402
@@ -121,13 +122,15 @@ def learner_update(out_dir: str) -> dict:
                              advantages=learner.advantages(rewards))
         grads[name] = jax.tree.leaves(learner.grads(batch)[0])
         if mesh_or_none is not None:
-            # Group size 1 (same advantages) lets each micro-batch take one row from each data
-            # shard (split_micro_batches' row_shards=2) instead of contiguous rows.
-            spread = Learner(model, LearnerConfig(learning_rate=1e-2, micro_batch_size=2),
-                             group_size=1)
-            layout["spread"] = spread._micro_batching(traj.tokens)
-            layout["contiguous"] = learner._micro_batching(traj.tokens)
-            grads["spread"] = jax.tree.leaves(spread.grads(batch)[0])
+            # Each micro-batch takes one row from each data shard (split_micro_batches'
+            # row_shards=2); the contiguous layout (row_shards=1) must give the same gradient.
+            layout["spread"] = learner._micro_batching(traj.tokens)
+            layout["contiguous"] = {**layout["spread"], "row_shards": 1}
+            grads["spread"] = grads.pop(name)
+            grads[name] = jax.tree.leaves(learner_programs.grads_program(
+                learner.params, learner.rest, batch, jnp.zeros((1,), jnp.int32), jnp.int32(0),
+                graphdef=learner.graphdef, opts=learner.opts, loss_cfg=learner.loss_cfg,
+                replay=None, num_mini=1, **layout["contiguous"])[0])
         learner.update(batch)
         after[name] = jax.tree.leaves(learner.params)
         learners[name] = learner

@@ -1,6 +1,5 @@
 """PPO mini-batches / epochs, the fused one-step learner, and shape buckets (bounded compiles)."""
 
-import json
 import logging
 import re
 
@@ -9,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from hf_fixtures import make_tiny_qwen3, make_tiny_synthetic_model
 from sparrow_jax import cli

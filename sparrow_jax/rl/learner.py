@@ -180,7 +180,7 @@ class Learner:
                              f"micro_batch_size={mb}")
         num_micro = rows // mb
         parts = num_mini * num_micro
-        shards = data_row_shards(x, parts, self.group_size) if parts > 1 else 1
+        shards = data_row_shards(x, parts) if parts > 1 else 1
         return {"num_micro": num_micro, "row_shards": shards}
 
     def advantages(self, rewards) -> jax.Array:

@@ -137,17 +137,18 @@ def merge_micro_batches(tree, row_shards: int = 1):
     return jax.tree.map(merge, tree)
 
 
-def data_row_shards(x: jax.Array, num_parts: int, group_size: int) -> int:
+def data_row_shards(x: jax.Array, num_parts: int) -> int:
     """How many data shards the rows of `x` are split over, when `num_parts` parts (mini x
-    micro-batches) can each take an equal run of whole groups from every shard (see
-    `split_micro_batches`); otherwise 1."""
+    micro-batches) can each take an equal run of rows from every shard (see
+    `split_micro_batches`); otherwise 1. Runs need not hold whole GRPO groups: advantages are
+    per-row inputs by then, and the loss has no cross-row terms besides its global denominator."""
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
         return 1
     axes = sharding.spec[0]
     axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     shards = math.prod(sharding.mesh.shape[a] for a in axes)
-    return shards if x.shape[0] % (shards * num_parts * group_size) == 0 else 1
+    return shards if x.shape[0] % (shards * num_parts) == 0 else 1
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "replay", "opts", "num_micro",

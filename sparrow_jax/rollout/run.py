@@ -140,28 +140,17 @@ def _mesh_spec(mesh_arg: str | None):
     return mesh, ShardingSpec.create(mesh)
 
 
-def _bucket_width(width: int, block_size: int, cap: int) -> int:
-    """Prompt width rounded up to a power of two (>= one block, <= cap): few distinct shapes,
-    so few recompiles, at most 2x padding in prefill."""
-    w = block_size
-    while w < width:
-        w *= 2
-    return max(min(w, cap), width)
-
-
 # -- batches and output rows --------------------------------------------------------------------
-def _batches(dataset, batch_size: int, width_cap: int, block_size: int
-             ) -> Iterator[tuple[dict[str, Any], int]]:
+def _batches(dataset, batch_size: int) -> Iterator[tuple[dict[str, Any], int]]:
     """(batch padded to batch_size rows, number of real rows). Short final batches repeat their
-    last prompt so the compiled program keeps one batch shape; the copies are dropped later."""
+    last prompt so the compiled program keeps one batch shape; the copies are dropped later.
+    Widths are left to the engine, which pads them up to RolloutConfig.prompt_buckets."""
     it = dataset.iterator(batch_size=batch_size, shuffle=False, num_epochs=1,
                           drop_remainder=False, shard_index=0, shard_count=1)
     for batch in it:
         ids, lengths = batch["prompt_ids"], batch["prompt_lengths"]
         real = len(lengths)
-        width = _bucket_width(ids.shape[1], block_size, width_cap)
-        ids = np.pad(ids, ((0, batch_size - real), (0, width - ids.shape[1])),
-                     constant_values=dataset.pad_id)
+        ids = np.pad(ids, ((0, batch_size - real), (0, 0)), constant_values=dataset.pad_id)
         ids[real:] = ids[real - 1]
         lengths = np.concatenate([lengths, np.repeat(lengths[-1:], batch_size - real)])
         yield {**batch, "prompt_ids": ids, "prompt_lengths": lengths}, real
@@ -235,8 +224,7 @@ def main(args: argparse.Namespace) -> int:
         log.warning("tokenizer has no eos token: every sample runs to max_new_tokens")
     longest = max(len(r["prompt_ids"]) for r in dataset.records)
     cfg, budgets = rollout_config(args, schedule, stop_ids, dataset.pad_id, longest)
-    block = cfg.block_size
-    longest = padded_length(longest, block)
+    longest = padded_length(longest, cfg.block_size)
     if longest + cfg.max_new_tokens > mcfg.max_position_embeddings:
         log.warning("prompt + max_new_tokens = %d exceeds max_position_embeddings=%d",
                     longest + cfg.max_new_tokens, mcfg.max_position_embeddings)
@@ -263,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with open(partial, "w") as out, tqdm(total=len(dataset), unit="prompt",
                                          desc="rollout") as bar:
-        for i, (batch, real) in enumerate(_batches(dataset, args.batch_size, longest, block)):
+        for i, (batch, real) in enumerate(_batches(dataset, args.batch_size)):
             t0 = time.perf_counter()
             try:
                 traj = generate(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
