@@ -16,6 +16,7 @@ from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import compute_copy, load_hf
 from sparrow_jax.rl import learner_programs as lp
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig
+from sparrow_jax.rl.rewards import register_reward
 from sparrow_jax.rollout import RolloutConfig, generate
 
 VOCAB = 96
@@ -170,3 +171,57 @@ def test_logprob_gradient_saves_no_vocab_sized_residuals(ckpt):
     shapes2 = [tuple(int(d) for d in m.split(",")) for m in
                re.findall(r"\[([\d,]+)\]", out2.getvalue())]
     assert [s for s in shapes2 if len(s) == 3 and s[1:] == (8, VOCAB)]
+
+
+def test_train_with_bf16_compute_keeps_and_moves_f32_masters(tmp_path):
+    """`sparrow train` as the real configs run it (bf16 compute, f32 masters), on the tiny model:
+    the checkpoint holds f32 parameters that moved, and the operative config records both."""
+    import gin
+    from hf_fixtures import make_tiny_synthetic_model
+    from sparrow_jax import checkpoint as ckpt
+    from sparrow_jax import cli
+    from sparrow_jax.data import synthetic
+    from sparrow_jax.metrics import read_jsonl
+
+    make_tiny_synthetic_model(tmp_path / "model")
+    synthetic.write_jsonl(str(tmp_path / "train.jsonl"), 8, seed=0, k_range=(1, 1), num_letters=4)
+    run = tmp_path / "run"
+    argv = ["train"] + [x for kv in [
+        f"TrainConfig.run_dir = '{run}'", f"TrainConfig.model_path = '{tmp_path / 'model'}'",
+        f"TrainConfig.train_data = '{tmp_path / 'train.jsonl'}'",
+        "TrainConfig.reward = 'test_precision:test_parity'", "TrainConfig.reward_processes = 0",
+        "TrainConfig.prompts_per_step = 2", "TrainConfig.group_size = 2",
+        "TrainConfig.total_steps = 2", "TrainConfig.checkpoint_every = 1",
+        "TrainConfig.dtype = 'bfloat16'", "TrainConfig.param_dtype = 'float32'",
+        "TrainConfig.rollout_batch_prompts = 1",
+        "RolloutConfig.max_new_tokens = 24", "RolloutConfig.max_budget = 64",
+        "RolloutConfig.backend = 'xla'", f"make_schedule.budgets = {[48] * 20}",
+        "make_schedule.bin_size = 16", "ControllerConfig.min_budget = 48",
+        "ControllerConfig.max_budget = 64", "LearnerConfig.learning_rate = 1e-6",
+        "LearnerConfig.ppo_mini_batch_size = 2", "LearnerConfig.remat = 'dots'"]
+        for x in ("--gin_param", kv)]
+    gin.clear_config()
+    assert cli.main(argv) == 0
+    rows = [r for r in read_jsonl(run) if "loss/policy" in r]
+    assert len(rows) == 2 and all(r["learner/optimizer_steps"] == 2 for r in rows)
+    mngr = ckpt.CheckpointManager(run)
+    try:
+        first, _, _ = mngr.restore(1, ckpt.abstract_like(_abstract_f32(tmp_path / "model")))
+        last, _, _ = mngr.restore(2, ckpt.abstract_like(_abstract_f32(tmp_path / "model")))
+    finally:
+        mngr.close()
+    leaves1, leaves2 = jax.tree.leaves(first), jax.tree.leaves(last)
+    assert {x.dtype for x in leaves2} == {jnp.dtype(jnp.float32)}
+    assert any((np.asarray(a) != np.asarray(b)).any() for a, b in zip(leaves1, leaves2))
+    assert "TrainConfig.param_dtype = 'float32'" in (run / "operative_config.gin").read_text()
+
+
+@register_reward("test_parity")
+def parity_reward(completion_text: str, ground_truth: str, *, prompt: str = "",
+                  meta: dict | None = None) -> float:
+    """A reward that differs within groups on a random model (non-zero advantages)."""
+    return float(len(completion_text.split()) % 2)
+
+
+def _abstract_f32(model_dir):
+    return nnx.state(load_hf(model_dir, dtype=jnp.bfloat16, param_dtype=jnp.float32), nnx.Param)

@@ -40,29 +40,28 @@ def split_prompts(batch: dict[str, Any], per_call: int) -> list[dict[str, Any]]:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("num_processes",))
-def _join(trajs: Sequence[Trajectories], *, num_processes: int) -> Trajectories:
+@functools.partial(jax.jit, static_argnames=("num_processes", "rows"))
+def _join(trajs: Sequence[Trajectories], *, num_processes: int,
+          rows: jax.sharding.NamedSharding | None) -> Trajectories:
     def join(*xs):
-        if len(xs) == 1:
-            return xs[0]
         blocks = [x.reshape(num_processes, x.shape[0] // num_processes, *x.shape[1:]) for x in xs]
         out = jnp.concatenate(blocks, axis=1)
-        return out.reshape(-1, *out.shape[2:])
-    out = jax.tree.map(join, *trajs)
-    # Keep rows where the sub-batches had them (sharded over the data axis).
-    first = trajs[0].tokens.sharding
-    if isinstance(first, jax.sharding.NamedSharding):
-        spec = first.spec[0] if first.spec else None
-        out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
-            first.mesh, jax.sharding.PartitionSpec(spec, *([None] * (x.ndim - 1))))), out)
-    return out
+        out = out.reshape(-1, *out.shape[2:])
+        if rows is None:
+            return out
+        # Keep rows where the sub-batches had them (sharded over the data axis).
+        spec = jax.sharding.PartitionSpec(rows.spec[0], *([None] * (out.ndim - 1)))
+        return jax.lax.with_sharding_constraint(out, jax.sharding.NamedSharding(rows.mesh, spec))
+    return jax.tree.map(join, *trajs)
 
 
 def join_trajectories(trajs: Sequence[Trajectories]) -> Trajectories:
     """Sub-batch trajectories -> one batch (row blocks per process kept contiguous). One program."""
     if len(trajs) == 1:
         return trajs[0]
-    return _join(tuple(trajs), num_processes=jax.process_count())
+    sharding = trajs[0].tokens.sharding
+    rows = sharding if isinstance(sharding, jax.sharding.NamedSharding) and sharding.spec else None
+    return _join(tuple(trajs), num_processes=jax.process_count(), rows=rows)
 
 
 @functools.partial(jax.jit, static_argnames=("length",))
