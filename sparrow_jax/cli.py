@@ -14,6 +14,7 @@ import sys
 from typing import Sequence
 
 import gin
+from tqdm import tqdm
 
 # subcommand -> (module, function, help). Each function takes the parsed argparse namespace.
 COMMANDS = {
@@ -27,6 +28,54 @@ BENCHES = {
     "kernel": ("pallas_kernels.bench", "main", "dense vs block-sparse decode attention"),
     "rollout": ("sparrow_jax.rollout.bench", "main", "dense vs sparse rollout tokens/s"),
 }
+
+
+# Libraries that narrate their internals at INFO (orbax: a dozen absl lines per checkpoint save).
+# They print WARNING and above only, unless --log_level DEBUG.
+QUIET_LOGGERS = ("absl", "orbax", "jax", "jaxlib", "etils", "grain", "tensorstore")
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """`time logger: message`; WARNING and above start with their level (bold colour on a tty)."""
+
+    def __init__(self, color: bool):
+        super().__init__("%(asctime)s %(name)s: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        self.color = color
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        if record.levelno < logging.WARNING:
+            return line
+        tag = record.levelname
+        if self.color:
+            tag = f"\033[1;{31 if record.levelno >= logging.ERROR else 33}m{tag}\033[0m"
+        return f"{tag} {line}"
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Writes through tqdm, so a log line never lands in the middle of a progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """Console logging for the `sparrow` command: ours at `level`, QUIET_LOGGERS at WARNING+."""
+    level_no = logging.getLevelName(level.upper())
+    if not isinstance(level_no, int):
+        raise SystemExit(f"sparrow: unknown --log_level {level!r} (DEBUG, INFO, WARNING, ERROR)")
+    handler = _ConsoleHandler(sys.stderr)
+    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+    handler.setFormatter(_ConsoleFormatter(color=color))
+    logging.basicConfig(level=level_no, handlers=[handler], force=True)
+    logging.captureWarnings(True)  # Python warnings get the same WARNING prefix, above the bar
+    quiet = logging.NOTSET if level_no <= logging.DEBUG else max(logging.WARNING, level_no)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(quiet)
 
 
 def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
@@ -56,7 +105,8 @@ def _add_gin_args(p: argparse.ArgumentParser) -> None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only `command`'s module is imported (to add its own flags)."""
     parser = argparse.ArgumentParser(prog="sparrow", description=__doc__.split("\n")[0])
-    parser.add_argument("--log_level", default="INFO")
+    parser.add_argument("--log_level", default="INFO",
+                        help="our loggers' level; DEBUG also shows orbax/absl/jax INFO lines")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, fn, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_)
@@ -79,15 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
         # Benchmarks parse their own flags (argparse.REMAINDER rejects option-first arguments).
-        logging.basicConfig(level="INFO", force=True,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging("INFO")
         module, fn = BENCHES[argv[1]][:2]
         rest = argv[2:]
         return int(getattr(importlib.import_module(module), fn)(rest[1:] if rest[:1] == ["--"] else rest) or 0)
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(command).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     module, fn = args._sparrow_entry
     func = getattr(importlib.import_module(module), fn)
     if getattr(args, "passthrough", False):

@@ -1,0 +1,626 @@
+"""The commands shown in README.md and docs/*.md work, and the console stays quiet.
+
+Every command line in a fenced ``bash`` / ``sh`` / ``console`` block of README.md and docs/*.md
+must be registered in COMMANDS below with how it is checked:
+
+  Run()          the command itself runs, verbatim (cheap ones; in a temporary directory);
+  Twin(name)     a CPU-sized twin: the same entry point with small arguments (test_twin[name]);
+  ByTest(id)     an existing test runs it; the id is verified by collecting it with pytest;
+  Hardware()     needs a GPU node or a TPU pod, which tests do not have. Checked honestly
+                 without it: `bash -n` on the launcher, the files it names exist, and the gin
+                 config it starts `sparrow train` with parses with the overrides shown (the
+                 translation to `sparrow train` is checked against the launcher's own text).
+                 Whether the job then runs on the hardware is NOT tested;
+  CI()           the CI entry point itself (`.ci/run` is exactly `launch/local.sh test`);
+  Usage()        a synopsis with placeholders: every --flag it names exists in the real parser
+                 (paired with a ByTest that runs the command);
+  OnPendingPage  marks a command of a page another change is adding: excused while that page
+                 does not exist yet, checked like any other once it does.
+
+On top of that, every `sparrow ...` command (also when started through a launcher) is parsed by
+the real argument parser and its gin files + `--gin_param` overrides by gin, so a renamed flag
+or setting fails here even when the command is too big to run. An unregistered command in the
+docs fails, and so does a registry entry no doc shows. A block checked by anything but Run()
+must be followed by a note that says so: "(CPU twin in tests: ...)", "(Checked in tests: ...)"
+or "(Run in tests: ...)" - or, for commands only an existing test runs, the page names that
+test's file.
+
+The console test reuses the demo twin's output: the default log level prints no orbax / absl /
+jax INFO lines, one line per checkpoint saved; `--log_level DEBUG` brings them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import gin
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Pages other engineers are writing now: links to them may dangle, and their CLI subcommands may
+# be missing from sparrow_jax.cli, until they land. Once a page/command exists it is checked.
+PENDING_PAGES = {"docs/dryrun.md", "docs/export.md"}
+PENDING_SUBCOMMANDS = {"dryrun", "export"}
+NOTE = re.compile(r"\((?:CPU twins? in tests|Checked in tests|Run in tests)\b", re.IGNORECASE)
+
+
+# -- extraction ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DocCommand:
+    file: str          # relative to the repo
+    line: int          # 1-based line of the command's first line
+    text: str          # normalized: shlex tokens, comments dropped, re-joined
+
+
+def normalize(command: str) -> str:
+    return shlex.join(shlex.split(command, comments=True))
+
+
+def _blocks(path: Path):
+    """(lang, first body line index, body lines, index after the closing fence) per fence."""
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^\s*```(\S*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].lstrip().startswith("```"):
+            j += 1
+        yield m.group(1).lower(), i + 1, lines[i + 1:j], j + 1
+        i = j + 1
+
+
+def doc_commands(path: Path) -> list[tuple[DocCommand, int]]:
+    """Commands of `path`'s bash/sh/console blocks, each with the index of its block's end."""
+    rel = str(path.relative_to(REPO))
+    out = []
+    for lang, start, body, end in _blocks(path):
+        if lang not in ("bash", "sh", "shell", "console"):
+            continue
+        buf, first = "", None
+        for k, raw in enumerate(body):
+            line = raw
+            if lang == "console":
+                if not line.startswith("$ ") and not buf:
+                    continue  # program output
+                line = line[2:] if not buf else line
+            first = start + k if first is None else first
+            if line.rstrip().endswith("\\"):
+                buf += line.rstrip()[:-1] + " "
+                continue
+            buf += line
+            text = normalize(buf)
+            if text:
+                out.append((DocCommand(rel, first + 1, text), end))
+            buf, first = "", None
+    return out
+
+
+def all_doc_commands() -> list[DocCommand]:
+    return [c for path in DOCS for c, _ in doc_commands(path)]
+
+
+# -- the registry -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ByTest:
+    nodeid: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class CI:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class OnPendingPage:
+    """The command is shown on a page another change is adding (PENDING_PAGES). Until that page
+    exists the entry may be stale and its tests may be missing; once it exists, nothing is
+    excused."""
+    page: str
+
+    def waiting(self) -> bool:
+        return not (REPO / self.page).exists()
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """A synopsis with placeholders (`sparrow export RUN_DIR [--step N] ...`): not runnable as
+    written; every `--flag` it names must be an option of that subcommand's real parser."""
+
+
+_ROLLOUT_BENCH = "sparrow bench rollout -- --json "
+_REGISTRY = {
+    # README.md, docs/training.md, docs/benchmarks.md
+    "launch/local.sh demo": (Twin("demo"),),
+    "launch/local.sh demo --gin_param 'TrainConfig.total_steps = 40'": (Twin("demo"),),
+    "launch/local.sh sparrow --log_level DEBUG train configs/demo_cpu.gin": (Twin("demo_debug"),),
+    # README.md, docs/testing.md
+    "launch/local.sh test": (CI(), Twin("local_test")),
+    "launch/local.sh test tests/test_rollout.py -x": (Twin("local_test"),),
+    "launch/local.sh test -m 'not slow'": (Twin("local_test"),),
+    "bash .ci/run": (CI(),),
+    # README.md, docs/training.md: real hardware
+    "launch/gpu.sh configs/qwen3_1p7b_gpu.gin "
+    "--gin_param 'TrainConfig.model_path = \"/models/Qwen3-1.7B\"'": (Hardware(),),
+    "launch/tpu_pod.sh my-v5p-32 us-east5-a configs/qwen3_8b_tpu.gin": (Hardware(),),
+    "COORDINATOR=node0:1234 NUM_NODES=2 NODE_RANK=0 launch/gpu.sh configs/qwen3_1p7b_gpu.gin":
+        (Hardware(),),
+    "COORDINATOR=node0:1234 NUM_NODES=2 NODE_RANK=1 launch/gpu.sh configs/qwen3_1p7b_gpu.gin":
+        (Hardware(),),
+    # docs/rollout.md
+    "sparrow rollout --model /ckpt/Qwen3-1.7B --prompts prompts.jsonl --out samples.jsonl "
+    "--schedule qwen3-1.7b-0.86 --group_size 8 --batch_size 4 --seed 0 "
+    "--gin_param 'RolloutConfig.max_new_tokens = 8192'":
+        (Twin("rollout"), ByTest("tests/test_rollout_cli.py::test_sparse_rollout_writes_one_row_per_sample")),
+    # docs/mismatch.md
+    "sparrow calibrate configs/calibrate_demo.gin":
+        (ByTest("tests/test_calibrate.py::test_calibrate_end_to_end"),),
+    "sparrow calibrate --model ckpt/ --prompts prompts.jsonl --out runs/cal "
+    "--budgets 512 768 1024 1536 2048 3072 4096 --target 0.86 "
+    "--gin_param 'RolloutConfig.max_budget = 4096'":
+        (ByTest("tests/test_calibrate.py::test_calibrate_end_to_end"),
+         ByTest("tests/test_calibrate.py::test_config_errors")),
+    # docs/kernels.md
+    "cd /tmp && JAX_PLATFORMS=cpu PYTHONPATH=$REPO/.compile-env:$REPO $REPO/.venv/bin/python "
+    "-m pallas_kernels.compile_check --targets tpu,cuda,jax_triton":
+        (ByTest("tests/test_compile.py::test_real_compile"),),
+    # docs/checkpoints.md, docs/data.md
+    "launch/make_demo_checkpoint.sh":
+        (Hardware(), ByTest("tests/test_sft.py::test_sft_command_writes_checkpoint")),
+    "launch/local.sh sparrow sft configs/sft_demo.gin "
+    "--gin_param 'SFTConfig.output_dir = \"runs/my_sft\"'":
+        (ByTest("tests/test_sft.py::test_sft_command_writes_checkpoint"),),
+    "python -m sparrow_jax.data.synthetic train.jsonl --n 512 --k-min 8 --k-max 13": (Run(),),
+    # docs/benchmarks.md
+    # docs/export.md (written with `sparrow export`; its tests are tests/test_export.py)
+    "sparrow export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16] [--model_path BASE] "
+    "[--overwrite]":
+        (Usage(), OnPendingPage("docs/export.md"),
+         ByTest("tests/test_export.py::test_export_matches_checkpoint_in_transformers_and_load_hf"),
+         ByTest("tests/test_export.py::test_export_bfloat16_writes_bf16_tensors"),
+         ByTest("tests/test_export.py::test_export_errors")),
+    "python -m pallas_kernels.bench": (Twin("bench_kernel"),),
+    _ROLLOUT_BENCH + "--context 8192 16384 --budget 1024 --dense_layers 0,1 none --batch 16 "
+    "--new_tokens 256 --repeats 3": (Twin("bench_rollout"),),
+    _ROLLOUT_BENCH + "--layers 28 --context 8192 16384 --budget 1024 --dense_layers 0,1 none "
+    "--batch 4 --new_tokens 128 --repeats 3": (Twin("bench_rollout"),),
+    _ROLLOUT_BENCH + "--context 8192 16384 --budget 1024 --dense_layers 0,1 none --batch 64 "
+    "--new_tokens 64 --repeats 3": (Twin("bench_rollout"),),
+    _ROLLOUT_BENCH + "--layers 28 --context 8192 --budget 1024 --dense_layers 0,1 none "
+    "--batch 16 --new_tokens 64 --repeats 3": (Twin("bench_rollout"),),
+    _ROLLOUT_BENCH + "--preset qwen3-1.7b --context 32768 --schedule qwen3-1.7b-0.86 --batch 8 "
+    "--new_tokens 256 --dtype bfloat16": (Twin("bench_rollout"),),
+}
+COMMANDS = {normalize(k): v for k, v in _REGISTRY.items()}
+assert len(COMMANDS) == len(_REGISTRY), "two registry keys normalize to the same command"
+
+
+def _waiting(text: str) -> bool:
+    return any(isinstance(c, OnPendingPage) and c.waiting() for c in COMMANDS[text])
+
+
+def _checks(kind: type) -> list:
+    return sorted({c for t, checks in COMMANDS.items() if not _waiting(t)
+                   for c in checks if isinstance(c, kind)}, key=repr)
+
+
+# -- registry <-> docs ----------------------------------------------------------------------------
+
+def test_every_doc_command_is_registered():
+    shown = all_doc_commands()
+    assert shown, "no commands found in the docs: is the extraction broken?"
+    missing = [f"{c.file}:{c.line}: {c.text}" for c in shown if c.text not in COMMANDS]
+    assert not missing, ("commands shown in the docs but not registered in tests/test_docs.py "
+                         "COMMANDS (add each with how it is checked):\n" + "\n".join(missing))
+    stale = sorted(t for t in set(COMMANDS) - {c.text for c in shown} if not _waiting(t))
+    assert not stale, "registered commands no doc shows any more (remove them):\n" + "\n".join(stale)
+
+
+def test_readme_starts_with_the_two_commands():
+    text = (REPO / "README.md").read_text()
+    cmds = [c.text for c, _ in doc_commands(REPO / "README.md")]
+    assert text.startswith("```bash\n") and cmds[:2] == ["launch/local.sh demo", "launch/local.sh test"]
+
+
+def test_checks_other_than_running_are_stated_beside_the_command():
+    missing = []
+    for path in DOCS:
+        lines = path.read_text().splitlines()
+        for cmd, end in doc_commands(path):
+            if all(isinstance(c, Run) for c in COMMANDS.get(cmd.text, (Run(),))):
+                continue
+            # The block's own comments, then the first paragraph after the block.
+            k, para = end, []
+            while k < len(lines) and not lines[k].strip():
+                k += 1
+            while k < len(lines) and lines[k].strip() and not lines[k].startswith("```"):
+                para.append(lines[k])
+                k += 1
+            by_test = [c for c in COMMANDS.get(cmd.text, ()) if isinstance(c, ByTest)]
+            only_tests = by_test and all(isinstance(c, (ByTest, Usage))
+                                         for c in COMMANDS[cmd.text])
+            named = only_tests and any(c.nodeid.split("::")[0] in "\n".join(lines) for c in by_test)
+            if not NOTE.search(" ".join(para)) and not named:
+                missing.append(f"{cmd.file}:{cmd.line}: {cmd.text}")
+    assert not missing, ('say how these are checked right after their block, e.g. "(CPU twin in '
+                         'tests: ...)":\n' + "\n".join(missing))
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_resolve():
+    bad = []
+    for path in DOCS:
+        text = path.read_text()
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(#[^)\s]*)?\)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            dest = (path.parent / target).resolve() if target else path
+            rel = os.path.relpath(dest, REPO)
+            if not dest.exists():
+                if rel not in PENDING_PAGES:
+                    bad.append(f"{path.name}: {target}")
+                continue
+            if anchor and dest.suffix == ".md":
+                heads = {_slug(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), re.M)}
+                if anchor[1:] not in heads:
+                    bad.append(f"{path.name}: {target}{anchor} (no such heading)")
+    assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_readme_cli_table_names_real_subcommands():
+    from sparrow_jax import cli
+    names = re.findall(r"^\| `sparrow (\w+)", (REPO / "README.md").read_text(), re.M)
+    assert {"train", "rollout", "calibrate", "bench", "sft", "dryrun", "export"} <= set(names)
+    unknown = [n for n in names if n not in cli.COMMANDS and n != "bench"
+               and n not in PENDING_SUBCOMMANDS]
+    assert not unknown, f"README's CLI table names subcommands sparrow does not have: {unknown}"
+
+
+# -- every sparrow command parses --------------------------------------------------------------
+
+def _script(name: str) -> str:
+    return (REPO / "launch" / name).read_text()
+
+
+def as_sparrow_argv(text: str) -> list[str] | None:
+    """The `sparrow` argv a doc command ends up running, or None if it runs no sparrow command.
+
+    Launchers are translated by what they exec; each translation first checks the launcher
+    still does exactly that, so this cannot drift from the scripts.
+    """
+    tokens = shlex.split(text)
+    env = {}
+    while tokens and re.match(r"^[A-Z_]+=", tokens[0]):
+        k, v = tokens.pop(0).split("=", 1)
+        env[k] = v
+    head, rest = tokens[0], tokens[1:]
+    if head == "sparrow":
+        return rest
+    if head == "launch/local.sh" and rest[:1] == ["demo"]:
+        assert 'exec sparrow train configs/demo_cpu.gin "$@"' in _script("local.sh")
+        return ["train", "configs/demo_cpu.gin", *rest[1:]]
+    if head == "launch/local.sh" and rest[:1] == ["sparrow"]:
+        assert 'exec sparrow "$@"' in _script("local.sh")
+        return rest[1:]
+    if head == "launch/gpu.sh":
+        script = _script("gpu.sh")
+        assert 'exec sparrow train "$@" "${multi[@]}"' in script
+        extra = []
+        if "COORDINATOR" in env:
+            for binding in ("TrainConfig.distributed = True",
+                            "TrainConfig.coordinator_address = '${COORDINATOR}'",
+                            "TrainConfig.num_processes = ${NUM_NODES:?set NUM_NODES}",
+                            "TrainConfig.process_id = ${NODE_RANK:?set NODE_RANK}"):
+                assert f'"{binding}"' in script, binding
+            extra = ["--gin_param", "TrainConfig.distributed = True",
+                     "--gin_param", f"TrainConfig.coordinator_address = '{env['COORDINATOR']}'",
+                     "--gin_param", f"TrainConfig.num_processes = {env['NUM_NODES']}",
+                     "--gin_param", f"TrainConfig.process_id = {env['NODE_RANK']}"]
+        return ["train", *rest, *extra]
+    if head == "launch/tpu_pod.sh":
+        script = _script("tpu_pod.sh")
+        assert "tpu=$1; zone=$2; shift 2" in script
+        assert "sparrow train$args --gin_param 'TrainConfig.distributed = True'" in script
+        return ["train", *rest[2:], "--gin_param", "TrainConfig.distributed = True"]
+    return None
+
+
+SPARROW_COMMANDS = sorted(t for t in COMMANDS
+                          if as_sparrow_argv(t) is not None and Usage() not in COMMANDS[t])
+
+
+@pytest.mark.parametrize("text", sorted(t for t, c in COMMANDS.items()
+                                        if Usage() in c and not _waiting(t)))
+def test_usage_line_names_real_flags(text):
+    from sparrow_jax import cli
+    argv = as_sparrow_argv(text)
+    command = argv[0]
+    assert command in cli.COMMANDS, f"`{text}`: sparrow has no subcommand {command!r}"
+    parser = cli.build_parser(command)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = {o for a in subparsers.choices[command]._actions for o in a.option_strings}
+    flags = {f for f in re.findall(r"(?<![\w-])--[\w-]+", text)}
+    assert flags <= options, f"`{text}` names flags `sparrow {command}` does not have: {flags - options}"
+
+
+@pytest.mark.parametrize("text", SPARROW_COMMANDS)
+def test_sparrow_command_parses(text, monkeypatch):
+    from sparrow_jax import cli
+    from sparrow_jax.schedule import load_schedule
+
+    monkeypatch.chdir(REPO)  # config paths in the docs are relative to the repo root
+    argv = as_sparrow_argv(text)
+    try:
+        if argv[:2] == ["bench", "rollout"]:
+            from sparrow_jax.rollout import bench
+            args = bench.build_parser().parse_args(argv[3:] if argv[2:3] == ["--"] else argv[2:])
+        elif argv[:2] == ["bench", "kernel"]:
+            from pallas_kernels import bench
+            args = bench.parse_args(argv[3:] if argv[2:3] == ["--"] else argv[2:])
+        else:
+            command = next(a for a in argv if a in cli.COMMANDS)
+            args = cli.build_parser(command).parse_args(argv)
+    except SystemExit as e:  # argparse reports on stderr and exits 2
+        pytest.fail(f"`{text}`: its arguments do not parse (exit {e.code})")
+    for f in getattr(args, "gin_files", []):
+        assert (REPO / f).is_file(), f"`{text}` names {f}, which does not exist"
+    gin.clear_config()
+    try:
+        cli.parse_gin(getattr(args, "gin_files", []), getattr(args, "gin_param", []))
+    finally:
+        gin.clear_config()
+    if getattr(args, "schedule", None):
+        load_schedule(args.schedule)
+
+
+# -- hardware launchers and CI, checked without the hardware ----------------------------------
+
+@pytest.mark.parametrize("text", sorted(t for t, c in COMMANDS.items() if Hardware() in c))
+def test_hardware_launcher_checked_without_hardware(text):
+    tokens = [t for t in shlex.split(text) if not re.match(r"^[A-Z_]+=", t)]
+    script = REPO / tokens[0]
+    assert script.is_file() and os.access(script, os.X_OK), f"{tokens[0]} is not an executable file"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, f"bash -n {tokens[0]}:\n{r.stderr}"
+    for name in re.findall(r"\bconfigs/[\w./-]+\.gin\b", text + script.read_text()):
+        assert (REPO / name).is_file(), f"{tokens[0]} names {name}, which does not exist"
+    # The gin side of these commands is parsed by test_sparrow_command_parses (gpu/tpu) or run
+    # by the ByTest entry beside it (make_demo_checkpoint.sh -> sparrow sft).
+
+
+def test_ci_runs_the_readme_test_command():
+    assert CI() in COMMANDS[normalize("launch/local.sh test")]
+    lines = [ln for ln in (REPO / ".ci/run").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    assert lines[-1].strip() == "exec bash launch/local.sh test", lines
+
+
+def test_referenced_tests_exist():
+    ids = sorted({c.nodeid for c in _checks(ByTest)})
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        *ids], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    collected = [ln.strip() for ln in r.stdout.splitlines()]
+    for nodeid in ids:
+        assert any(ln == nodeid or ln.startswith(nodeid + "[") for ln in collected), nodeid
+
+
+# -- commands run verbatim -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", sorted(t for t, c in COMMANDS.items() if Run() in c))
+def test_run_verbatim(text, tmp_path):
+    argv = shlex.split(text)
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"`{text}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    if "sparrow_jax.data.synthetic" in text:
+        rows = (tmp_path / "train.jsonl").read_text().splitlines()
+        assert len(rows) == 512 and {"prompt", "answer"} <= set(json.loads(rows[0]))
+
+
+# -- CPU-sized twins ---------------------------------------------------------------------------
+
+DEMO_TWIN = ["--gin_param", "TrainConfig.total_steps = 2", "--gin_param", "TrainConfig.eval_every = 2",
+             "--gin_param", "TrainConfig.eval_prompts = 2", "--gin_param", "TrainConfig.prompts_per_step = 1",
+             "--gin_param", "TrainConfig.group_size = 2", "--gin_param", "RolloutConfig.max_new_tokens = 24",
+             "--gin_param", "LearnerConfig.micro_batch_size = 2"]
+
+
+def _launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NO_COLOR")}
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(["bash", "launch/local.sh", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """`launch/local.sh demo` for 2 steps (24-token generations, 2 held-out prompts)."""
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    # First bring .venv up to date (local.sh reinstalls when pyproject.toml changed), so that
+    # pip's output cannot land in the console checked below.
+    r = _launch(["sparrow", "--help"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _launch(["demo", *DEMO_TWIN, "--gin_param", f"TrainConfig.run_dir = '{run_dir}'"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return run_dir, r
+
+
+def _log_lines(stderr: str) -> list[tuple[str | None, str, str]]:
+    """(level tag or None, logger, message) of each log line; tqdm redraws are dropped."""
+    out = []
+    for raw in re.split(r"[\r\n]", stderr):
+        line = raw.strip()
+        if not line or re.match(r"^train:\s+\d+%\|", line):
+            continue
+        m = re.match(r"^(?:(WARNING|ERROR|CRITICAL) )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ([\w.]+): (.*)$",
+                     line)
+        assert m, f"console line that is neither a log line nor the progress bar: {line!r}"
+        out.append(m.groups())
+    return out
+
+
+def test_twin_demo(demo_run):
+    run_dir, r = demo_run
+    for line in ("held-out reward (dense decoding)", "held-out reward (sparse decoding)",
+                 "measured rollout speed, sparse vs dense", "final schedule (tokens per bin)"):
+        assert line in r.stdout, r.stdout
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [0, 1, 2]
+    for name in ("operative_config.gin", "summary.json"):
+        assert (run_dir / name).is_file(), name
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / "2").is_dir()
+
+
+def test_demo_console_is_quiet(demo_run):
+    run_dir, r = demo_run
+    lines = _log_lines(r.stderr)
+    loggers = {name.split(".")[0] for _, name, _ in lines}
+    assert loggers <= {"sparrow_jax", "pallas_kernels"}, f"library log lines on the console: {loggers}"
+    assert not [x for x in lines if x[0]], f"warnings in a plain demo run: {[x for x in lines if x[0]]}"
+    saved = [msg for _, _, msg in lines if msg.startswith("checkpoint saved at step")]
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == len(steps) and saved[-1] == f"checkpoint saved at step {steps[-1]}", saved
+    assert any(msg.startswith("eval at step 2:") for _, _, msg in lines)
+    assert "train:" in r.stderr and "2/2" in r.stderr  # the progress bar
+
+
+def test_twin_demo_debug(demo_run):
+    """`--log_level DEBUG` gives the library loggers back. The twin re-runs the finished demo
+    twin (it resumes at its last step and has nothing left to train: cheap), which is enough to
+    see orbax's restore narrated through absl; resuming *and training on* is test_train's."""
+    run_dir, _ = demo_run
+    r = _launch(["sparrow", "--log_level", "DEBUG", "train", "configs/demo_cpu.gin", *DEMO_TWIN,
+                 "--gin_param", f"TrainConfig.run_dir = '{run_dir}'"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "resumed from" in r.stderr and " absl: " in r.stderr  # orbax logs through absl
+
+
+def test_twin_local_test():
+    """`launch/local.sh test [pytest args]`: args pass through; no tests collected fails."""
+    r = _launch(["test", "--collect-only", "-q", "-m", "not slow", "-p", "no:cacheprovider",
+                 "tests/test_schedule.py"])
+    assert r.returncode == 0 and "tests collected" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    r = _launch(["test", "-q", "-p", "no:cacheprovider", "tests/test_schedule.py", "-k",
+                 "no_test_has_this_name"])
+    assert r.returncode == 1 and "collected no tests" in r.stdout, r.stdout[-2000:]
+
+
+def test_twin_rollout(tmp_path, capsys):
+    from sparrow_jax import cli
+    prompts = (REPO / "data/demo/eval.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(prompts) + "\n")
+    gin.clear_config()
+    try:
+        rc = cli.main(["rollout", "--model", str(REPO / "checkpoints/demo_sft"),
+                       "--prompts", str(tmp_path / "prompts.jsonl"),
+                       "--out", str(tmp_path / "samples.jsonl"), "--schedule", "qwen3-1.7b-0.86",
+                       "--group_size", "8", "--batch_size", "4", "--seed", "0",
+                       "--gin_param", "RolloutConfig.max_new_tokens = 32"])
+    finally:
+        gin.clear_config()
+    assert rc == 0
+    rows = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["response_length"] <= 32 for r in rows)
+
+
+def test_twin_bench_rollout(capsys):
+    from sparrow_jax import cli
+    argv = ["bench", "rollout", "--", "--json", "--layers", "3", "--hidden", "32", "--heads", "4",
+            "--kv_heads", "2", "--head_dim", "16", "--vocab", "64", "--context", "96",
+            "--budget", "48", "--schedule", "qwen3-1.7b-0.86", "--dense_layers", "0,1",
+            "--batch", "2", "--new_tokens", "16", "--repeats", "1", "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    # budget 48 and the schedule, each against dense; the docs' `--dense_layers 0,1 none` (a
+    # second sparse set, twice the compiles) is only parsed, by test_sparrow_command_parses
+    assert len(records) == 2 and all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in records)
+
+
+def test_twin_bench_kernel(capsys):
+    from pallas_kernels import bench
+    assert bench.main(["--contexts", "256", "--budgets", "64", "--models", "1.7b", "--iters", "1"]) == 0
+    assert "copy bandwidth" in capsys.readouterr().out
+
+
+def test_every_twin_is_tested():
+    names = {c.name for c in _checks(Twin)}
+    here = {n[len("test_twin_"):] for n in globals() if n.startswith("test_twin_")}
+    assert names <= here, f"registry twins without a test_twin_<name>: {names - here}"
+
+
+# -- console: logging setup --------------------------------------------------------------------
+
+@pytest.fixture
+def _restore_logging():
+    root = logging.getLogger()
+    saved = (root.level, root.handlers[:])
+    levels = {n: logging.getLogger(n).level for n in ("absl", "orbax", "jax", "etils", "grain")}
+    yield
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    for n, lv in levels.items():
+        logging.getLogger(n).setLevel(lv)
+    logging.captureWarnings(False)
+
+
+def test_library_loggers_quiet_by_default_and_restored_by_debug(_restore_logging):
+    from sparrow_jax import cli
+    cli.setup_logging("INFO")
+    for name in ("absl", "orbax", "jax", "etils", "grain"):
+        assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING, name
+    assert logging.getLogger("sparrow_jax.train").getEffectiveLevel() == logging.INFO
+    cli.setup_logging("DEBUG")
+    for name in ("absl", "orbax", "jax", "etils", "grain"):
+        assert logging.getLogger(name).getEffectiveLevel() == logging.DEBUG, name
+    cli.setup_logging("ERROR")
+    assert logging.getLogger("absl").getEffectiveLevel() == logging.ERROR
+
+
+def test_warnings_start_with_their_level(_restore_logging):
+    from sparrow_jax import cli
+    fmt = cli._ConsoleFormatter(color=False)
+
+    def line(level):
+        return fmt.format(logging.LogRecord("sparrow_jax.train", level, __file__, 1, "msg", None, None))
+
+    assert line(logging.WARNING).startswith("WARNING ") and line(logging.ERROR).startswith("ERROR ")
+    assert not line(logging.INFO).startswith(("INFO", "WARNING"))
+    colored = cli._ConsoleFormatter(color=True).format(
+        logging.LogRecord("x", logging.WARNING, __file__, 1, "msg", None, None))
+    assert colored.startswith("\033[1;33mWARNING\033[0m ")
