@@ -208,6 +208,10 @@ _REGISTRY = {
          ByTest("tests/test_export.py::test_export_matches_checkpoint_in_transformers_and_load_hf"),
          ByTest("tests/test_export.py::test_export_bfloat16_writes_bf16_tensors"),
          ByTest("tests/test_export.py::test_export_errors")),
+    # docs/experiment.md
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin":
+        (ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume"),
+         ByTest("tests/test_experiment.py::test_demo_experiment_config_parses_every_arm")),
     "python -m pallas_kernels.bench": (Twin("bench_kernel"),),
     _ROLLOUT_BENCH + "--context 8192 16384 --budget 1024 --dense_layers 0,1 none --batch 16 "
     "--new_tokens 256 --repeats 3": (Twin("bench_rollout"),),
