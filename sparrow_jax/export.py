@@ -1,10 +1,13 @@
 """`sparrow export`: the policy of a training checkpoint as a Hugging Face directory.
 
     sparrow export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16] [--model_path DIR]
+                   [--merge_lora]
 
 Reads only the params item of `RUN_DIR/checkpoints/<step>` (latest step by default; the optimizer
 state is never loaded), in the dtype it was saved in (orbax metadata says which: f32 master
-weights, or bf16 in older runs), and writes
+weights, or bf16 in older runs): the dense policy. With `--merge_lora` (runs with a DistillSparse
+adapter, `DistillConfig.rank > 0`) the step's adapter is merged in (W + a @ b x alpha / rank):
+the sparse actor the run sampled with. It writes
 
     DIR/config.json              the base model's config.json, dtype fields set to --dtype
     DIR/model*.safetensors       the trained weights (+ model.safetensors.index.json if sharded)
@@ -77,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "TrainConfig.model_path of the run's operative config")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out directory")
+    parser.add_argument("--merge_lora", action="store_true",
+                        help="merge the run's DistillSparse adapter into the weights (the sparse "
+                             "actor); default: the dense policy alone")
 
 
 # -- reading the run -------------------------------------------------------------------------------
@@ -172,8 +178,8 @@ def _abstract_params(mngr: ckpt.CheckpointManager, step: int, model_dir: Path):
                    set(stored) - {ckpt.tree_path_names(p) for p, _ in
                                   jax.tree_util.tree_leaves_with_path(state)})
     if extra:
-        # DistillSparse adapters (lora) will be merged by a later --merge_lora; anything else
-        # means the checkpoint belongs to another architecture.
+        # DistillSparse adapters live in their own item, never here: anything extra means the
+        # checkpoint belongs to another architecture.
         raise ExportError(f"checkpoint step {step} holds parameters a Qwen3 model of "
                           f"{model_dir}/config.json does not have: {extra[:5]}")
     stored_dtype = dtypes.pop() if len(dtypes) == 1 else "mixed(" + ",".join(sorted(dtypes)) + ")"
@@ -215,9 +221,27 @@ def _generation_config(model_dir: Path, hf_config: dict[str, Any],
     return gen
 
 
+def _merge_adapter(mngr: ckpt.CheckpointManager, step: int, params):
+    """`params` with the step's DistillSparse adapter merged in; (merged, {"rank", "alpha"})."""
+    from sparrow_jax.rl import distill
+    text = _operative_config(mngr, step) or ""
+    rank = gin_binding(text, "DistillConfig", "rank")
+    alpha = gin_binding(text, "DistillConfig", "alpha")
+    alpha = 16.0 if alpha is None else float(alpha)   # DistillConfig's default
+    if not isinstance(rank, int) or rank <= 0:
+        raise ExportError(f"--merge_lora: the run's operative config binds no DistillConfig.rank "
+                          f"> 0 (got {rank!r}): it trained no adapter")
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    state = mngr.restore_distill(step, distill.abstract_state(params, rank, sharding=cpu))
+    if state is None:
+        raise ExportError(f"--merge_lora: checkpoint step {step} holds no DistillSparse adapter")
+    merged = distill.merge_lora(params, state["lora"], alpha=alpha, rank=rank)
+    return merged, {"rank": rank, "alpha": alpha}
+
+
 def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
            dtype: str | None = None, model_path: str | os.PathLike | None = None,
-           overwrite: bool = False) -> ExportResult:
+           overwrite: bool = False, merge_lora: bool = False) -> ExportResult:
     """Writes the policy of `run_dir`'s checkpoint `step` (default latest) to `out` as a Hugging
     Face directory that `load_hf` and transformers load. See the module docstring."""
     if dtype is not None and dtype not in DTYPES:
@@ -244,6 +268,9 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         log.info("exporting %s step %d (params stored as %s) with base model %s", run, step,
                  stored_dtype, model_dir)
         params = mngr.restore_params(step, abstract)
+        lora_info = None
+        if merge_lora:
+            params, lora_info = _merge_adapter(mngr, step, params)
     model = nnx.merge(graphdef, params)
     dtype = dtype or (stored_dtype if stored_dtype in DTYPES else "float32")
     tokenizer = load_tokenizer(model_dir)
@@ -262,7 +289,8 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
         (staging / PROVENANCE_FILE).write_text(json.dumps(
             {"run_dir": str(run), "step": step, "stored_dtype": stored_dtype, "dtype": dtype,
-             "base_model": str(model_dir), "num_params": num_params}, indent=2) + "\n")
+             "base_model": str(model_dir), "num_params": num_params,
+             "merged_lora": lora_info}, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)  # empty, or --overwrite (checked above)
         os.replace(staging, out)
@@ -279,7 +307,8 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
 
 def main(args: argparse.Namespace) -> int:
     r = export(args.run_dir, args.out, step=args.step, dtype=args.dtype,
-               model_path=args.model_path, overwrite=args.overwrite)
+               model_path=args.model_path, overwrite=args.overwrite,
+               merge_lora=getattr(args, "merge_lora", False))
     print(f"exported step {r.step} of {args.run_dir} -> {r.out} ({r.num_params / 1e6:.2f}M params, "
           f"{r.dtype}; stored as {r.stored_dtype})", file=sys.stderr)
     return 0
