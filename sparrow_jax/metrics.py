@@ -147,6 +147,45 @@ class MetricsWriter:
         if mirrored and time.monotonic() - self._last_upload >= self._flush_secs:
             self.flush()
 
+    def truncate_after(self, step: int | None) -> int:
+        """Drops the ``metrics.jsonl`` lines of steps after ``step`` (every line when ``None``)
+        and torn lines; returns how many were dropped. A resumed run calls it with the restored
+        step, so steps it redoes after a crash are not recorded twice.
+
+        TensorBoard: the event files of earlier processes cannot be edited; a ``SessionLog.START``
+        event at ``step + 1`` is written instead, which TensorBoard's event loader takes as
+        "points at this step or later from before this event are superseded" (its
+        ``purge_orphaned_data``; :func:`read_scalars` reads with it)."""
+        if not self.enabled or self._jsonl is None:
+            return 0
+        self._jsonl.close()
+        path = os.path.join(self.local_dir, JSONL_NAME)
+        kept, dropped = [], 0
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    keep = step is not None and int(record["step"]) <= step
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    keep = False
+                if keep:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        if dropped:
+            fd, tmp = tempfile.mkstemp(dir=self.local_dir, prefix=".tmp-" + JSONL_NAME)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        self._jsonl = open(path, "a", encoding="utf-8")
+        start = 0 if step is None else step + 1
+        self._events.add_event(event_pb2.Event(
+            wall_time=time.time(), step=start,
+            session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        return dropped
+
     def text(self, step: int, tag: str, markdown: str) -> None:
         """Writes a text-plugin summary (rendered as markdown by TensorBoard)."""
         if not self.enabled or self._events is None:

@@ -21,6 +21,7 @@ import importlib
 import math
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import signal
 import threading
 import time
@@ -168,6 +169,20 @@ def math_verify_reward(
 # ----------------------------------------------------------------------------- worker pool
 
 
+def _as_reward(value: Any) -> float:
+    """A reward function's result as a finite float; anything else (a string - even "1" -, None,
+    a list, NaN/inf) raises, and the pool scores the item 0 and counts it as an error."""
+    if isinstance(value, (np.ndarray, np.generic)) and value.size == 1 and (
+            np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward must be a number, got {type(value).__name__} {value!r:.60}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite reward {value}")
+    return value
+
+
 def _worker_main(conn: Any, fn: RewardFn, preload: tuple[str, ...]) -> None:
     """Worker loop: import, report ready, then score items until told to stop."""
     # Ctrl-C goes to the whole process group; the parent decides when workers die.
@@ -184,9 +199,7 @@ def _worker_main(conn: Any, fn: RewardFn, preload: tuple[str, ...]) -> None:
             return
         idx, completion, truth, prompt, meta = msg
         try:
-            value = float(fn(completion, truth, prompt=prompt, meta=meta))
-            if not math.isfinite(value):
-                raise ValueError(f"non-finite reward {value}")
+            value = _as_reward(fn(completion, truth, prompt=prompt, meta=meta))
             conn.send((idx, True, value))
         except Exception as e:  # noqa: BLE001 - any reward bug must cost one item, not the run
             conn.send((idx, False, f"{type(e).__name__}: {e}"[:500]))
@@ -285,10 +298,7 @@ class RewardPool:
         if self.processes == 0:
             for i, (completion, truth, prompt, meta) in enumerate(items):
                 try:
-                    value = float(self._fn(completion, truth, prompt=prompt, meta=meta))
-                    if not math.isfinite(value):
-                        raise ValueError(f"non-finite reward {value}")
-                    rewards[i] = value
+                    rewards[i] = _as_reward(self._fn(completion, truth, prompt=prompt, meta=meta))
                 except Exception as e:  # noqa: BLE001
                     info["errors"] += 1
                     info["failed"].append(i)
