@@ -22,6 +22,7 @@ COMMANDS = {
     "sft": ("sparrow_jax.sft", "main", "supervised warm-up of the synthetic demo model"),
     "rollout": ("sparrow_jax.rollout.run", "main", "generate completions for a JSONL prompt file"),
     "calibrate": ("sparrow_jax.calibrate", "main", "offline per-bin budget sweep -> schedule"),
+    "dryrun": ("sparrow_jax.dryrun", "main", "compile one RL step for a TPU slice / GPU node: fits?"),
     "export": ("sparrow_jax.export", "main", "a training checkpoint -> Hugging Face directory"),
 }
 BENCHES = {

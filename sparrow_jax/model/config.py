@@ -128,3 +128,30 @@ class Qwen3Config:
             "dtype": dtype,
             "torch_dtype": dtype,
         }
+
+
+# Exact shapes of the public Qwen3 dense checkpoints (their Hugging Face config.json values), for
+# tools that need a model's shape but no weights (`sparrow dryrun --preset`).
+_QWEN3_COMMON = dict(vocab_size=151936, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                     rope_theta=1_000_000.0, attention_bias=False, max_position_embeddings=40960,
+                     bos_token_id=151643, eos_token_id=151645)
+QWEN3_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, tie_word_embeddings=False),
+}
+
+
+def qwen3_preset(name: str) -> Qwen3Config:
+    """The shape of a public Qwen3 checkpoint by name, e.g. "qwen3-8b" (case-insensitive)."""
+    key = name.strip().lower()
+    if key not in QWEN3_PRESETS:
+        raise ValueError(f"unknown Qwen3 preset {name!r}; known: {', '.join(QWEN3_PRESETS)}")
+    return Qwen3Config(**_QWEN3_COMMON, **QWEN3_PRESETS[key])

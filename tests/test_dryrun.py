@@ -1,0 +1,182 @@
+"""`sparrow dryrun`: whole-RL-step compiles for TPU slices / GPU nodes without the hardware.
+
+Every test runs the command in a subprocess with the compile environment (.compile-env, from
+`bash .ci/compile_env.sh`) on PYTHONPATH, from a directory outside the repo (a `libtpu` folder in
+the working directory would shadow the package), like tests/test_compile.py. A tiny model keeps
+the unit tests to seconds of compiling; `test_shipped_configs_fit` (slow) compiles the real
+configs for their targets and fails when one stops fitting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sparrow_jax.model.config import Qwen3Config
+
+REPO = Path(__file__).resolve().parents[1]
+COMPILE_ENV = REPO / ".compile-env"
+pytestmark = pytest.mark.compile
+
+TINY = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+# Three layers, but 1.2B parameters: f32 master + AdamW + a bf16 copy cannot fit a v5e chip.
+FAT = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                  num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  tie_word_embeddings=False)
+GIN = """
+TrainConfig.model_path = "{model}"
+TrainConfig.train_data = "unused.jsonl"
+TrainConfig.prompts_per_step = 4
+TrainConfig.group_size = 4
+TrainConfig.rollout_batch_prompts = 2
+TrainConfig.mesh_model = 1
+RolloutConfig.max_new_tokens = 64
+RolloutConfig.max_budget = 64
+RolloutConfig.prefill_chunk = 64
+make_schedule.budgets = [48, 48, 48, 48, 48, 48, 48, 48, 48, 48,
+                         48, 48, 48, 48, 48, 48, 48, 48, 48, 48]
+make_schedule.bin_size = 32
+ControllerConfig.min_budget = 48
+ControllerConfig.max_budget = 64
+LearnerConfig.micro_batch_size = 8
+LearnerConfig.attention_chunk = 32
+DryrunConfig.prompt_length = 64
+"""
+
+
+def _env(compile_env: bool = True) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(COMPILE_ENV), str(REPO)] if compile_env
+                                          else [str(REPO)]))
+    return env
+
+
+def run_dryrun(*argv: str, compile_env: bool = True, env: dict | None = None,
+               timeout: int = 900) -> subprocess.CompletedProcess:
+    if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
+        pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
+    if not (COMPILE_ENV / ".sparrow-compile-env").exists():
+        pytest.fail(f"compile environment missing at {COMPILE_ENV}: run `bash .ci/compile_env.sh`")
+    with tempfile.TemporaryDirectory(prefix="sparrow-dryrun-test-") as cwd:
+        return subprocess.run([sys.executable, "-m", "sparrow_jax.cli", "dryrun", *argv],
+                              cwd=cwd, env={**_env(compile_env), **(env or {})},
+                              capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("dryrun")
+    paths = {}
+    for name, cfg in (("tiny", TINY), ("fat", FAT)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+        paths[name] = str(root / name)
+    (root / "tiny.gin").write_text(GIN.format(model=paths["tiny"]))
+    paths["gin"] = str(root / "tiny.gin")
+    return paths
+
+
+def _report(r: subprocess.CompletedProcess) -> dict:
+    assert r.stdout.strip().startswith("{"), r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_argument_bytes_are_the_sharded_shapes(tiny):
+    """Compiled per-device argument bytes = the abstract shards the dryrun reports, and those are
+    the parameter / optimizer / KV-cache sizes computed independently."""
+    r = run_dryrun(tiny["gin"], "--target", "h100x8", "--json", "--no_fit")
+    report = _report(r)
+    assert r.returncode == 0 and report["fits"], r.stderr[-3000:]
+    progs = {p["name"]: p for p in report["programs"]}
+    assert {"rollout.prefill", "rollout.decode", "rollout.join", "learner.apply"} <= set(progs)
+    for p in progs.values():           # GPU buffers are unpadded: exact; jit drops unused args
+        total = p["persistent_args"] + p["step_args"] + p["local_args"]
+        if p["name"] in ("rollout.prefill", "rollout.decode", "rollout.join", "learner.apply"):
+            assert p["argument"] == total, p
+        assert 0.9 * total <= p["argument"] <= total, p
+    n = TINY.num_params()
+    pers = report["persistent"]
+    assert pers["master_params"] == 4 * n and pers["rollout_params"] == 2 * n
+    assert 8 * n <= pers["optimizer_state"] <= 8 * n + 64          # mu, nu (+ step counters)
+    assert progs["learner.apply"]["argument"] == 4 * n + pers["optimizer_state"] + 4 * n
+    # The decode's own arguments: the KV cache of one call (8 rows, 1 per device) + its buffers.
+    rows, s_max, t = 8, 64 + 64, 64
+    per_token = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * TINY.head_dim * 2
+    cache = rows * s_max * per_token * (1 + 1 / 32) / 8            # + centroids, bf16, / 8
+    record = rows * t * (4 + 4 + 20 * 8 + 4)                       # tokens, logprobs, top-k, budgets
+    # The cache is row-sharded (8 x smaller than replicated); the prefill leaves the layout of
+    # the record buffers to XLA, which may replicate them.
+    local = progs["rollout.decode"]["local_args"]
+    assert cache + record / 8 <= local <= cache + record + 4096, (local, cache, record)
+
+
+def test_eight_way_data_parallel_rows_per_device(tiny):
+    """v5e-8 (one host, 8 chips), mesh_model 1: every batch is split 8 ways."""
+    report = _report(run_dryrun(tiny["gin"], "--target", "v5e-8", "--json", "--no_fit"))
+    assert report["mesh"] == {"data": 8, "model": 1}
+    s = report["shape"]
+    assert (s["rows_step"], s["rows_call"], s["rollout_calls"]) == (16, 8, 2)
+    assert s["rows_call_per_device"] == 1.0
+    progs = {p["name"]: p for p in report["programs"]}
+    assert progs["rollout.decode"]["rows_per_device"] == 1.0
+    assert progs["learner.grads[fused analysis]"]["rows_per_device"] == 1.0   # micro 8 / 8
+    assert report["toolchain"].startswith("libtpu")
+    assert "TPU v5 lite" in report["target_description"] or "V5E" in report["target_description"]
+
+
+def test_model_axis_across_hosts_is_an_error(tiny):
+    """v5p hosts have 4 chips: a model axis of 8 would span two hosts. Run from the plain venv:
+    the command re-executes itself in the compile environment."""
+    r = run_dryrun(tiny["gin"], "--target", "v5p-32", "--gin_param", "TrainConfig.mesh_model = 8",
+                   compile_env=False)
+    assert r.returncode != 0
+    assert "re-running" in r.stderr
+    assert re.search(r"mesh_model = 8 does not fit v5p-32 \(4 host\(s\) of 4", r.stderr), r.stderr
+    assert "divides 4" in r.stderr
+
+
+def test_missing_toolchain_names_the_install(tiny):
+    r = run_dryrun(tiny["gin"], "--target", "v5e-8", compile_env=False,
+                   env={"SPARROW_DRYRUN_CHILD": "1"})          # no re-exec: report instead
+    assert r.returncode != 0
+    assert "needs libtpu" in r.stderr and "bash .ci/compile_env.sh" in r.stderr
+
+
+def test_oversized_does_not_fit(tiny):
+    """1.2B parameters with f32 master weights + AdamW, replicated on 16 GiB v5e chips."""
+    r = run_dryrun(tiny["gin"], "--target", "v5e-8", "--model_config", tiny["fat"], "--no_fit")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "DOES NOT FIT" in r.stdout
+    assert "FITS" not in r.stdout.replace("DOES NOT FIT", "")
+
+
+def _shipped_configs() -> list[tuple[str, list[str]]]:
+    """(config, dryrun arguments) from each real config's header line `# dryrun: --target ...`."""
+    out = []
+    for path in sorted((REPO / "configs").glob("*.gin")):
+        m = re.search(r"^# dryrun: (.+)$", path.read_text(), re.M)
+        if m:
+            out.append((path.name, m.group(1).split()))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,argv", _shipped_configs(), ids=lambda x: str(x))
+def test_shipped_configs_fit(config, argv):
+    r = run_dryrun(str(REPO / "configs" / config), *argv, "--no_fit", timeout=1800)
+    print(r.stdout)
+    assert r.returncode == 0 and "FITS" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+def test_every_real_config_names_its_target():
+    names = {c for c, _ in _shipped_configs()}
+    assert {"qwen3_1p7b_gpu.gin", "qwen3_8b_tpu.gin", "qwen3_0p6b_v5e.gin"} <= names
