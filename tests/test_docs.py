@@ -201,6 +201,9 @@ _REGISTRY = {
         (ByTest("tests/test_sft.py::test_sft_command_writes_checkpoint"),),
     "python -m sparrow_jax.data.synthetic train.jsonl --n 512 --k-min 8 --k-max 13": (Run(),),
     # docs/benchmarks.md
+    # docs/compression.md
+    "python -m sparrow_jax.rollout.compress_bench":
+        (ByTest("tests/test_compression.py::test_bench_command_prints_table"),),
     # docs/export.md (written with `sparrow export`; its tests are tests/test_export.py)
     "sparrow export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16] [--model_path BASE] "
     "[--overwrite]":

@@ -37,7 +37,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    mode: str = "sparse"                 # "sparse" | "dense"
+    mode: str = "sparse"                 # "sparse" | "dense" | "compress" (Sparse-RL's KV eviction)
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 16
     max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
@@ -50,10 +50,22 @@ class RolloutConfig:
     # Prompt widths are padded up to one of these (static shapes: one prefill/decode program per
     # bucket touched); () = two buckets per octave from 64 tokens (sparrow_jax.shapes).
     prompt_buckets: tuple[int, ...] = ()
+    # mode = "compress" (sparrow_jax.rollout.compress, docs/compression.md): every
+    # `compress_every` steps a row holding more than `kv_budget` tokens keeps `kv_budget` of them
+    # (the last `window` always) by `compress_scorer` ("rkv" | "snapkv"); R-KV mixes with lambda.
+    kv_budget: int = 512
+    compress_every: int = 128
+    window: int = 8
+    compress_scorer: str = "rkv"
+    rkv_lambda: float = 0.1
 
     def __post_init__(self):
-        if self.mode not in ("sparse", "dense"):
-            raise ValueError(f"RolloutConfig.mode must be 'sparse' or 'dense', got {self.mode!r}")
+        if self.mode not in ("sparse", "dense", "compress"):
+            raise ValueError(f"RolloutConfig.mode must be 'sparse', 'dense' or 'compress', got "
+                             f"{self.mode!r}")
+        if self.mode == "compress":
+            from sparrow_jax.rollout.compress import check_config
+            check_config(self)
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.max_budget % self.block_size or self.max_budget < 3 * self.block_size:
@@ -72,6 +84,14 @@ class RolloutConfig:
         """The sampled distribution; the learner takes it from here (one source of truth)."""
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
+    def cache_slots(self, prompt_width: int) -> int:
+        """KV slots per row: prompt + generation; compress mode: its bound (see compress.py)."""
+        dense = padded_length(prompt_width + self.max_new_tokens, self.block_size)
+        if self.mode != "compress":
+            return dense
+        bound = max(prompt_width, self.kv_budget) + self.compress_every
+        return min(padded_length(bound, self.block_size), dense)
+
     def prompt_width(self, width: int) -> int:
         """The static prompt width (a bucket) for prompts of up to `width` tokens."""
         buckets = self.prompt_buckets or default_buckets(1 << 17, multiple=self.block_size)
@@ -88,10 +108,14 @@ class Trajectories:
     logprobs: jax.Array         # [B, T] f32 sparse actor's logprob of each token (as sampled)
     topk_logprobs: jax.Array    # [B, T, k] f32 sparse actor's top-k (temperature, untruncated)
     topk_ids: jax.Array         # [B, T, k] int32
-    budgets: jax.Array          # [B, T] int32 token budget used (0 = dense: prefill or dense mode)
+    budgets: jax.Array          # [B, T] int32 token budget used (0 = dense: prefill or dense mode;
+                                # compress mode: the tokens the token's attention saw, kept + new)
     cached_lengths: jax.Array   # [B, T] int32 total cached length when the token was produced
     mask: jax.Array             # [B, T] bool: generated token (including the stop token)
     response_lengths: jax.Array  # [B] int32
+    # compress mode only, [B, L, P + T] int32: per row, layer and sequence position, the first
+    # query position that no longer sees that key (evicted; int32 max = never); replay input.
+    evicted_at: jax.Array | None = None
 
 
 def padded_length(n: int, block_size: int) -> int:
@@ -218,11 +242,12 @@ def _record(state: DecodeState, logits, cfg: RolloutConfig, active) -> DecodeSta
 def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, *, cfg: RolloutConfig,
                      group_size: int, spec: ShardingSpec | None) -> DecodeState:
     """Dense prefill, cache layout for `group_size` samples per prompt, first sampled token.
-    Independent of the rollout mode: dense and sparse decode start from the same state."""
+    Independent of the rollout mode: dense and sparse decode start from the same state (compress
+    mode allocates its bounded cache, cfg.cache_slots, and no centroids)."""
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
     bp, plen = prompt_tokens.shape
     b, t_new = bp * group_size, cfg.max_new_tokens
-    s_max = padded_length(plen + t_new, cfg.block_size)
+    s_max = cfg.cache_slots(plen)
     ks, vs, first_logits = prefill(model, prompt_tokens, prompt_lengths, chunk=cfg.prefill_chunk)
     # Group sampling: the n samples of a prompt share its prefill; copy the prompt cache n times.
     rep = functools.partial(jnp.repeat, repeats=group_size, axis=0)
@@ -230,7 +255,7 @@ def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, *, cf
     k_layers = [_constrain(jnp.pad(rep(k), pad), CACHE_AXES, spec) for k in ks]
     v_layers = [_constrain(jnp.pad(rep(v), pad), CACHE_AXES, spec) for v in vs]
     cents = [_constrain(selection.block_centroids(k, cfg.block_size), CACHE_AXES, spec)
-             for k in k_layers]
+             if cfg.mode != "compress" else k[:, :, :0] for k in k_layers]  # compress: no blocks
     lengths = rep(prompt_lengths)
     k_rec = cfg.record_topk
     state = DecodeState(
@@ -371,8 +396,8 @@ def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rollou
     if spec is not None and b % spec.mesh.shape[spec.rules.get("batch") or "data"]:
         raise ValueError(f"rollout batch {b} is not divisible by the mesh's data axis "
                          f"{dict(spec.mesh.shape)}")
-    check_cache_fits(model.config, b, padded_length(plen + cfg.max_new_tokens, cfg.block_size),
-                     model.dtype, spec, block_size=cfg.block_size)
+    check_cache_fits(model.config, b, cfg.cache_slots(plen), model.dtype, spec,
+                     block_size=cfg.block_size)
     graphdef, params = nnx.split(model)
     COMPILES.note("rollout/prefill", prompts=prompt_tokens.shape[0] * jax.process_count(),
                   prompt_width=plen, group_size=group_size, max_new_tokens=cfg.max_new_tokens,
@@ -392,8 +417,11 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     """The decode program: runs `state` (from `start`, consumed: its buffers are donated) until
     every row stopped or reached cfg.max_new_tokens. budgets [num_bins] int32 as in `generate`."""
     budgets = _check_budgets(cfg, budgets)
+    if cfg.mode == "compress":
+        from sparrow_jax.rollout import compress
+        return compress.decode(model, state, cfg=cfg, spec=spec)
     shapes = (state.tokens.shape[1], state.topk_ids.shape[2],
-              state.cache.max_length // state.cache.centroids[0].shape[2])
+              state.cache.max_length // max(state.cache.centroids[0].shape[2], 1))
     wanted = (cfg.max_new_tokens, cfg.record_topk, cfg.block_size)
     if shapes != wanted:
         raise ValueError(f"state was prefilled for (max_new_tokens, record_topk, block_size) = "
