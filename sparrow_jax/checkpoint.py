@@ -58,7 +58,9 @@ __all__ = ["CheckpointManager", "abstract_like", "abstract_with_shardings", "dec
 PyTree = Any
 CHECKPOINT_SUBDIR = "checkpoints"
 OPERATIVE_CONFIG_FILE = "operative_config.gin"
-_ITEMS = ("params", "opt_state", "extra", "operative_config")
+# "distill": the DistillSparse adapter and its optimizer state (sparrow_jax.rl.distill), only in
+# runs with an adapter; steps without it (older runs, rank 0) restore as before.
+_ITEMS = ("params", "opt_state", "extra", "operative_config", "distill")
 
 
 # -- run directories: local paths or URIs ---------------------------------------------------------
@@ -360,6 +362,11 @@ class CheckpointManager:
         """All finalized steps, ascending."""
         return sorted(self._mngr.all_steps())
 
+    def reload(self) -> None:
+        """Re-reads the step list from disk (after steps were moved away by hand or by
+        `faults.restore_newest_good`)."""
+        self._mngr.reload()
+
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would write (interval reached, or preemption)."""
         return self._sigterm.is_set() or self._mngr.should_save(step)
@@ -387,6 +394,7 @@ class CheckpointManager:
         *,
         operative_config: str | None = None,
         force: bool = False,
+        distill: PyTree | None = None,
     ) -> bool:
         """Saves one step if due; returns whether a checkpoint was written (or started, if async).
 
@@ -398,6 +406,7 @@ class CheckpointManager:
           operative_config: gin config text (``gin.operative_config_str()``), stored in the step.
           force: save even if ``step`` is not on the save interval. An existing step is never
             overwritten (returns False).
+          distill: pytree of the DistillSparse adapter + its optimizer state (``None``: no item).
         """
         step = int(step)
         if self.read_only:
@@ -412,6 +421,8 @@ class CheckpointManager:
         }
         if operative_config is not None:
             items["operative_config"] = _TextSave(operative_config)
+        if distill is not None:
+            items["distill"] = ocp.args.StandardSave(distill)
         saved = bool(self._mngr.save(step, args=ocp.args.Composite(**items), force=force))
         return saved
 
@@ -465,6 +476,16 @@ class CheckpointManager:
         out = self._mngr.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_params)))
         return out["params"]
+
+    def restore_distill(self, step: int | None, abstract: PyTree) -> PyTree | None:
+        """The ``distill`` item of ``step`` (default latest) restored onto ``abstract`` (as in
+        :meth:`restore`), or ``None`` when the step has none (saved without an adapter)."""
+        step = self._resolve_step(step)
+        if not (epath.Path(self.step_dir(step)) / "distill").exists():
+            return None
+        out = self._mngr.restore(step, args=ocp.args.Composite(
+            distill=ocp.args.StandardRestore(abstract)))
+        return out["distill"]
 
     def params_metadata(self, step: int | None = None
                         ) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:

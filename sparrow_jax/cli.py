@@ -24,6 +24,7 @@ COMMANDS = {
     "calibrate": ("sparrow_jax.calibrate", "main", "offline per-bin budget sweep -> schedule"),
     "dryrun": ("sparrow_jax.dryrun", "main", "compile one RL step for a TPU slice / GPU node: fits?"),
     "export": ("sparrow_jax.export", "main", "a training checkpoint -> Hugging Face directory"),
+    "experiment": ("sparrow_jax.experiment", "main", "training arms side by side -> comparison"),
 }
 BENCHES = {
     "kernel": ("pallas_kernels.bench", "main", "dense vs block-sparse decode attention"),

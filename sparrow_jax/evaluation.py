@@ -122,3 +122,33 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     for name, diag in (diagnostics or {}).items():
         out[f"reward_{name}"] = float(scored(diag)[mask].mean())
     return out
+
+
+def short_line(d: dict[str, float], modes: Sequence[str] = ("dense", "sparse")) -> str:
+    """One short console line per evaluation (the full dict is in metrics.jsonl/TensorBoard)."""
+    def pair(key: str, spec: str) -> str:
+        return " / ".join(format(d[f"eval_{m}/{key}"], spec) for m in modes
+                          if f"eval_{m}/{key}" in d)
+    return (f"reward {' / '.join(modes)} {pair('reward', '.3f')}, length "
+            f"{pair('response_length', '.0f')}, {pair('tokens_per_s', '.0f')} tokens/s")
+
+
+def summary_lines(first: dict[str, float], last: dict[str, float],
+                  modes: Sequence[str] = ("dense", "sparse")) -> tuple[list[str], dict[str, float]]:
+    """The end-of-run summary: held-out reward per decoding mode (first -> last) and the
+    measured speed of the actor's mode vs dense. Returns (lines, last + the speed ratio)."""
+    lines = []
+    for mode in modes:
+        key = f"eval_{mode}/reward"
+        if key in last:
+            lines.append(f"held-out reward ({mode} decoding): {first.get(key, math.nan):.3f} "
+                         f"-> {last[key]:.3f}")
+    actor = modes[-1]
+    if "eval_dense/tokens_per_s" in last and f"eval_{actor}/tokens_per_s" in last and (
+            actor != "dense"):
+        ratio = last[f"eval_{actor}/tokens_per_s"] / last["eval_dense/tokens_per_s"]
+        lines.append(f"measured rollout speed, {actor} vs dense (same prompts, one run): "
+                     f"{last[f'eval_{actor}/tokens_per_s']:.0f} vs "
+                     f"{last['eval_dense/tokens_per_s']:.0f} tokens/s = {ratio:.2f}x")
+        last = {**last, f"speedup_{actor}_over_dense": ratio}
+    return lines, last

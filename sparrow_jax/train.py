@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import time
 
 import gin
@@ -27,12 +26,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from sparrow_jax import checkpoint as ckpt
-from sparrow_jax import evaluation, mismatch, multihost
+from sparrow_jax import config_check, evaluation, faults, mismatch, multihost
 from sparrow_jax.controller import ControllerConfig, ScheduleController
 from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
 from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
 from sparrow_jax.metrics import MetricsWriter, StepTimer, gin_config_markdown
 from sparrow_jax.model import compute_copy, load_hf, load_tokenizer, stop_token_ids
+from sparrow_jax.rl.distill import DistillConfig, Distiller
 from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
@@ -40,75 +40,11 @@ from sparrow_jax.rollout.engine import RolloutConfig
 from sparrow_jax.shapes import default_buckets
 from sparrow_jax.schedule import make_schedule
 from sparrow_jax.sharding import ShardingSpec, make_mesh
+from sparrow_jax.train_config import TrainConfig, gin_value
+
+__all__ = ["TrainConfig", "Trainer", "train", "main"]
 
 log = logging.getLogger(__name__)
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    run_dir: str = "runs/default"
-    model_path: str = ""              # local Hugging Face directory (weights + tokenizer)
-    train_data: str = ""              # JSONL / Parquet prompts with answers
-    eval_data: str = ""               # held-out prompts ("" = no validation)
-    reward: str = "math_verify"       # name in the reward registry (sparrow_jax.rl.rewards)
-    diagnostic_rewards: tuple[str, ...] = ()
-    reward_processes: int = 4         # 0 = score in-process (cheap rewards)
-    reward_timeout_s: float = 10.0
-    prompts_per_step: int = 4
-    group_size: int = 8
-    total_steps: int = 100
-    rollout_mode: str = "sparse"      # "sparse" | "dense"
-    adapt_schedule: bool = True       # online schedule controller on the measured tail
-    tail_quantile: float = 0.05       # the per-bin tail statistic the controller targets
-    eval_every: int = 10
-    eval_prompts: int = 32
-    eval_temperature: float = 0.0     # 0 = greedy validation
-    checkpoint_every: int = 10
-    max_to_keep: int = 3
-    seed: int = 0
-    dtype: str = "auto"               # compute dtype of rollout and learner forwards:
-                                      # "auto" = bf16 on accelerators, f32 on CPU
-    param_dtype: str = "float32"      # master weights and AdamW moments (bf16 cannot hold an
-                                      # lr-1e-6 update); the rollout gets a compute-dtype copy
-    rollout_batch_prompts: int = 0    # prompts per rollout program call (0 = prompts_per_step):
-                                      # a step's rollout runs in sequential calls of this size
-    mesh_model: int = 1               # model-parallel axis size; the rest of the devices is data
-    distributed: bool = False         # multi-host: jax.distributed.initialize() (TPU pods, SLURM)
-    # Explicit multi-process launch where no cluster is auto-detected (plain GPU nodes, local
-    # tests): all three set, or none. Each process's prompts_per_step is its own share.
-    coordinator_address: str = ""     # "host:port" of process 0
-    num_processes: int = 0
-    process_id: int = -1
-
-    def __post_init__(self):
-        missing = [f for f in ("model_path", "train_data") if not getattr(self, f)]
-        if missing:
-            raise ValueError(f"TrainConfig: set {missing} (e.g. --gin_param "
-                             f"'TrainConfig.{missing[0]} = \"...\"')")
-        if self.rollout_mode not in ("sparse", "dense"):
-            raise ValueError(f"TrainConfig.rollout_mode must be sparse|dense, got {self.rollout_mode!r}")
-        explicit = (bool(self.coordinator_address), self.num_processes > 0, self.process_id >= 0)
-        if any(explicit) and not all(explicit):
-            raise ValueError("TrainConfig: set coordinator_address, num_processes and process_id "
-                             "together (or none of them, for cluster auto-detection)")
-        if all(explicit) and not self.distributed:
-            raise ValueError("TrainConfig: coordinator_address/num_processes/process_id need "
-                             "distributed = True")
-        if self.group_size < 2:
-            raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
-        if self.rollout_batch_prompts < 0 or (
-                self.rollout_batch_prompts and self.prompts_per_step % self.rollout_batch_prompts):
-            raise ValueError(f"TrainConfig.rollout_batch_prompts={self.rollout_batch_prompts} "
-                             f"must divide prompts_per_step={self.prompts_per_step}")
-        for name in ("dtype", "param_dtype"):
-            value = getattr(self, name)
-            if value != "auto" or name == "param_dtype":
-                try:
-                    jnp.dtype(value)
-                except TypeError:
-                    raise ValueError(f"TrainConfig.{name} = {value!r} is not a dtype name "
-                                     "(float32, bfloat16, ...)") from None
 
 
 def _scalars(prefix: str, d: dict) -> dict[str, float]:
@@ -123,7 +59,7 @@ class Trainer:
         # A URI (gs://...) stays a URI for orbax and epath; a local path becomes absolute
         # (orbax needs that). pathlib's resolve() would turn gs://b/run into <cwd>/gs:/b/run.
         self.run_dir = ckpt.resolve_run_dir(cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        faults.check_run_dir_writable(self.run_dir)
         log.info("devices: %s", jax.devices())
         self.spec = None
         if jax.device_count() > 1:
@@ -140,11 +76,22 @@ class Trainer:
         self._rollout_copy = None
         self.tokenizer = load_tokenizer(cfg.model_path)
         tok = self.tokenizer
+        mcfg = self.model.config
+        faults.check_vocabulary(tok, mcfg.vocab_size, cfg.model_path, {
+            "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
+            "stop_token_ids": max(stop_token_ids(tok, cfg.model_path), default=None)})
+        # Prompts longer than the rollout can take are dropped at load (counted and logged).
+        capacity = faults.prompt_capacity(mcfg.max_position_embeddings,
+                                          RolloutConfig().max_new_tokens,
+                                          gin_value("make_prompt_iterator.max_prompt_len"))
+        log.info("prompts of up to %d tokens (max_position_embeddings %d - max_new_tokens, or "
+                 "make_prompt_iterator.max_prompt_len); longer ones are dropped", capacity,
+                 mcfg.max_position_embeddings)
         self.data = make_prompt_iterator(cfg.train_data, tok, batch_size=cfg.prompts_per_step,
-                                         seed=cfg.seed)
+                                         seed=cfg.seed, max_prompt_len=capacity)
         self.eval_batch = None
         if cfg.eval_data:
-            ds = PromptDataset.from_files(cfg.eval_data, tok)
+            ds = PromptDataset.from_files(cfg.eval_data, tok, max_prompt_len=capacity)
             log.info("eval data: %s", ds.report.summary())
             # Each process evaluates its share of the held-out prompts, padded to a row count
             # the data axis divides (padded rows are masked out of every metric).
@@ -173,7 +120,10 @@ class Trainer:
                 self.rollout_cfg = rc = dataclasses.replace(rc, max_budget=top)
         self.replay = SparseReplay(bin_size=schedule.bin_size,
                                    max_selected=rc.max_budget // rc.block_size,
-                                   block_size=rc.block_size, dense_layers=tuple(rc.dense_layers))
+                                   block_size=rc.block_size, dense_layers=tuple(rc.dense_layers),
+                                   mode="compress" if rc.mode == "compress" else "sparse")
+        # Held-out evaluation: the dense policy, and the actor as training samples it.
+        self.eval_modes = ("dense", "compress" if rc.mode == "compress" else "sparse")
         learner_cfg = LearnerConfig()
         if rc.mode == "dense" and learner_cfg.alpha_mode == "full":
             learner_cfg = dataclasses.replace(learner_cfg, alpha_mode="none")
@@ -182,6 +132,13 @@ class Trainer:
         # The learner's policy is the rollout's sampling distribution (temperature, truncation).
         self.learner = Learner(self.model, learner_cfg, group_size=cfg.group_size,
                                sampling=self.rollout_cfg.sampling)
+        # DistillSparse: a LoRA adapter only the sparse actor carries (sparrow_jax.rl.distill).
+        distill_cfg = DistillConfig()
+        self.distiller = None
+        if distill_cfg.enabled and rc.mode == "sparse":
+            self.distiller = Distiller(distill_cfg, self.learner, self.replay)
+        elif distill_cfg.enabled:
+            log.warning("DistillConfig.rank > 0 ignored: dense rollout has no sparse actor")
         self.pool = RewardPool(cfg.reward, processes=cfg.reward_processes,
                                timeout_s=cfg.reward_timeout_s)
         self.diagnostics = {n: RewardPool(n, processes=0) for n in cfg.diagnostic_rewards}
@@ -190,42 +147,74 @@ class Trainer:
                                            catch_sigterm=True)
         self.writer = MetricsWriter(self.run_dir)
         self.step = 0
+        self.guard = faults.NonFiniteGuard(cfg.max_consecutive_skips)
         self.operative = gin.operative_config_str()
         ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
-        self.writer.text(0, "config/operative_gin", gin_config_markdown(self.operative))
 
     def rollout_model(self):
         """The policy in the compute dtype for rollout and evaluation: cast once per RL step
-        (after the update), not per decode step; the same model when dtypes already agree."""
+        (after the update), not per decode step; the same model when dtypes already agree.
+        With a DistillSparse adapter: the sparse actor, base + adapter merged, then cast."""
         if self._rollout_copy is None:
-            self._rollout_copy = compute_copy(self.model)
+            self._rollout_copy = (self.distiller.sparse_model(self.model) if self.distiller
+                                  else compute_copy(self.model))
         return self._rollout_copy
 
     # -- checkpoints ------------------------------------------------------------------------
     def _extra(self) -> dict:
+        # Fingerprints of the arrays: a resume verifies them (flipped bytes restore silently).
+        sums = {"params": faults.tree_checksums(self.learner.params),
+                "opt_state": faults.tree_checksums(self.learner.opt_state)}
         return {"step": self.step, "data": self.data.get_state(),
-                "controller": self.controller.state_dict(), "seed": self.cfg.seed}
+                "controller": self.controller.state_dict(), "seed": self.cfg.seed,
+                "faults": self.guard.state_dict(), faults.CHECKSUM_KEY: sums}
 
     def save(self, force: bool = False) -> None:
-        if self.ckpt.save(self.step, self.learner.params, self.learner.opt_state, self._extra(),
-                          operative_config=self.operative, force=force):
+        distill = self.distiller.state() if self.distiller else None
+        try:
+            saved = self.ckpt.save(self.step, self.learner.params, self.learner.opt_state,
+                                   self._extra(), operative_config=self.operative, force=force,
+                                   distill=distill)
+        except Exception as e:    # disk full, permissions: earlier steps stay intact
+            raise faults.save_failure(self.ckpt, self.step, e) from e
+        if saved:
             log.info("checkpoint saved at step %d", self.step)
 
-    def maybe_resume(self) -> None:
-        latest = self.ckpt.latest_step()
-        if latest is None:
-            return
+    def _restore_step(self, step: int):
         params, opt_state, extra = self.ckpt.restore(
-            latest, ckpt.abstract_like(self.learner.params), ckpt.abstract_like(self.learner.opt_state))
+            step, ckpt.abstract_like(self.learner.params), ckpt.abstract_like(self.learner.opt_state))
+        faults.verify_checksums(step, {"params": params, "opt_state": opt_state},
+                                extra.get(faults.CHECKSUM_KEY))
+        return params, opt_state, extra
+
+    def maybe_resume(self) -> None:
+        # The newest step that restores and matches its fingerprints; damaged newer steps are
+        # reported and set aside (sparrow_jax.faults).
+        found = faults.restore_newest_good(self.ckpt, self._restore_step)
+        if found is None:
+            self.writer.truncate_after(None)  # no checkpoint: whatever was logged is redone
+            return
+        latest, (params, opt_state, extra) = found
         nnx.update(self.model, params)
         self._rollout_copy = None
         self.learner.opt_state = opt_state
+        if self.distiller:
+            state = self.ckpt.restore_distill(latest, ckpt.abstract_like(self.distiller.state()))
+            if state is None:
+                log.warning("checkpoint %d has no DistillSparse adapter: starting a fresh one",
+                            latest)
+            else:
+                self.distiller.load_state(state)
         # Saved by process 0; hosts run in lock step, so only the shard index differs.
         self.data.set_state({**extra["data"], "shard_index": jax.process_index()})
         self.controller = ScheduleController.from_state_dict(extra["controller"],
                                                              self.controller.config)
         self.step = int(extra["step"])
-        log.info("resumed from %s at step %d", self.ckpt.step_dir(latest), self.step)
+        self.guard.load_state_dict(extra.get("faults"))
+        # Steps after the checkpoint are redone: their metrics lines go (no duplicates).
+        dropped = self.writer.truncate_after(self.step)
+        log.info("resumed from %s at step %d%s", self.ckpt.step_dir(latest), self.step,
+                 f" (dropped {dropped} metrics.jsonl lines of later steps)" if dropped else "")
 
     # -- one RL step -------------------------------------------------------------------------
     def rl_step(self, timer: StepTimer) -> dict[str, float]:
@@ -249,14 +238,25 @@ class Trainer:
         with timer("reward"):
             texts = evaluation.decode_responses(self.tokenizer, traj)
             rewards, info = evaluation.score(self.pool, texts, answers, prompts, metas)
+        if info["errors"] or info["timeouts"]:    # scored 0, counted in reward/errors|timeouts
+            log.warning("step %d: %d reward errors, %d timeouts (scored 0)%s", self.step + 1,
+                        info["errors"], info["timeouts"],
+                        f"; first error: {info['first_error']}" if "first_error" in info else "")
         with timer("learner"):
             # The learner works on the batch's longest sequence rounded up to a bucket.
             traj = trim_to_bucket(traj, self.length_buckets, multiple=self.rollout_cfg.block_size)
             # Advantages need whole groups; a process's rows are whole groups of its prompts.
             rows = (multihost.rows_to_global(rewards.astype(np.float32), self.spec)
                     if multihost.is_multiprocess() else rewards)
-            analysis, loss_metrics = self.learner.step(traj, self.learner.advantages(rows),
-                                                       budgets, self.replay)
+            def distill(mini_batch, index, num_mini):
+                """The adapter's update after each base optimizer step (base frozen)."""
+                with timer("distill"):
+                    return self.distiller.update(mini_batch, index, num_mini, budgets)
+            # The alpha replay runs the actor that sampled (merged adapter, if any).
+            analysis, loss_metrics = self.learner.step(
+                traj, self.learner.advantages(rows), budgets, self.replay,
+                sparse_model=actor if self.distiller else None,
+                after_step=distill if self.distiller else None)
             self._rollout_copy = None      # the policy changed: recast before the next rollout
         # Metrics over every process's rows.
         rewards = multihost.all_rows(rewards)
@@ -279,7 +279,9 @@ class Trainer:
             for b in np.nonzero(counts)[0]:
                 m[f"alpha_tail/bin_{b:02d}"] = float(tail[b])
                 m[f"alpha_count/bin_{b:02d}"] = float(counts[b])
-            if cfg.adapt_schedule and cfg.rollout_mode == "sparse":
+            # A skipped (non-finite) update's tails are not evidence about the policy.
+            if (cfg.adapt_schedule and cfg.rollout_mode == "sparse"
+                    and not loss_metrics.get("learner/skipped_updates")):
                 m["schedule/num_changed"] = self.controller.update(tail, counts)["num_changed"]
         for b, budget in enumerate(self.controller.schedule.budgets):
             m[f"budget/bin_{b:02d}"] = float(budget)
@@ -291,10 +293,13 @@ class Trainer:
         out = {}
         sched = self.controller.schedule
         rng = jax.random.key(self.cfg.seed + 1)
-        for mode in ("dense", "sparse"):
+        for mode in self.eval_modes:
             rc = dataclasses.replace(self.rollout_cfg, mode=mode,
                                      temperature=self.cfg.eval_temperature)
-            r = evaluation.evaluate(self.rollout_model(), self.tokenizer, self.pool, self.eval_batch, cfg=rc,
+            # Dense decoding evaluates the policy itself, never the sparse actor's adapter.
+            model = (compute_copy(self.model) if self.distiller and mode == "dense"
+                     else self.rollout_model())
+            r = evaluation.evaluate(model, self.tokenizer, self.pool, self.eval_batch, cfg=rc,
                                     budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
                                     rng=rng, spec=self.spec, diagnostics=self.diagnostics)
             out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
@@ -304,13 +309,15 @@ class Trainer:
     def run(self) -> dict[str, float]:
         cfg = self.cfg
         self.maybe_resume()
+        # After the resume: a fresh start's TensorBoard "restart" marker would hide it.
+        self.writer.text(0, "config/operative_gin", gin_config_markdown(self.operative))
         timer = StepTimer()
         history = {}
         if self.step == 0 and self.eval_batch is not None:
             self.evaluate()  # compiles both eval programs so that timed evaluations are warm
             history["first"] = self.evaluate()
             self.writer.scalars(0, history["first"])
-            log.info("eval at step 0: %s", _fmt(history["first"]))
+            log.info("eval at step 0: %s", evaluation.short_line(history["first"], self.eval_modes))
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")
         while self.step < cfg.total_steps:
             start = time.perf_counter()
@@ -318,18 +325,25 @@ class Trainer:
             self.step += 1
             m.update(timer.summary())
             m["time/step"] = time.perf_counter() - start
+            # A non-finite loss/gradient skipped the update; too many in a row stop the run.
+            stop = self.guard.observe(self.step, m.get("learner/skipped_updates", 0.0), m)
+            m["train/skipped_steps"] = self.guard.total
             if self.step % cfg.eval_every == 0 or self.step == cfg.total_steps:
                 ev = self.evaluate()
                 m.update(ev)
                 if ev:
                     history["last"] = ev
-                    log.info("eval at step %d: %s", self.step, _fmt(ev))
+                    log.info("eval at step %d: %s", self.step, evaluation.short_line(ev, self.eval_modes))
             self.writer.scalars(self.step, m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward/mean']:.2f}", len=f"{m['response/length_mean']:.0f}",
                             tail=f"{m.get('alpha/tail_min', float('nan')):.3f}")
             preempted = self.ckpt.should_stop_for_preemption(self.step)
-            self.save(force=preempted or self.step == cfg.total_steps)
+            self.save(force=preempted or stop or self.step == cfg.total_steps)
+            if stop:
+                bar.close()
+                raise faults.RunError(self.guard.stop_message(self.step,
+                                                              self.ckpt.step_dir(self.step)))
             if preempted:
                 log.warning("preemption requested: saved step %d and stopping", self.step)
                 break
@@ -339,19 +353,9 @@ class Trainer:
 
     def report(self, history: dict) -> dict[str, float]:
         first, last = history.get("first", {}), history.get("last", {})
-        lines = [f"run directory: {self.run_dir}"]
-        for mode in ("dense", "sparse"):
-            key = f"eval_{mode}/reward"
-            if key in last:
-                lines.append(f"held-out reward ({mode} decoding): {first.get(key, math.nan):.3f} "
-                             f"-> {last[key]:.3f}")
-        if "eval_dense/tokens_per_s" in last:
-            ratio = last["eval_sparse/tokens_per_s"] / last["eval_dense/tokens_per_s"]
-            lines.append(f"measured rollout speed, sparse vs dense (same prompts, one run): "
-                         f"{last['eval_sparse/tokens_per_s']:.0f} vs "
-                         f"{last['eval_dense/tokens_per_s']:.0f} tokens/s = {ratio:.2f}x")
-            last = {**last, "speedup_sparse_over_dense": ratio}
-        lines.append(f"final schedule (tokens per bin): {list(self.controller.schedule.budgets)}")
+        lines, last = evaluation.summary_lines(first, last, self.eval_modes)
+        lines = [f"run directory: {self.run_dir}", *lines,
+                 f"final schedule (tokens per bin): {list(self.controller.schedule.budgets)}"]
         print("\n".join(lines), flush=True)
         ckpt.save_json_atomic(self.run_dir / "summary.json", {"first": first, "last": last})
         return last
@@ -364,10 +368,6 @@ class Trainer:
             p.close()
 
 
-def _fmt(d: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:.3f}" for k, v in sorted(d.items()))
-
-
 def train(cfg: TrainConfig | None = None) -> dict[str, float]:
     cfg = cfg or TrainConfig()
     if cfg.distributed:
@@ -377,15 +377,43 @@ def train(cfg: TrainConfig | None = None) -> dict[str, float]:
         else:
             jax.distributed.initialize()  # cluster auto-detection (TPU pod, SLURM, Open MPI, k8s)
         log.info("process %d of %d", jax.process_index(), jax.process_count())
-    return Trainer(cfg).run()
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    except BaseException as e:
+        try:
+            trainer.close()     # reward workers, pending checkpoint writes, metrics files
+        except Exception:       # noqa: BLE001 - e.g. a full disk again: the first error counts
+            log.debug("close after an error", exc_info=True)
+        if isinstance(e, Exception) and not isinstance(e, faults.RunError) and (
+                faults.is_disk_full(e)):
+            raise faults.RunError(
+                f"the disk of {trainer.run_dir} is full ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}). Finalized checkpoints are intact (steps "
+                f"{trainer.ckpt.all_steps()}); free space and re-run the same command to "
+                f"resume.") from e
+        raise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     del parser  # everything is configured through gin
 
 
+# Bad input and run-stopping faults (sparrow_jax.faults): one line `sparrow train: ...`, exit
+# status 1, no traceback; `--log_level DEBUG` logs the traceback (a bug raising one of these
+# types is shown the same way). Other exception types keep their traceback.
+USER_ERRORS = (faults.RunError, ValueError, TypeError, KeyError, OSError, MemoryError)
+
+
 def main(args: argparse.Namespace) -> int:
     del args
-    result = train()
-    log.info("done: %s", json.dumps({k: round(v, 4) for k, v in result.items()}))
+    faults.quiet_library_tracebacks()
+    try:
+        config_check.check_bindings()   # a gin value of the wrong type, before anything runs
+        result = train()
+    except USER_ERRORS as e:
+        log.debug("sparrow train stopped", exc_info=True)
+        message = str(e) if isinstance(e, faults.RunError) else f"{type(e).__name__}: {e}"
+        raise SystemExit(f"sparrow train: {message}") from None
+    log.debug("done: %s", json.dumps({k: round(v, 4) for k, v in result.items()}))
     return 0

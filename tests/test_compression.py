@@ -242,3 +242,35 @@ def test_bench_command_prints_table(capsys):
     for r in rows[2:]:     # compressed: a smaller cache than dense, fewer keys per token
         assert r["kv_bytes_per_sample"] < dense["kv_bytes_per_sample"], r
         assert r["keys_per_token"] < dense["keys_per_token"], r
+
+
+def test_train_with_compressed_rollout(tmp_path):
+    """`sparrow train` with TrainConfig.rollout_mode = 'compress': the learner's alpha replays the
+    evictions (alpha = 1 would mean the replay ignored them), evaluation reports the mode."""
+    import gin
+    from hf_fixtures import make_tiny_synthetic_model
+    from sparrow_jax import cli
+    from sparrow_jax.data import synthetic
+    from sparrow_jax.metrics import read_jsonl
+
+    make_tiny_synthetic_model(tmp_path / "model")
+    synthetic.write_jsonl(str(tmp_path / "train.jsonl"), 8, seed=0, k_range=(1, 1), num_letters=4)
+    synthetic.write_jsonl(str(tmp_path / "eval.jsonl"), 2, seed=1, k_range=(1, 1), num_letters=4)
+    run = tmp_path / "run"
+    bindings = [
+        f"TrainConfig.run_dir = '{run}'", f"TrainConfig.model_path = '{tmp_path / 'model'}'",
+        f"TrainConfig.train_data = '{tmp_path / 'train.jsonl'}'",
+        f"TrainConfig.eval_data = '{tmp_path / 'eval.jsonl'}'", "TrainConfig.eval_every = 2",
+        "TrainConfig.reward = 'synthetic_exact'", "TrainConfig.reward_processes = 0",
+        "TrainConfig.prompts_per_step = 2", "TrainConfig.group_size = 2",
+        "TrainConfig.total_steps = 2", "TrainConfig.rollout_mode = 'compress'",
+        "RolloutConfig.max_new_tokens = 64", "RolloutConfig.kv_budget = 32",
+        "RolloutConfig.compress_every = 16", "RolloutConfig.backend = 'xla'",
+        "LearnerConfig.learning_rate = 1e-3"]
+    gin.clear_config()
+    assert cli.main(["train", *[x for b in bindings for x in ("--gin_param", b)]]) == 0
+    rows = read_jsonl(run)
+    steps = [r for r in rows if "loss/policy" in r]
+    assert len(steps) == 2
+    assert all(r["alpha/alpha_min"] < 1.0 for r in steps), steps   # evictions change the actor
+    assert "eval_compress/reward" in rows[-1] and "eval_dense/reward" in rows[-1]

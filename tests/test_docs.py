@@ -158,6 +158,8 @@ class Usage:
 
 
 _ROLLOUT_BENCH = "sparrow bench rollout -- --json "
+_DISTILL_TRAIN = ByTest("tests/test_distill.py::test_train_with_adapter_logs_checkpoints_resumes_and_exports")
+_DISTILL_DEMO = ("launch/local.sh demo --gin_param 'TrainConfig.total_steps = 12' --gin_param 'TrainConfig.eval_every = 12' --gin_param 'TrainConfig.adapt_schedule = False' --gin_param 'make_schedule.budgets = [64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64]' ")
 _REGISTRY = {
     # README.md, docs/training.md, docs/benchmarks.md
     "launch/local.sh demo": (Twin("demo"),),
@@ -201,6 +203,13 @@ _REGISTRY = {
         (ByTest("tests/test_sft.py::test_sft_command_writes_checkpoint"),),
     "python -m sparrow_jax.data.synthetic train.jsonl --n 512 --k-min 8 --k-max 13": (Run(),),
     # docs/benchmarks.md
+    # docs/distill.md
+    "launch/local.sh demo --gin_param 'DistillConfig.rank = 8'": (_DISTILL_TRAIN,),
+    _DISTILL_DEMO + "--gin_param 'TrainConfig.run_dir = \"/tmp/distill_demo/base\"'":
+        (Twin("demo"), _DISTILL_TRAIN),
+    _DISTILL_DEMO + "--gin_param 'TrainConfig.run_dir = \"/tmp/distill_demo/lora\"' "
+    "--gin_param 'DistillConfig.rank = 8' --gin_param 'DistillConfig.use_schedule = True'":
+        (Twin("demo"), _DISTILL_TRAIN),
     # docs/compression.md
     "python -m sparrow_jax.rollout.compress_bench":
         (ByTest("tests/test_compression.py::test_bench_command_prints_table"),),

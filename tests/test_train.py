@@ -100,5 +100,6 @@ def test_missing_model_path(setup):
     argv = [a for a in _params(setup, "bad2", 1)]
     i = argv.index(f"TrainConfig.model_path = '{setup / 'model'}'")
     argv[i] = f"TrainConfig.model_path = '{setup / 'nope'}'"
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    # Bad input is one clear line and exit status 1, not a traceback (sparrow_jax.faults).
+    with pytest.raises(SystemExit, match="FileNotFoundError: .*does not exist"):
         _run(argv)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import gin
 import jax
@@ -38,6 +38,8 @@ from sparrow_jax.shapes import COMPILES
 
 log = logging.getLogger(__name__)
 ALPHA_MODES = ("full", "topk", "none")
+# after_step(batch with logp_old, mini_index, num_mini) -> metrics; see Learner.update.
+AfterStep = Callable[["LearnerBatch", int, int], dict[str, float]]
 __all__ = ["LearnerConfig", "Learner", "LearnerBatch", "SparseReplay", "make_optimizer",
            "split_micro_batches", "merge_micro_batches", "data_row_shards"]
 
@@ -152,17 +154,21 @@ class Learner:
         pi_old's logprobs and alpha come out of the gradient program's own forward."""
         return self._num_mini(rows) == 1 and self.cfg.ppo_epochs == 1 and fusable(self.loss_cfg)
 
-    def analyze(self, traj: Trajectories, budgets=None,
-                replay: SparseReplay | None = None) -> dict[str, jax.Array]:
-        """Dense logprobs of the sampled tokens (the PPO anchor) and per-token alpha."""
+    def analyze(self, traj: Trajectories, budgets=None, replay: SparseReplay | None = None,
+                sparse_model: Qwen3ForCausalLM | None = None) -> dict[str, jax.Array]:
+        """Dense logprobs of the sampled tokens (the PPO anchor) and per-token alpha.
+
+        `sparse_model`: the sparse actor that sampled, when its weights differ from the policy's
+        (a DistillSparse adapter merged in): the alpha replay runs it; the dense side never does."""
         graphdef, state = nnx.split(self.model)
+        sparse_state = None if sparse_model is None else nnx.state(sparse_model)
         budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
         layout = self._micro_batching(traj.tokens, num_mini=1)
         COMPILES.note("learner/analyze", rows=traj.tokens.shape[0],
                       prompt_width=traj.prompt_tokens.shape[1], response=traj.tokens.shape[1],
                       **layout)
         return analyze_program(graphdef, state, traj, budgets, replay=replay, opts=self.opts,
-                               **layout)
+                               sparse_state=sparse_state, **layout)
 
     def _num_mini(self, rows: int) -> int:
         mini = self.cfg.ppo_mini_batch_size or rows
@@ -188,34 +194,42 @@ class Learner:
                                      normalize_std=self.loss_cfg.normalize_std,
                                      eps=self.loss_cfg.advantage_eps)
 
-    def _grads(self, batch: LearnerBatch, budgets, replay, mini_index: int, num_mini: int):
+    def _grads(self, batch: LearnerBatch, budgets, replay, mini_index: int, num_mini: int,
+               sparse_model: Qwen3ForCausalLM | None = None):
         budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
         layout = self._micro_batching(batch.traj.tokens, num_mini)
         COMPILES.note("learner/grads", rows=batch.traj.tokens.shape[0],
                       prompt_width=batch.traj.prompt_tokens.shape[1],
                       response=batch.traj.tokens.shape[1], num_mini=num_mini,
                       fused=batch.logp_old is None, **layout)
+        sparse_params = None if sparse_model is None else nnx.state(sparse_model, nnx.Param)
         return grads_program(self.params, self.rest, batch, budgets, jnp.int32(mini_index),
                              graphdef=self.graphdef, opts=self.opts, loss_cfg=self.loss_cfg,
-                             replay=replay, num_mini=num_mini, **layout)
+                             replay=replay, num_mini=num_mini, sparse_params=sparse_params,
+                             **layout)
 
     def grads(self, batch: LearnerBatch) -> tuple[Any, dict[str, jax.Array], jax.Array]:
         """Exact gradient of the whole batch as one mini-batch. Returns (grads, metrics, loss)."""
         grads, metrics, loss, _ = self._grads(batch, None, None, 0, 1)
         return grads, metrics, loss
 
-    def _apply(self, grads) -> float:
-        params, self.opt_state, gnorm = apply_program(self.params, self.opt_state, grads,
-                                                      tx=self.tx)
+    def _apply(self, grads, loss=None) -> tuple[float, bool]:
+        """(grad norm, applied): non-finite steps leave params and optimizer state untouched."""
+        params, self.opt_state, gnorm, applied = apply_program(self.params, self.opt_state,
+                                                               grads, loss, tx=self.tx)
         nnx.update(self.model, params)
-        return gnorm
+        return gnorm, bool(applied)
 
-    def update(self, batch: LearnerBatch, budgets=None,
-               replay: SparseReplay | None = None) -> dict[str, float]:
+    def update(self, batch: LearnerBatch, budgets=None, replay: SparseReplay | None = None, *,
+               sparse_model: Qwen3ForCausalLM | None = None,
+               after_step: AfterStep | None = None) -> dict[str, float]:
         """`ppo_epochs` passes over the mini-batches, one AdamW step each (in row order).
 
         `batch.logp_old` None (only valid fused, see `fused`) makes the gradient program compute
-        pi_old's logprobs and alpha itself; they are returned under "tokens" in `last_tokens`."""
+        pi_old's logprobs and alpha itself; they are returned under "tokens" in `last_tokens`.
+        `sparse_model`: see `analyze`. `after_step(batch, mini_index, num_mini)` runs after each
+        optimizer step with the updated policy and batch.logp_old set (e.g. the DistillSparse
+        adapter's step); the metrics it returns join that step's."""
         num_mini = self._num_mini(batch.traj.tokens.shape[0])
         if batch.logp_old is None and not self.fused(batch.traj.tokens.shape[0]):
             raise ValueError("LearnerBatch.logp_old is needed with several mini-batches, epochs, "
@@ -223,27 +237,40 @@ class Learner:
         steps, self.last_tokens = [], None
         for _ in range(self.cfg.ppo_epochs):
             for j in range(num_mini):
-                grads, metrics, loss, tokens = self._grads(batch, budgets, replay, j, num_mini)
-                gnorm = self._apply(grads)
+                grads, metrics, loss, tokens = self._grads(batch, budgets, replay, j, num_mini,
+                                                           sparse_model)
+                gnorm, applied = self._apply(grads, loss)
                 if tokens:
                     self.last_tokens = tokens
                 out = {f"loss/{k}": float(v) for k, v in metrics.items()}
-                out.update({"loss/policy": float(loss), "loss/grad_norm": float(gnorm)})
+                out.update({"loss/policy": float(loss), "loss/grad_norm": float(gnorm),
+                            "learner/skipped_updates": float(not applied)})
+                if after_step is not None:
+                    anchored = batch if batch.logp_old is not None else dataclasses.replace(
+                        batch, logp_old=tokens["logp_old"])   # fused: one mini-batch
+                    out.update(after_step(anchored, j, num_mini))
                 steps.append(out)
         self.last_step_metrics = steps
-        return {**_mean_metrics(steps), "learner/optimizer_steps": float(len(steps))}
+        return {**_mean_metrics(steps), "learner/optimizer_steps": float(len(steps)),
+                "learner/skipped_updates": sum(s["learner/skipped_updates"] for s in steps)}
 
     def step(self, traj: Trajectories, advantages, budgets=None,
-             replay: SparseReplay | None = None) -> tuple[dict[str, jax.Array], dict[str, float]]:
+             replay: SparseReplay | None = None, *,
+             sparse_model: Qwen3ForCausalLM | None = None,
+             after_step: AfterStep | None = None,
+             ) -> tuple[dict[str, jax.Array], dict[str, float]]:
         """One RL step's learner work: (per-token analysis, update metrics).
 
         Analysis = logp_old [B, T] (pi_old), and alpha / logp_sparse_replay [B, T] per alpha_mode.
-        Fused when possible (see `fused`): one dense forward for both."""
+        Fused when possible (see `fused`): one dense forward for both. `sparse_model` and
+        `after_step`: see `update`."""
         if self.fused(traj.tokens.shape[0]):
             metrics = self.update(LearnerBatch(traj=traj, logp_old=None, advantages=advantages),
-                                  budgets, replay)
+                                  budgets, replay, sparse_model=sparse_model,
+                                  after_step=after_step)
             return self.last_tokens, metrics
-        analysis = self.analyze(traj, budgets, replay)
+        analysis = self.analyze(traj, budgets, replay, sparse_model)
         metrics = self.update(LearnerBatch(traj=traj, logp_old=analysis["logp_old"],
-                                           advantages=advantages), budgets, replay)
+                                           advantages=advantages), budgets, replay,
+                              sparse_model=sparse_model, after_step=after_step)
         return analysis, metrics

@@ -46,6 +46,7 @@ class SparseReplay:
     max_selected: int
     block_size: int = 16
     dense_layers: tuple[int, ...] = (0, 1)
+    mode: str = "sparse"     # "compress": replay a KV-compressed rollout (traj.evicted_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,10 @@ def _sparse_hidden(model, traj: Trajectories, budgets, replay: SparseReplay | No
     """The teacher-forced replay of the sparse actor, [B, T, H], or None (no alpha replay)."""
     if opts.alpha_mode != "full" or replay is None:
         return None
+    if replay.mode == "compress":
+        from sparrow_jax.rollout.compress import replay_attention_fn
+        fn = replay_attention_fn(traj.evicted_at, query_chunk=opts.attention_chunk)
+        return jax.lax.stop_gradient(trajectory_hidden(model, traj, attention_fn=fn))
     fn = sparse_attention_fn(budgets=budgets, bin_size=replay.bin_size,
                              prompt_lengths=traj.prompt_lengths, max_selected=replay.max_selected,
                              block_size=replay.block_size, dense_layers=replay.dense_layers,
@@ -75,11 +80,14 @@ def _sparse_hidden(model, traj: Trajectories, budgets, replay: SparseReplay | No
     return jax.lax.stop_gradient(trajectory_hidden(model, traj, attention_fn=fn))
 
 
-def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hidden_s=None):
+def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hidden_s=None,
+                   model_s=None):
     """Per-token outputs from hidden states, `logit_chunk` steps at a time (each chunk
     rematerialised, see map_time_chunks): logp [B, T] of the sampled tokens under the dense
-    policy (differentiable), and, from the same logits, alpha [B, T] and the replay's logp."""
+    policy (differentiable), and, from the same logits, alpha [B, T] and the replay's logp
+    (the replay's logits from `model_s`, the sparse actor's weights; default `model`)."""
     k = traj.topk_ids.shape[-1]
+    model_s = model if model_s is None else model_s
 
     def chunk(h_d, tokens, top_v, top_i, h_s=None):
         logits_d = model.logits(h_d)
@@ -94,7 +102,7 @@ def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hi
                 jax.lax.stop_gradient(logits_d) / t, axis=-1), k)
             out["alpha"] = mismatch.acceptance_rate_topk(top_v, top_i, dv, di)
         if h_s is not None:
-            lp_s = opts.sampling.logprobs(model.logits(h_s))
+            lp_s = opts.sampling.logprobs(model_s.logits(h_s))
             out["alpha"] = mismatch.acceptance_rate_from_logprobs(lp_s, lp_d)
             out["logp_sparse_replay"] = jnp.take_along_axis(lp_s, tokens[..., None], -1)[..., 0]
         return out
@@ -105,10 +113,13 @@ def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hi
     return map_time_chunks(chunk, opts.logit_chunk, *arrays)
 
 
-def _analyze(model, traj: Trajectories, budgets, replay, opts: ProgramOptions):
+def _analyze(model, traj: Trajectories, budgets, replay, opts: ProgramOptions, model_s=None):
+    """model: the dense policy; model_s: the sparse actor's weights for the replay (default
+    `model`; e.g. base + a DistillSparse adapter, sparrow_jax.rl.distill)."""
+    model_s = model if model_s is None else model_s
     hidden_d = trajectory_hidden(model, traj, attention_fn=_dense_attention(opts))
     out = _token_outputs(model, opts, hidden_d, traj,
-                         _sparse_hidden(model, traj, budgets, replay, opts))
+                         _sparse_hidden(model_s, traj, budgets, replay, opts), model_s)
     out["logp_old"] = out.pop("logp")
     return jax.tree.map(lambda x: jnp.where(traj.mask, x, 0.0), out)
 
@@ -154,26 +165,33 @@ def data_row_shards(x: jax.Array, num_parts: int) -> int:
 @functools.partial(jax.jit, static_argnames=("graphdef", "replay", "opts", "num_micro",
                                              "row_shards"))
 def analyze_program(graphdef, state, traj, budgets, *, replay, opts: ProgramOptions,
-                    num_micro: int, row_shards: int):
-    """All micro-batches of `_analyze` in one program (`lax.map`), rows back in batch order."""
+                    num_micro: int, row_shards: int, sparse_state=None):
+    """All micro-batches of `_analyze` in one program (`lax.map`), rows back in batch order.
+    `sparse_state` (a state for `graphdef`, e.g. the merged rollout copy): the weights of the
+    sparse actor the alpha replay runs; None = `state`'s."""
     model = nnx.merge(graphdef, state)
+    model_s = None if sparse_state is None else nnx.merge(graphdef, sparse_state)
     if num_micro == 1:
-        return _analyze(model, traj, budgets, replay, opts)
+        return _analyze(model, traj, budgets, replay, opts, model_s)
     parts = split_micro_batches(traj, num_micro, row_shards)
-    out = jax.lax.map(lambda part: _analyze(model, part, budgets, replay, opts), parts)
+    out = jax.lax.map(lambda part: _analyze(model, part, budgets, replay, opts, model_s), parts)
     return merge_micro_batches(out, row_shards)
 
 
 def _loss_terms(params, rest, graphdef, batch: LearnerBatch, budgets, denominator, tis_mean,
-                opts: ProgramOptions, loss_cfg: grpo.LossConfig, replay: SparseReplay | None):
-    """(loss_sum / denominator, (metric sums, per-token outputs)) of one micro-batch."""
+                opts: ProgramOptions, loss_cfg: grpo.LossConfig, replay: SparseReplay | None,
+                sparse_params=None):
+    """(loss_sum / denominator, (metric sums, per-token outputs)) of one micro-batch.
+    `sparse_params` (not differentiated): the sparse actor's weights for the fused alpha replay;
+    None = `params`."""
     model = nnx.merge(graphdef, params, rest)
+    model_s = model if sparse_params is None else nnx.merge(graphdef, sparse_params, rest)
     traj = batch.traj
     hidden = trajectory_hidden(model, traj, attention_fn=_dense_attention(opts),
                                remat=opts.remat)
     fused = batch.logp_old is None
-    hidden_s = _sparse_hidden(model, traj, budgets, replay, opts) if fused else None
-    out = _token_outputs(model, opts, hidden, traj, hidden_s)
+    hidden_s = _sparse_hidden(model_s, traj, budgets, replay, opts) if fused else None
+    out = _token_outputs(model, opts, hidden, traj, hidden_s, model_s)
     logp = out.pop("logp")
     # Fused (one mini-batch, one epoch): the parameters are still pi_old's, so pi_old's logprobs
     # are this forward's, not a second forward's.
@@ -210,13 +228,15 @@ def fusable(loss_cfg: grpo.LossConfig) -> bool:
                                              "num_mini", "num_micro", "row_shards"))
 def grads_program(params, rest, batch: LearnerBatch, budgets, mini_index, *, graphdef,
                   opts: ProgramOptions, loss_cfg: grpo.LossConfig,
-                  replay: SparseReplay | None, num_mini: int, num_micro: int, row_shards: int):
+                  replay: SparseReplay | None, num_mini: int, num_micro: int, row_shards: int,
+                  sparse_params=None):
     """Gradient of mini-batch `mini_index` (traced: one program for all of them) of `batch`.
 
     Returns (grads, metrics, loss, tokens): the mini-batch's exact gradient, accumulated over
     `num_micro` micro-batches by a `lax.scan` against one global denominator (only one
     micro-batch's activations alive at a time; the carry is the gradient sum); tokens are the
     per-token analysis outputs in the mini-batch's row order when `batch.logp_old` is None.
+    `sparse_params`: the sparse actor's Param state for that fused alpha replay (None: `params`).
     """
     if num_mini > 1:
         batch = jax.tree.map(lambda x: x[mini_index],
@@ -240,7 +260,8 @@ def grads_program(params, rest, batch: LearnerBatch, budgets, mini_index, *, gra
 
     def micro(part):
         (loss, (sums, tokens)), grads = grad_fn(params, rest, graphdef, part, budgets,
-                                                denominator, tis_mean, opts, loss_cfg, replay)
+                                                denominator, tis_mean, opts, loss_cfg, replay,
+                                                sparse_params)
         return grads, sums, loss, tokens
 
     if num_micro == 1:
@@ -262,10 +283,19 @@ def grads_program(params, rest, batch: LearnerBatch, budgets, mini_index, *, gra
 
 
 @functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
-def apply_program(params, opt_state, grads, *, tx):
-    """One optimizer step on the (f32 master) parameters; params and state are donated."""
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+def apply_program(params, opt_state, grads, loss=None, *, tx):
+    """One optimizer step on the (f32 master) parameters; params and state are donated.
+
+    Returns (params, opt_state, grad norm, applied): a non-finite gradient, update or `loss`
+    skips the step - parameters and optimizer state come back bit-identical (applied False)."""
+    gnorm = optax.tree.norm(grads)
+    updates, new_state = tx.update(grads, opt_state, params)
+    applied = jnp.isfinite(gnorm) & jnp.isfinite(optax.tree.norm(updates))
+    if loss is not None:
+        applied &= jnp.isfinite(loss)
+    keep = lambda new, old: jnp.where(applied, new, old)  # noqa: E731
+    return (jax.tree.map(keep, optax.apply_updates(params, updates), params),
+            jax.tree.map(keep, new_state, opt_state), gnorm, applied)
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State):

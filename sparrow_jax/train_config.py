@@ -1,0 +1,90 @@
+"""`TrainConfig`: what one `sparrow train` run is (gin-configurable), validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+import jax.numpy as jnp
+
+ROLLOUT_MODES = ("sparse", "dense", "compress")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    run_dir: str = "runs/default"
+    model_path: str = ""              # local Hugging Face directory (weights + tokenizer)
+    train_data: str = ""              # JSONL / Parquet prompts with answers
+    eval_data: str = ""               # held-out prompts ("" = no validation)
+    reward: str = "math_verify"       # name in the reward registry (sparrow_jax.rl.rewards)
+    diagnostic_rewards: tuple[str, ...] = ()
+    reward_processes: int = 4         # 0 = score in-process (cheap rewards)
+    reward_timeout_s: float = 10.0
+    prompts_per_step: int = 4
+    group_size: int = 8
+    total_steps: int = 100
+    rollout_mode: str = "sparse"      # "sparse" (block top-k) | "dense" | "compress" (KV
+                                      # eviction, RolloutConfig.kv_budget / compress_scorer)
+    adapt_schedule: bool = True       # online schedule controller on the measured tail
+    tail_quantile: float = 0.05       # the per-bin tail statistic the controller targets
+    eval_every: int = 10
+    eval_prompts: int = 32
+    eval_temperature: float = 0.0     # 0 = greedy validation
+    checkpoint_every: int = 10
+    max_to_keep: int = 3
+    seed: int = 0
+    dtype: str = "auto"               # compute dtype of rollout and learner forwards:
+                                      # "auto" = bf16 on accelerators, f32 on CPU
+    param_dtype: str = "float32"      # master weights and AdamW moments (bf16 cannot hold an
+                                      # lr-1e-6 update); the rollout gets a compute-dtype copy
+    rollout_batch_prompts: int = 0    # prompts per rollout program call (0 = prompts_per_step):
+                                      # a step's rollout runs in sequential calls of this size
+    mesh_model: int = 1               # model-parallel axis size; the rest of the devices is data
+    distributed: bool = False         # multi-host: jax.distributed.initialize() (TPU pods, SLURM)
+    # Explicit multi-process launch where no cluster is auto-detected (plain GPU nodes, local
+    # tests): all three set, or none. Each process's prompts_per_step is its own share.
+    coordinator_address: str = ""     # "host:port" of process 0
+    num_processes: int = 0
+    process_id: int = -1
+    # A step whose loss or gradient is not finite skips its update (parameters and optimizer
+    # state untouched); after this many in a row the run saves and stops (0 = never stops).
+    max_consecutive_skips: int = 5
+
+    def __post_init__(self):
+        missing = [f for f in ("model_path", "train_data") if not getattr(self, f)]
+        if missing:
+            raise ValueError(f"TrainConfig: set {missing} (e.g. --gin_param "
+                             f"'TrainConfig.{missing[0]} = \"...\"')")
+        if self.rollout_mode not in ROLLOUT_MODES:
+            raise ValueError(f"TrainConfig.rollout_mode must be one of {ROLLOUT_MODES}, got "
+                             f"{self.rollout_mode!r}")
+        explicit = (bool(self.coordinator_address), self.num_processes > 0, self.process_id >= 0)
+        if any(explicit) and not all(explicit):
+            raise ValueError("TrainConfig: set coordinator_address, num_processes and process_id "
+                             "together (or none of them, for cluster auto-detection)")
+        if all(explicit) and not self.distributed:
+            raise ValueError("TrainConfig: coordinator_address/num_processes/process_id need "
+                             "distributed = True")
+        if self.group_size < 2:
+            raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
+        if self.rollout_batch_prompts < 0 or (
+                self.rollout_batch_prompts and self.prompts_per_step % self.rollout_batch_prompts):
+            raise ValueError(f"TrainConfig.rollout_batch_prompts={self.rollout_batch_prompts} "
+                             f"must divide prompts_per_step={self.prompts_per_step}")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if value != "auto" or name == "param_dtype":
+                try:
+                    jnp.dtype(value)
+                except TypeError:
+                    raise ValueError(f"TrainConfig.{name} = {value!r} is not a dtype name "
+                                     "(float32, bfloat16, ...)") from None
+
+
+def gin_value(name: str):
+    """The value gin binds to `name`, or None when it is not bound."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return None
