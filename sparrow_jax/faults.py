@@ -20,6 +20,7 @@ import logging
 import os
 import posixpath
 import shutil
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -212,6 +213,26 @@ def quiet_library_tracebacks() -> None:
         log.warning("background thread %s: %s: %s", name, args.exc_type.__name__,
                     str(args.exc_value).splitlines()[0][:300] if str(args.exc_value) else "")
     threading.excepthook = excepthook
+    # A failed restore abandons orbax's in-flight async reads: asyncio then reports each
+    # ("Task exception was never retrieved", "Exception ignored in: <coroutine ...>") with the
+    # whole TensorStore spec. The run reports the failed step itself (restore_newest_good).
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+
+    def unraisable(info: Any) -> None:
+        log.debug("ignored in %r: %s", info.object, info.exc_value)
+    sys.unraisablehook = unraisable
+
+    # The same abandoned reads complete on TensorStore's own threads after asyncio's loop is
+    # gone; their callbacks' "Event loop is closed" goes through sys.excepthook. Only that error
+    # is quieted: any other uncaught exception keeps its traceback.
+    default_hook = sys.excepthook
+
+    def excepthook_main(exc_type: Any, exc: BaseException, tb: Any) -> None:
+        if exc_type is RuntimeError and str(exc) == "Event loop is closed":
+            log.debug("ignored after a failed restore: RuntimeError: Event loop is closed")
+            return
+        default_hook(exc_type, exc, tb)
+    sys.excepthook = excepthook_main
 
 
 # -- numerical faults -----------------------------------------------------------------------------

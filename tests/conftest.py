@@ -16,3 +16,15 @@ def _fresh_gin_config():
     gin.clear_config()
     yield
     gin.clear_config()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """One pytest process runs ~450 tests: drop each module's compiled programs when it ends
+    (jax's caches otherwise keep every executable of the session alive)."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
