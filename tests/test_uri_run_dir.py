@@ -134,4 +134,6 @@ def test_trainer_keeps_a_uri_run_dir(fake_gcs, tmp_path):
     assert "TrainConfig.run_dir = 'gs://bucket/runs/r1'" in (
         remote / "operative_config.gin").read_text()
     assert [r["step"] for r in read_jsonl(remote)] == [0]
-    assert "config/operative_gin" in read_text(remote)  # the TensorBoard events reached the URI
+    # The TensorBoard events reached the URI (the operative-config text is written by run(),
+    # after a resume, so this setup-only check looks at the scalar it wrote).
+    assert "x" in read_scalars(remote)
