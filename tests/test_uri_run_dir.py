@@ -19,7 +19,7 @@ from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import checkpoint as ckpt
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
-from sparrow_jax.metrics import MetricsWriter, read_jsonl, read_scalars, read_text
+from sparrow_jax.metrics import MetricsWriter, read_jsonl, read_scalars
 
 URI = "gs://bucket/runs/r1"
 
