@@ -190,7 +190,7 @@ def test_chunked_attention_equals_one_shot_values_and_grads(chunk, left_pad):
 def test_causal_chunks_skip_future_keys(t, chunk):
     """Each query chunk attends only to the keys its group can see: every query still sees its
     whole causal prefix, and the score work is ~(1 + 1/groups)/2 of the full T x T."""
-    from sparrow_jax.model.qwen3 import CAUSAL_GROUPS, map_causal_query_chunks
+    from sparrow_jax.model.attention import CAUSAL_GROUPS, map_causal_query_chunks
     seen = []
 
     def rows(q_c, pos_c, offset, key_end):

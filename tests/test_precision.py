@@ -246,3 +246,68 @@ def test_logprob_chunks_keep_one_chunk_of_logits_alive():
     temp = jax.jit(jax.grad(loss)).lower(*args).compile().memory_analysis().temp_size_in_bytes
     full, one_chunk = b * t * v * 4, b * c * v * 4
     assert temp < 6 * one_chunk < full / 2, (temp, one_chunk, full)
+
+
+@pytest.mark.parametrize("compute,sparse,remat", [(jnp.float32, False, "none"),
+                                                  (jnp.float32, True, "full"),
+                                                  (jnp.bfloat16, True, "full")])
+def test_scanned_layers_equal_unrolled_layers(ckpt, compute, sparse, remat):
+    """Runs of alike layers are a `lax.scan` over stacked weights (`_scan_layers`); values and
+    gradients equal the unrolled layers (whose attention fn declares no splits)."""
+    from sparrow_jax.model import attention, qwen3
+    from sparrow_jax.rollout.teacher_forced import sparse_attention_fn
+    model = load_hf(ckpt, dtype=compute, param_dtype=jnp.float32)
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, VOCAB, (2, 40)), jnp.int32)
+    mask = jnp.asarray(np.arange(40)[None] < np.array([[40], [29]]), jnp.int32)
+    if sparse:
+        fn = sparse_attention_fn(budgets=jnp.full((8,), 16), bin_size=16,
+                                 prompt_lengths=jnp.array([8, 8]), max_selected=4,
+                                 block_size=4, query_chunk=8)
+        assert attention.layer_splits_of(fn) == (0, 1, 2)
+    else:
+        fn = attention.chunked_causal_attention(8)
+        assert attention.layer_splits_of(fn) == ()
+
+    def unrolled(*args):          # same function, no declaration: run_layers unrolls
+        return fn(*args)
+
+    scans = []
+    orig = qwen3.Qwen3ForCausalLM._scan_layers
+
+    def counting(self, lo, hi, *a):
+        scans.append((lo, hi))
+        return orig(self, lo, hi, *a)
+
+    def loss(state, attention_fn):
+        m = nnx.merge(graphdef, state)
+        h = m.hidden_states(tokens, attention_mask=mask, attention_fn=attention_fn, remat=remat)
+        return jnp.sum(m.logits(h) * mask[..., None])
+
+    qwen3.Qwen3ForCausalLM._scan_layers = counting
+    try:
+        v_scan, g_scan = jax.value_and_grad(loss)(state, fn)
+        assert scans == ([(0, 1), (1, 2), (2, 3)] if sparse else [(0, 3)])
+        scans.clear()
+        v_loop, g_loop = jax.value_and_grad(loss)(state, unrolled)
+        assert not scans
+    finally:
+        qwen3.Qwen3ForCausalLM._scan_layers = orig
+    if compute == jnp.float32:
+        np.testing.assert_allclose(v_scan, v_loop, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_loop)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+        return
+    # bf16 compute: both orders of rounding differ from each other by bf16 noise; what must hold
+    # is that the scan is as close to the f32 computation as the unrolled layers are.
+    ref_model = load_hf(ckpt, dtype=jnp.float32, param_dtype=jnp.float32)
+    ref_graphdef, ref_state = nnx.split(ref_model)
+    graphdef = ref_graphdef
+    v_ref, g_ref = jax.value_and_grad(loss)(ref_state, unrolled)
+    assert abs(v_scan - v_ref) <= 2 * abs(v_loop - v_ref) + 1e-2 * abs(v_ref)
+    for a, b, r in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_loop), jax.tree.leaves(g_ref)):
+        assert a.dtype == b.dtype == jnp.float32
+        err_scan = float(jnp.linalg.norm(a - r) / jnp.linalg.norm(r))
+        err_loop = float(jnp.linalg.norm(b - r) / jnp.linalg.norm(r))
+        assert err_scan <= 1.5 * err_loop + 1e-3 and err_scan < 0.05, (err_scan, err_loop)

@@ -8,25 +8,20 @@ post-RoPE q/k/v, so the block-sparse path can never drift from the dense model.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Protocol
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparrow_jax.model.attention import (FullAttentionFn, dense_causal_attention,
+                                         layer_splits_of)
 from sparrow_jax.model.config import Qwen3Config
 
 Array = jax.Array
 # attend(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]
 AttendFn = Callable[[int, Array, Array, Array], Array]
 
-
-class FullAttentionFn(Protocol):
-    def __call__(self, layer_idx: int, q: Array, k: Array, v: Array, positions: Array,
-                 attention_mask: Array) -> Array: ...
-
-
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
 
 # Per-layer rematerialisation in the gradient forward: what each layer keeps for the backward pass.
 #   "none": everything (fastest, most memory); "full": only the layer's input (recompute the
@@ -54,118 +49,6 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
     return x * cos + rotated * sin
-
-
-def masked_gqa_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
-    """GQA attention of C queries over S keys under an explicit visibility mask (f32 softmax).
-
-    q [B, C, Hq, D], k/v [B, S, Hkv, D], visible [B, Hkv or 1, C, S] bool -> [B, C, Hq, D].
-    """
-    b, c, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, c, hkv, hq // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, :, None], scores * (d ** -0.5), _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, c, hq, d).astype(q.dtype)
-
-
-def _causal_attention_rows(q: Array, k: Array, v: Array, key_mask: Array, *,
-                           q_offset) -> Array:
-    """Queries at absolute indices q_offset.. against keys 0..S-1: key j is visible to query i
-    iff j <= i and key_mask[j]. q [B, C, Hq, D], k/v [B, S, Hkv, D], key_mask [B, S] bool."""
-    c, s_len = q.shape[1], k.shape[1]
-    causal = jnp.arange(s_len)[None, :] <= (q_offset + jnp.arange(c))[:, None]      # [C, S]
-    return masked_gqa_attention(q, k, v, (causal[None] & key_mask[:, None, :])[:, None])
-
-
-def map_query_chunks(rows: Callable[[Array, Array, Array], Array], query_chunk: int, q: Array,
-                     positions: Array) -> Array:
-    """Whole-sequence attention `query_chunk` queries at a time.
-
-    rows(q_chunk [B, C, Hq, D], positions_chunk [B, C], offset []) -> [B, C, Hq, D] computes the
-    chunk whose first query has index `offset`. Runs as a `lax.scan` (so XLA cannot schedule
-    the chunks side by side) whose body is rematerialised in the backward pass: forward and
-    gradient hold one chunk's [B, H, C, S] scores at a time. q [B, T, Hq, D] -> [B, T, Hq, D].
-    """
-    if query_chunk <= 0:
-        raise ValueError(f"query_chunk must be positive, got {query_chunk}")
-    b, t, hq, d = q.shape
-    n = -(-t // query_chunk)
-    pad = n * query_chunk - t          # padded queries (beyond T) are dropped at the end
-    q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
-        b, n, query_chunk, hq, d).swapaxes(0, 1)                          # [n, B, C, Hq, D]
-    pos_chunks = jnp.pad(positions, ((0, 0), (0, pad)), mode="edge").reshape(
-        b, n, query_chunk).swapaxes(0, 1)                                   # [n, B, C]
-    offsets = jnp.arange(n, dtype=jnp.int32) * query_chunk
-    body = jax.checkpoint(lambda xs: rows(*xs))
-    _, out = jax.lax.scan(lambda carry, xs: (carry, body(xs)), None,
-                          (q_chunks, pos_chunks, offsets))
-    return out.swapaxes(0, 1).reshape(b, n * query_chunk, hq, d)[:, :t]
-
-
-# Query chunks are scanned in at most this many groups, each against the keys its last query can
-# see, so causal attention computes ~(1 + 1/groups)/2 of the full T x T scores instead of all of
-# them, while the program unrolls only `groups` scans per layer (compile time stays flat at 32K).
-CAUSAL_GROUPS = 8
-
-
-def map_causal_query_chunks(rows: Callable[[Array, Array, Array, int], Array], query_chunk: int,
-                            q: Array, positions: Array, *, groups: int = CAUSAL_GROUPS) -> Array:
-    """`map_query_chunks` for causal attention: skips keys no query of a chunk can see.
-
-    The chunks are split into up to `groups` consecutive groups; rows(q_chunk, positions_chunk,
-    offset, key_end) is called with the static number of keys the group's queries may need
-    (keys >= key_end are in every query's future) and must attend to keys [0, key_end) only.
-    q [B, T, Hq, D] -> [B, T, Hq, D].
-    """
-    if query_chunk <= 0:
-        raise ValueError(f"query_chunk must be positive, got {query_chunk}")
-    t = q.shape[1]
-    n = -(-t // query_chunk)
-    g = max(1, min(groups, n))
-    bounds = [round(i * n / g) * query_chunk for i in range(g + 1)]
-    outs = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        hi = min(hi, t)
-        outs.append(map_query_chunks(
-            lambda q_c, p_c, offset, lo=lo, hi=hi: rows(q_c, p_c, offset + lo, hi),
-            query_chunk, q[:, lo:hi], positions[:, lo:hi]))
-    return jnp.concatenate(outs, axis=1)
-
-
-def dense_causal_attention(layer_idx: int, q: Array, k: Array, v: Array, positions: Array,
-                           attention_mask: Array) -> Array:
-    """Exact causal GQA attention over a whole sequence.
-
-    q [B, T, Hq, D], k/v [B, T, Hkv, D], attention_mask [B, T] (1 = real token). Causality is by
-    index (key j visible to query i iff j <= i), so left- and right-padded batches both work.
-    Materialises [B, Hq, T, T] scores: see `chunked_causal_attention` for long sequences.
-    """
-    del layer_idx, positions
-    return _causal_attention_rows(q, k, v, attention_mask.astype(bool), q_offset=0)
-
-
-def chunked_causal_attention(query_chunk: int) -> FullAttentionFn:
-    """`dense_causal_attention`, computed `query_chunk` queries at a time
-    (`map_causal_query_chunks`): one [B, Hq, query_chunk, <=T] score block at a time instead of
-    [B, Hq, T, T], in the forward and the gradient, and only against keys some query of the
-    group can see (about half the score FLOPs and bytes of the one-shot form). Same values.
-    """
-    if query_chunk <= 0:
-        raise ValueError(f"query_chunk must be positive, got {query_chunk}")
-
-    def attention(layer_idx: int, q: Array, k: Array, v: Array, positions: Array,
-                  attention_mask: Array) -> Array:
-        del layer_idx
-        key_mask = attention_mask.astype(bool)
-        return map_causal_query_chunks(
-            lambda q_c, _, offset, key_end: _causal_attention_rows(
-                q_c, k[:, :key_end], v[:, :key_end], key_mask[:, :key_end], q_offset=offset),
-            query_chunk, q, positions)
-
-    return attention
 
 
 class RMSNorm(nnx.Module):
@@ -262,22 +145,70 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.embed_tokens(tokens).astype(self.dtype)
 
     def run_layers(self, x: Array, positions: Array, attend: AttendFn, *,
-                   remat: str | None = None) -> Array:
+                   remat: str | None = None,
+                   layer_splits: tuple[int, ...] | None = None) -> Array:
         """x [B, T, H] -> final-normed hidden [B, T, H]; `attend` sees every layer's q/k/v.
 
         remat: one of REMAT_MODES for this call (None: "full" if the model was built with
-        remat=True, else "none")."""
+        remat=True, else "none").
+        layer_splits: the layer indices at which `attend` changes behaviour (`layer_splits_of`),
+        or None if unknown. With known splits each run of alike layers is one `lax.scan` over
+        the layers' stacked weights (`_scan_layers`, its body rematerialised per `remat`);
+        otherwise (the rollout's cached decode, whose KV cache is per layer) they are unrolled.
+        """
         mode = remat or ("full" if self.remat else "none")
         if mode not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {mode!r}")
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        if layer_splits is not None:
+            n = len(self.layers)
+            bounds = sorted({0, n, *(i for i in layer_splits if 0 < i < n)})
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                x = self._scan_layers(lo, hi, x, cos, sin, attend, mode)
+            return self.norm(x)
+        def layer_call(i: int):
+            # i is closed over, not a default argument: nnx.remat would trace that into an array.
+            return lambda layer, x, cos, sin: layer(x, cos, sin, lambda q, k, v: attend(i, q, k, v))
+
         for i, layer in enumerate(self.layers):
-            def layer_fn(layer, x, cos, sin, i=i):
-                return layer(x, cos, sin, lambda q, k, v: attend(i, q, k, v))
+            layer_fn = layer_call(i)
             if mode != "none":
                 layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[mode])
             x = layer_fn(layer, x, cos, sin)
         return self.norm(x)
+
+    def _scan_layers(self, lo: int, hi: int, x: Array, cos: Array, sin: Array, attend: AttendFn,
+                     remat: str) -> Array:
+        """Layers lo..hi-1 (which `attend` treats alike) as one `lax.scan`.
+
+        Why: unrolled, XLA's GPU scheduler overlaps the layers' recomputations in the backward
+        pass and keeps ~3.5x the activations alive (measured with `sparrow dryrun`'s compiler:
+        Qwen3-1.7B, one 34.8K-token row, remat full: 1.4 GiB of temporaries per extra layer
+        unrolled vs 0.4 scanned; the whole gradient program 75.7 -> 30.2 GiB); a scan runs the
+        backward one layer at a time by construction, and compiles one layer instead of
+        `hi - lo` (that program: minutes -> 16 s). The weight matrices are stacked in the compute
+        dtype (their matmuls cast to it anyway, so values are unchanged; the stacked copy costs
+        the compute-dtype weights once); norm weights keep their dtype.
+        """
+        graphdef = nnx.graphdef(self.layers[lo])
+        states = [nnx.state(layer) for layer in self.layers[lo:hi]]
+        compute = jnp.dtype(self.dtype)
+
+        def stack(*leaves):
+            if leaves[0].ndim >= 2 and jnp.issubdtype(leaves[0].dtype, jnp.floating):
+                leaves = [a.astype(compute) for a in leaves]
+            return jnp.stack(leaves)
+
+        stacked = jax.tree.map(stack, *states)
+
+        def body(x, state):
+            layer = nnx.merge(graphdef, state)
+            return layer(x, cos, sin, lambda q, k, v: attend(lo, q, k, v)), None
+
+        if remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
 
     def logits(self, hidden: Array) -> Array:
         """hidden [..., H] -> logits [..., V] in f32 (accumulated in f32 even for bf16 weights)."""
@@ -305,7 +236,8 @@ class Qwen3ForCausalLM(nnx.Module):
         fn = attention_fn or dense_causal_attention
         return self.run_layers(
             self.embed(tokens), positions,
-            lambda i, q, k, v: fn(i, q, k, v, positions, attention_mask), remat=remat)
+            lambda i, q, k, v: fn(i, q, k, v, positions, attention_mask), remat=remat,
+            layer_splits=layer_splits_of(fn))
 
     def __call__(self, tokens: Array, positions: Array | None = None,
                  attention_mask: Array | None = None, *,

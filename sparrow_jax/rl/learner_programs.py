@@ -21,7 +21,8 @@ import optax
 from flax import nnx
 
 from sparrow_jax import mismatch
-from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, chunked_causal_attention
+from sparrow_jax.model.attention import chunked_causal_attention
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rl import grpo
 from sparrow_jax.rollout.engine import Trajectories
 from sparrow_jax.rollout.sampling import SamplingParams

@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from sparrow_jax import compression
 from sparrow_jax.kv_cache import KVCache, write_token
-from sparrow_jax.model.qwen3 import (Qwen3ForCausalLM, map_causal_query_chunks,
-                                     masked_gqa_attention)
+from sparrow_jax.model.attention import map_causal_query_chunks, masked_gqa_attention
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout.engine import (DecodeState, RolloutConfig, Trajectories, _constrain,
                                         _record)
 from sparrow_jax.shapes import COMPILES

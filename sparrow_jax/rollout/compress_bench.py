@@ -36,7 +36,7 @@ from sparrow_jax import mismatch
 from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.evaluation import batch_records, decode_responses, score
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
-from sparrow_jax.model.qwen3 import chunked_causal_attention
+from sparrow_jax.model.attention import chunked_causal_attention
 from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout import compress, engine
 from sparrow_jax.rollout.engine import RolloutConfig, decode, start

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from sparrow_jax import multihost, selection
 from sparrow_jax.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
-from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, _MASK_VALUE
+from sparrow_jax.model.attention import _MASK_VALUE
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout.sampling import SamplingParams, sample, topk_logprobs
 from sparrow_jax.shapes import COMPILES, bucket_length, default_buckets
 from sparrow_jax.sharding import ShardingSpec

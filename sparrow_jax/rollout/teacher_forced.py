@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax import selection
-from sparrow_jax.model.qwen3 import (Qwen3ForCausalLM, chunked_causal_attention,
-                                     dense_causal_attention, map_causal_query_chunks,
-                                     masked_gqa_attention)
+from sparrow_jax.model.attention import (alike_layers, chunked_causal_attention,
+                                         dense_causal_attention, map_causal_query_chunks,
+                                         masked_gqa_attention)
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout.engine import Trajectories, budget_for_lengths, padded_length
 
 
@@ -94,7 +95,8 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
         if not query_chunk:
             return rows(q, positions, 0, t)
         return map_causal_query_chunks(rows, query_chunk, q, positions)
-    return attend
+    # Dense layers and the sparse ones between them are separate runs (`run_layers` scans each).
+    return alike_layers(attend, tuple(sorted({j for i in dense_layers for j in (i, i + 1)})))
 
 
 def trajectory_hidden(model: Qwen3ForCausalLM, traj: Trajectories, *, attention_fn=None,
