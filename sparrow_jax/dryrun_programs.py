@@ -173,7 +173,9 @@ def learner_programs(shape: StepShape, spec: ShardingSpec, micro: int) -> list[P
     the gradient program), the gradient program of one mini-batch, the optimizer update."""
     model, state, params, rest = abstract_policy(shape, spec)
     lc = dataclasses.replace(shape.learner, micro_batch_size=micro)
-    lrn = learner.Learner(model, lc, group_size=shape.group_size, sampling=shape.rollout.sampling)
+    # The placed model: the learner reads its mesh off the parameters (sequence-parallel residuals).
+    lrn = learner.Learner(nnx.merge(nnx.graphdef(model), state), lc, group_size=shape.group_size,
+                          sampling=shape.rollout.sampling)
     traj = abstract_trajectories(shape, shape.rows_step, spec)
     rows, t = shape.rows_step, shape.rollout.max_new_tokens
     budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))

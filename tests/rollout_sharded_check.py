@@ -28,6 +28,7 @@ from sparrow_jax.model import load_hf  # noqa: E402
 from sparrow_jax.rl import learner_programs  # noqa: E402
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig  # noqa: E402
 from sparrow_jax.rollout import RolloutConfig, generate  # noqa: E402
+from sparrow_jax.rollout.teacher_forced import build_sequences  # noqa: E402
 from sparrow_jax.sharding import ShardingSpec, make_mesh  # noqa: E402
 
 # (name, query heads, kv heads): 4 KV heads shard over model=4; 2 KV heads cannot, so the
@@ -142,7 +143,12 @@ def learner_update(out_dir: str) -> dict:
         m.sharding.is_equivalent_to(s, m.ndim)
         for tree in (adam.mu, adam.nu) for m, s in zip(jax.tree.leaves(tree), param_shardings))
     before = jax.tree.leaves(nnx.state(load_hf(path, dtype=jnp.float32), nnx.Param))
+    seq_len = build_sequences(traj)[0].shape[1]
     return {"case": "learner_update", "moments_like_params": moments_like_params,
+            # sequence-parallel residuals: tokens over `model` (constrained when they divide)
+            "residual_spec": str(learners["sharded"].opts.residual_sharding.spec),
+            "seq_len_divides": seq_len % 4 == 0, "single_residual": str(
+                learners["single"].opts.residual_sharding),
             "counter_devices": len(adam.count.sharding.device_set),
             "max_param_diff": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                                   for a, b in zip(after["single"], after["sharded"])),

@@ -57,3 +57,7 @@ def test_sharded_learner_update_equals_unsharded(results):
                            "spread": {"num_micro": 2, "row_shards": 2}}, r
     for k in ("sharded", "spread"):
         assert r[f"max_grad_diff_{k}"] <= 1e-4 * r["grad_scale"], r
+    # ... with the residual stream between layers split over the model axis (sequence
+    # parallelism: 1/4 of each row's saved activations per device); one device: no constraint.
+    assert r["residual_spec"] == "P('data', 'model', None)", r
+    assert r["seq_len_divides"] and r["single_residual"] == "None", r

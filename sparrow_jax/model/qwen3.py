@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sparrow_jax.model.attention import (FullAttentionFn, dense_causal_attention,
@@ -146,7 +147,8 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def run_layers(self, x: Array, positions: Array, attend: AttendFn, *,
                    remat: str | None = None,
-                   layer_splits: tuple[int, ...] | None = None) -> Array:
+                   layer_splits: tuple[int, ...] | None = None,
+                   residual_sharding: jax.sharding.NamedSharding | None = None) -> Array:
         """x [B, T, H] -> final-normed hidden [B, T, H]; `attend` sees every layer's q/k/v.
 
         remat: one of REMAT_MODES for this call (None: "full" if the model was built with
@@ -155,7 +157,13 @@ class Qwen3ForCausalLM(nnx.Module):
         or None if unknown. With known splits each run of alike layers is one `lax.scan` over
         the layers' stacked weights (`_scan_layers`, its body rematerialised per `remat`);
         otherwise (the rollout's cached decode, whose KV cache is per layer) they are unrolled.
+        residual_sharding: a sharding for the residual stream [B, T, H] between layers (e.g.
+        tokens over the `model` axis: `sharding.residual_sharding`), so the activations a
+        backward pass keeps per layer are split over the devices that share a row instead of
+        replicated on each (sequence parallelism; XLA turns the layer's all-reduces into
+        reduce-scatter + all-gather). None: XLA's choice.
         """
+        constrain = functools.partial(constrain_residual, sharding=residual_sharding)
         mode = remat or ("full" if self.remat else "none")
         if mode not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {mode!r}")
@@ -164,7 +172,7 @@ class Qwen3ForCausalLM(nnx.Module):
             n = len(self.layers)
             bounds = sorted({0, n, *(i for i in layer_splits if 0 < i < n)})
             for lo, hi in zip(bounds[:-1], bounds[1:]):
-                x = self._scan_layers(lo, hi, x, cos, sin, attend, mode)
+                x = self._scan_layers(lo, hi, constrain(x), cos, sin, attend, mode, constrain)
             return self.norm(x)
         def layer_call(i: int):
             # i is closed over, not a default argument: nnx.remat would trace that into an array.
@@ -174,11 +182,11 @@ class Qwen3ForCausalLM(nnx.Module):
             layer_fn = layer_call(i)
             if mode != "none":
                 layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[mode])
-            x = layer_fn(layer, x, cos, sin)
+            x = constrain(layer_fn(layer, x, cos, sin))
         return self.norm(x)
 
     def _scan_layers(self, lo: int, hi: int, x: Array, cos: Array, sin: Array, attend: AttendFn,
-                     remat: str) -> Array:
+                     remat: str, constrain: Callable[[Array], Array] = lambda x: x) -> Array:
         """Layers lo..hi-1 (which `attend` treats alike) as one `lax.scan`.
 
         Why: unrolled, XLA's GPU scheduler overlaps the layers' recomputations in the backward
@@ -203,7 +211,7 @@ class Qwen3ForCausalLM(nnx.Module):
 
         def body(x, state):
             layer = nnx.merge(graphdef, state)
-            return layer(x, cos, sin, lambda q, k, v: attend(lo, q, k, v)), None
+            return constrain(layer(x, cos, sin, lambda q, k, v: attend(lo, q, k, v))), None
 
         if remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -222,7 +230,8 @@ class Qwen3ForCausalLM(nnx.Module):
     def hidden_states(self, tokens: Array, positions: Array | None = None,
                       attention_mask: Array | None = None, *,
                       attention_fn: FullAttentionFn | None = None,
-                      remat: str | None = None) -> Array:
+                      remat: str | None = None,
+                      residual_sharding: jax.sharding.NamedSharding | None = None) -> Array:
         """tokens [B, T] -> final-normed hidden [B, T, H].
 
         attention_mask [B, T]: 1 for real tokens (default all ones). positions default to
@@ -237,13 +246,24 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.run_layers(
             self.embed(tokens), positions,
             lambda i, q, k, v: fn(i, q, k, v, positions, attention_mask), remat=remat,
-            layer_splits=layer_splits_of(fn))
+            layer_splits=layer_splits_of(fn), residual_sharding=residual_sharding)
 
     def __call__(self, tokens: Array, positions: Array | None = None,
                  attention_mask: Array | None = None, *,
                  attention_fn: FullAttentionFn | None = None) -> Array:
         return self.logits(self.hidden_states(tokens, positions, attention_mask,
                                               attention_fn=attention_fn))
+
+
+def constrain_residual(x: Array, sharding: jax.sharding.NamedSharding | None) -> Array:
+    """`x` [B, T, H] constrained to `sharding`, unless None or a sharded dim does not divide."""
+    if sharding is None:
+        return x
+    for dim, axes in zip(x.shape, sharding.spec):
+        names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
+        if dim % max(1, int(np.prod([sharding.mesh.shape[a] for a in names]))):
+            return x
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def compute_copy(model: Qwen3ForCausalLM, dtype=None) -> Qwen3ForCausalLM:

@@ -35,6 +35,7 @@ from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, Spars
 from sparrow_jax.rollout.engine import Trajectories
 from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.shapes import COMPILES
+from sparrow_jax.sharding import residual_sharding
 
 log = logging.getLogger(__name__)
 ALPHA_MODES = ("full", "topk", "none")
@@ -101,6 +102,21 @@ def _mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _param_shardings(model: Qwen3ForCausalLM) -> tuple[jax.sharding.NamedSharding, ...] | None:
+    """The Param leaves' shardings, flattened (None unless every one is a NamedSharding)."""
+    shardings = tuple(getattr(x, "sharding", None)
+                      for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if not shardings or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
+        return None
+    return shardings
+
+
+def _residual_sharding(model: Qwen3ForCausalLM) -> jax.sharding.NamedSharding | None:
+    """Sequence-parallel residuals over the parameters' mesh (None when they have no mesh)."""
+    shardings = _param_shardings(model)
+    return None if shardings is None else residual_sharding(shardings[0].mesh)
+
+
 class Learner:
     """Holds the policy (an NNX model updated in place: the f32 master weights) and AdamW's state.
 
@@ -128,7 +144,9 @@ class Learner:
         check_model(model)
         self.tx = make_optimizer(cfg)
         self.opts = ProgramOptions(logit_chunk=cfg.logit_chunk, attention_chunk=cfg.attention_chunk,
-                                   remat=cfg.remat, alpha_mode=cfg.alpha_mode, sampling=sampling)
+                                   remat=cfg.remat, alpha_mode=cfg.alpha_mode, sampling=sampling,
+                                   residual_sharding=_residual_sharding(model),
+                                   param_shardings=_param_shardings(model))
         self.graphdef, _, self.rest = nnx.split(model, nnx.Param, ...)
         self._opt_state = None  # created on first use: analysis-only users never pay for Adam
         self.last_step_metrics: list[dict[str, float]] = []   # per optimizer step of the last update

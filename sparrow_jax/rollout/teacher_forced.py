@@ -100,11 +100,14 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
 
 
 def trajectory_hidden(model: Qwen3ForCausalLM, traj: Trajectories, *, attention_fn=None,
-                      block_size: int = 16, remat: str | None = None) -> jax.Array:
-    """Final-normed hidden states that predict each generated token: [B, T, H]."""
+                      block_size: int = 16, remat: str | None = None,
+                      residual_sharding=None) -> jax.Array:
+    """Final-normed hidden states that predict each generated token: [B, T, H].
+    residual_sharding: see `Qwen3ForCausalLM.run_layers`."""
     seq, mask = build_sequences(traj, block_size)
     positions = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
-    hidden = model.hidden_states(seq, positions, mask, attention_fn=attention_fn, remat=remat)
+    hidden = model.hidden_states(seq, positions, mask, attention_fn=attention_fn, remat=remat,
+                                 residual_sharding=residual_sharding)
     return response_hidden(hidden, traj)
 
 
