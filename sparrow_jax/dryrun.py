@@ -93,15 +93,14 @@ def measure_learner(shape: StepShape, spec: ShardingSpec, target: Target, micro:
 def at_depth(measure, shape: StepShape, depth: int, *args, **kw) -> list[Measured]:
     """`measure(shape, ...)` for the model as it is (depth 0), or at `depth` and `depth + 1`
     layers, each figure extrapolated linearly to the model's depth: a quick estimate. Exact for
-    the rollout programs (measured); the learner's gradient program is not linear in depth (its
-    scheduler keeps more alive as layers are added: 1.7B at 32K, 54 GiB extrapolated vs 102 GiB
-    compiled at full depth), so FITS from an extrapolation is not a guarantee."""
+    the rollout programs (measured); the learner's layers are a scan whose body is the same at
+    any depth, but the compiler's scheduling is not guaranteed linear, so FITS from an
+    extrapolation is not a guarantee (the unrolled learner once compiled to 2x its estimate)."""
     full = shape.model.num_hidden_layers
     if not depth or depth + 1 >= full:
         return measure(shape, *args, **kw)
-    log.warning("--depth %d: figures extrapolated from %d and %d layers; the learner's backward "
-                "temporaries are not linear in depth (measured: under-estimated 2x)", depth,
-                depth, depth + 1)
+    log.warning("--depth %d: figures extrapolated from %d and %d layers, an estimate; only a "
+                "full-depth dryrun is a verdict", depth, depth, depth + 1)
     a, b = (measure(dataclasses.replace(shape, model=dataclasses.replace(
         shape.model, num_hidden_layers=n)), *args, **kw) for n in (depth, depth + 1))
     out = []

@@ -207,7 +207,11 @@ _REGISTRY = {
     "sparrow dryrun configs/qwen3_8b_tpu.gin --target v5p-32 --preset qwen3-8b":
         (ByTest("tests/test_dryrun.py::test_argument_bytes_are_the_sharded_shapes"),
          ByTest("tests/test_dryrun.py::test_oversized_does_not_fit"),
+         ByTest("tests/test_dryrun.py::test_shipped_configs_fit"),
          ByTest("tests/test_dryrun.py::test_every_real_config_names_its_target")),
+    # README.md (Train a real model)
+    "sparrow dryrun configs/qwen3_1p7b_gpu.gin --target h100x8 --preset qwen3-1.7b":
+        (ByTest("tests/test_dryrun.py::test_shipped_configs_fit"),),
     # docs/distill.md
     "launch/local.sh demo --gin_param 'DistillConfig.rank = 8'": (_DISTILL_TRAIN,),
     _DISTILL_DEMO + "--gin_param 'TrainConfig.run_dir = \"/tmp/distill_demo/base\"'":
@@ -226,6 +230,11 @@ _REGISTRY = {
          ByTest("tests/test_export.py::test_export_bfloat16_writes_bf16_tensors"),
          ByTest("tests/test_export.py::test_export_errors")),
     # docs/experiment.md
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_distill.gin":
+        (ByTest("tests/test_experiment.py::test_distill_experiment_config_shares_the_controller_arm"),
+         ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
+    "python -m sparrow_jax.data.synthetic data/demo/heldout64.jsonl --n 64 --seed 3 --k-min 10 "
+    "--k-max 13": (Run(),),
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin":
         (ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume"),
          ByTest("tests/test_experiment.py::test_demo_experiment_config_parses_every_arm")),
@@ -466,11 +475,15 @@ def test_run_verbatim(text, tmp_path):
     if argv[0] == "python":
         argv[0] = sys.executable
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    (tmp_path / "data/demo").mkdir(parents=True)
     r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"`{text}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-    if "sparrow_jax.data.synthetic" in text:
+    if "sparrow_jax.data.synthetic train.jsonl" in text:
         rows = (tmp_path / "train.jsonl").read_text().splitlines()
         assert len(rows) == 512 and {"prompt", "answer"} <= set(json.loads(rows[0]))
+    if "heldout64.jsonl" in text:       # the shipped held-out set is exactly what it says
+        made = (tmp_path / "data/demo/heldout64.jsonl").read_text()
+        assert made == (REPO / "data/demo/heldout64.jsonl").read_text()
 
 
 # -- CPU-sized twins ---------------------------------------------------------------------------
