@@ -48,6 +48,7 @@ class ExperimentConfig:
     # arm name -> gin bindings applied on top of the base configuration.
     arms: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
     threshold: float = 0.86           # the tail threshold drawn on the plot
+    report: str = "comparison"        # file stem of the report: <output_dir>/<report>.md/.png
 
     def __post_init__(self):
         if not self.arms:
@@ -121,8 +122,9 @@ def final_values(rows: Sequence[Mapping[str, float]], eval_prompts: int,
 
 # -- report --------------------------------------------------------------------------------------
 def write_report(output_dir: Path, arms: Mapping[str, Sequence[Mapping[str, float]]], *,
-                 eval_prompts: int, threshold: float) -> tuple[Path, Path]:
-    """comparison.png and comparison.md for `arms` (name -> metrics.jsonl rows)."""
+                 eval_prompts: int, threshold: float, stem: str = "comparison"
+                 ) -> tuple[Path, Path]:
+    """<stem>.png and <stem>.md for `arms` (name -> metrics.jsonl rows)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -142,7 +144,7 @@ def write_report(output_dir: Path, arms: Mapping[str, Sequence[Mapping[str, floa
     axes[0, 0].legend(fontsize=8)
     axes[0, 2].legend(fontsize=8)
     fig.tight_layout()
-    png = output_dir / "comparison.png"
+    png = output_dir / f"{stem}.png"
     fig.savefig(png, dpi=100)
     plt.close(fig)
 
@@ -165,7 +167,7 @@ def write_report(output_dir: Path, arms: Mapping[str, Sequence[Mapping[str, floa
         lines.append(f"| {name} | {f['steps']:.0f} | {held} | {num('reward/mean', '.3f')} | "
                      f"{num('alpha/tail_min', '.3f')} | {num('alpha/frac_below_0.9', '.4f')} | "
                      f"{num('budget_mean', '.0f')} | {num('rollout/tokens_per_s', '.0f')} |")
-    md = output_dir / "comparison.md"
+    md = output_dir / f"{stem}.md"
     md.write_text("\n".join(lines) + "\n")
     return png, md
 
@@ -209,7 +211,7 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
     if missing:
         raise SystemExit(f"sparrow experiment: no metrics for arm(s) {missing} in {out}")
     png, md = write_report(out, results, eval_prompts=int(eval_prompts),
-                           threshold=cfg.threshold)
+                           threshold=cfg.threshold, stem=cfg.report)
     print(md.read_text(), flush=True)
     log.info("wrote %s and %s", png, md)
     return {"png": png, "md": md,

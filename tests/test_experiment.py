@@ -102,4 +102,25 @@ def test_demo_experiment_config_parses_every_arm():
         cli.parse_gin(files, experiment._arm_bindings(cfg, name))
         assert gin.query_parameter("TrainConfig.run_dir").endswith(f"experiment_demo/{name}")
     assert gin.query_parameter("make_schedule.budgets") == [512] * 20
+    assert gin.query_parameter("TrainConfig.eval_data") == "data/demo/heldout64.jsonl"
+    assert sum(1 for _ in open(repo / "data/demo/heldout64.jsonl")) == 64
+    gin.clear_config()
+
+
+def test_distill_experiment_config_shares_the_controller_arm():
+    """configs/experiment_distill.gin: same output dir as the 4-arm experiment (its finished
+    controller arm is reused), its own report name, the adapter only in the new arm."""
+    from sparrow_jax import experiment
+    repo = Path(__file__).resolve().parents[1]
+    files = [str(repo / "configs/demo_cpu.gin"), str(repo / "configs/experiment_distill.gin")]
+    cli.parse_gin(files, [])
+    cfg = experiment.ExperimentConfig()
+    assert cfg.output_dir == "runs/experiment_demo" and cfg.report == "comparison_distill"
+    assert set(cfg.arms) == {"controller", "controller_distill"}
+    ranks = {}
+    for name in cfg.arms:
+        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
+        from sparrow_jax.rl.distill import DistillConfig
+        ranks[name] = DistillConfig().rank
+    assert ranks == {"controller": 0, "controller_distill": 8}
     gin.clear_config()
