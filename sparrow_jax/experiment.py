@@ -130,11 +130,13 @@ def write_report(output_dir: Path, arms: Mapping[str, Sequence[Mapping[str, floa
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    # One colour per arm in every panel (panels without a dense series would otherwise shift them).
+    colour = {name: f"C{i % 10}" for i, name in enumerate(arms)}
     for ax, (key, title) in zip(axes.ravel(), PANELS):
         for name, rows in arms.items():
             steps, values = arm_series(rows)[key]
             if steps:
-                ax.plot(steps, values, marker="o", markersize=3, label=name)
+                ax.plot(steps, values, marker="o", markersize=3, label=name, color=colour[name])
         if key == "alpha/tail_min":
             ax.axhline(threshold, color="red", linestyle="--", linewidth=1,
                        label=f"threshold {threshold}")

@@ -233,6 +233,10 @@ _REGISTRY = {
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_distill.gin":
         (ByTest("tests/test_experiment.py::test_distill_experiment_config_shares_the_controller_arm"),
          ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin "
+    "configs/experiment_replicate.gin":
+        (ByTest("tests/test_experiment.py::test_replicate_experiment_config_adds_seeded_arms"),
+         ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
     "python -m sparrow_jax.data.synthetic data/demo/heldout64.jsonl --n 64 --seed 3 --k-min 10 "
     "--k-max 13": (Run(),),
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin":

@@ -124,3 +124,23 @@ def test_distill_experiment_config_shares_the_controller_arm():
         ranks[name] = DistillConfig().rank
     assert ranks == {"controller": 0, "controller_distill": 8}
     gin.clear_config()
+
+
+def test_replicate_experiment_config_adds_seeded_arms():
+    """configs/experiment_replicate.gin on top of the demo experiment: the finished dense and
+    controller arms plus the same two with TrainConfig.seed = 1, reported separately."""
+    from sparrow_jax import experiment
+    repo = Path(__file__).resolve().parents[1]
+    files = [str(repo / f"configs/{name}.gin")
+             for name in ("demo_cpu", "experiment_demo", "experiment_replicate")]
+    cli.parse_gin(files, [])
+    cfg = experiment.ExperimentConfig()
+    assert cfg.output_dir == "runs/experiment_demo" and cfg.report == "comparison_replicate"
+    seeds = {}
+    for name in cfg.arms:
+        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
+        seeds[name] = (gin.query_parameter("TrainConfig.seed") if "seed" in name else 0,
+                       gin.query_parameter("TrainConfig.eval_prompts"))
+    assert seeds == {"dense": (0, 64), "controller": (0, 64), "dense_seed1": (1, 64),
+                     "controller_seed1": (1, 64)}
+    gin.clear_config()

@@ -174,6 +174,7 @@ class Qwen3ForCausalLM(nnx.Module):
             for lo, hi in zip(bounds[:-1], bounds[1:]):
                 x = self._scan_layers(lo, hi, constrain(x), cos, sin, attend, mode, constrain)
             return self.norm(x)
+
         def layer_call(i: int):
             # i is closed over, not a default argument: nnx.remat would trace that into an array.
             return lambda layer, x, cos, sin: layer(x, cos, sin, lambda q, k, v: attend(i, q, k, v))
