@@ -230,7 +230,8 @@ _REGISTRY = {
          ByTest("tests/test_export.py::test_export_bfloat16_writes_bf16_tensors"),
          ByTest("tests/test_export.py::test_export_errors")),
     # docs/experiment.md
-    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_distill.gin":
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin "
+    "configs/experiment_distill.gin":
         (ByTest("tests/test_experiment.py::test_distill_experiment_config_shares_the_controller_arm"),
          ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin "

@@ -112,7 +112,8 @@ def test_distill_experiment_config_shares_the_controller_arm():
     controller arm is reused), its own report name, the adapter only in the new arm."""
     from sparrow_jax import experiment
     repo = Path(__file__).resolve().parents[1]
-    files = [str(repo / "configs/demo_cpu.gin"), str(repo / "configs/experiment_distill.gin")]
+    files = [str(repo / f"configs/{name}.gin")
+             for name in ("demo_cpu", "experiment_demo", "experiment_distill")]
     cli.parse_gin(files, [])
     cfg = experiment.ExperimentConfig()
     assert cfg.output_dir == "runs/experiment_demo" and cfg.report == "comparison_distill"
@@ -121,8 +122,8 @@ def test_distill_experiment_config_shares_the_controller_arm():
     for name in cfg.arms:
         cli.parse_gin(files, experiment._arm_bindings(cfg, name))
         from sparrow_jax.rl.distill import DistillConfig
-        ranks[name] = DistillConfig().rank
-    assert ranks == {"controller": 0, "controller_distill": 8}
+        ranks[name] = (DistillConfig().rank, gin.query_parameter("TrainConfig.eval_prompts"))
+    assert ranks == {"controller": (0, 64), "controller_distill": (8, 64)}
     gin.clear_config()
 
 
