@@ -29,23 +29,11 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "mlp": "model",
     "sequence": None,
     # The residual stream between layers in the learner's forward: tokens over `model`
-    # (sequence parallelism, see `residual_sharding`).
+    # (sequence parallelism, see `residual_spec`).
     "residual_sequence": "model",
     "head_dim": None,
     "blocks": None,
 }
-
-
-def residual_sharding(mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES
-                      ) -> NamedSharding | None:
-    """Sharding of the residual stream [B, T, H] between layers of a gradient forward: rows over
-    the batch axis, tokens over `residual_sequence`'s axis, so the per-layer activations a
-    backward pass keeps are split over the devices of a tensor-parallel group instead of
-    replicated on each of them. None when that axis has one device."""
-    seq_axis = rules.get("residual_sequence")
-    if seq_axis is None or mesh.shape.get(seq_axis, 1) == 1:
-        return None
-    return NamedSharding(mesh, PartitionSpec(rules.get("batch"), seq_axis, None))
 
 
 @gin.configurable
@@ -150,3 +138,19 @@ class ShardingSpec:
 
     def sharding(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
         return named_sharding(logical_axes, shape, self.mesh, self.rules)
+
+
+# Logical axes of the residual stream [B, T, H] between layers of a gradient forward.
+RESIDUAL_AXES = ("batch", "residual_sequence", "embed")
+
+
+def residual_spec(mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES
+                  ) -> ShardingSpec | None:
+    """Where the residual stream [B, T, H] between layers of a gradient forward lives
+    (`RESIDUAL_AXES`): rows over the batch axis, tokens over `residual_sequence`'s axis, so the
+    per-layer activations a backward pass keeps are split over the devices of a tensor-parallel
+    group instead of replicated on each of them. None when that axis has one device."""
+    seq_axis = rules.get("residual_sequence")
+    if seq_axis is None or mesh.shape.get(seq_axis, 1) == 1:
+        return None
+    return ShardingSpec.create(mesh, rules)

@@ -29,7 +29,7 @@ from sparrow_jax.rl import learner_programs  # noqa: E402
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig  # noqa: E402
 from sparrow_jax.rollout import RolloutConfig, generate  # noqa: E402
 from sparrow_jax.rollout.teacher_forced import build_sequences  # noqa: E402
-from sparrow_jax.sharding import ShardingSpec, make_mesh  # noqa: E402
+from sparrow_jax.sharding import RESIDUAL_AXES, ShardingSpec, make_mesh  # noqa: E402
 
 # (name, query heads, kv heads): 4 KV heads shard over model=4; 2 KV heads cannot, so the
 # cache and the decode attention replicate heads while batch still shards over data.
@@ -146,9 +146,9 @@ def learner_update(out_dir: str) -> dict:
     seq_len = build_sequences(traj)[0].shape[1]
     return {"case": "learner_update", "moments_like_params": moments_like_params,
             # sequence-parallel residuals: tokens over `model` (constrained when they divide)
-            "residual_spec": str(learners["sharded"].opts.residual_sharding.spec),
+            "residual_spec": str(learners["sharded"].opts.residual_spec.sharding(RESIDUAL_AXES, (4, 64, 48)).spec),
             "seq_len_divides": seq_len % 4 == 0, "single_residual": str(
-                learners["single"].opts.residual_sharding),
+                learners["single"].opts.residual_spec),
             "counter_devices": len(adam.count.sharding.device_set),
             "max_param_diff": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                                   for a, b in zip(after["single"], after["sharded"])),

@@ -107,41 +107,36 @@ def test_demo_experiment_config_parses_every_arm():
     gin.clear_config()
 
 
+def _stacked_arms(config: str, probe) -> tuple:
+    """configs/<config>.gin on top of the demo experiment: its ExperimentConfig and, per arm,
+    `probe()` with that arm's bindings parsed."""
+    from sparrow_jax import experiment
+    repo = Path(__file__).resolve().parents[1]
+    files = [str(repo / f"configs/{name}.gin") for name in ("demo_cpu", "experiment_demo", config)]
+    cli.parse_gin(files, [])
+    cfg = experiment.ExperimentConfig()
+    probed = {}
+    for name in cfg.arms:
+        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
+        probed[name] = (probe(), gin.query_parameter("TrainConfig.eval_prompts"))
+    gin.clear_config()
+    return cfg, probed
+
+
 def test_distill_experiment_config_shares_the_controller_arm():
     """configs/experiment_distill.gin: same output dir as the 4-arm experiment (its finished
     controller arm is reused), its own report name, the adapter only in the new arm."""
-    from sparrow_jax import experiment
-    repo = Path(__file__).resolve().parents[1]
-    files = [str(repo / f"configs/{name}.gin")
-             for name in ("demo_cpu", "experiment_demo", "experiment_distill")]
-    cli.parse_gin(files, [])
-    cfg = experiment.ExperimentConfig()
+    from sparrow_jax.rl.distill import DistillConfig
+    cfg, ranks = _stacked_arms("experiment_distill", lambda: DistillConfig().rank)
     assert cfg.output_dir == "runs/experiment_demo" and cfg.report == "comparison_distill"
-    assert set(cfg.arms) == {"controller", "controller_distill"}
-    ranks = {}
-    for name in cfg.arms:
-        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
-        from sparrow_jax.rl.distill import DistillConfig
-        ranks[name] = (DistillConfig().rank, gin.query_parameter("TrainConfig.eval_prompts"))
     assert ranks == {"controller": (0, 64), "controller_distill": (8, 64)}
-    gin.clear_config()
 
 
 def test_replicate_experiment_config_adds_seeded_arms():
     """configs/experiment_replicate.gin on top of the demo experiment: the finished dense and
     controller arms plus the same two with TrainConfig.seed = 1, reported separately."""
-    from sparrow_jax import experiment
-    repo = Path(__file__).resolve().parents[1]
-    files = [str(repo / f"configs/{name}.gin")
-             for name in ("demo_cpu", "experiment_demo", "experiment_replicate")]
-    cli.parse_gin(files, [])
-    cfg = experiment.ExperimentConfig()
+    from sparrow_jax.train_config import TrainConfig
+    cfg, seeds = _stacked_arms("experiment_replicate", lambda: TrainConfig().seed)
     assert cfg.output_dir == "runs/experiment_demo" and cfg.report == "comparison_replicate"
-    seeds = {}
-    for name in cfg.arms:
-        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
-        seeds[name] = (gin.query_parameter("TrainConfig.seed") if "seed" in name else 0,
-                       gin.query_parameter("TrainConfig.eval_prompts"))
     assert seeds == {"dense": (0, 64), "controller": (0, 64), "dense_seed1": (1, 64),
                      "controller_seed1": (1, 64)}
-    gin.clear_config()

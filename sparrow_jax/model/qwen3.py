@@ -12,12 +12,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from sparrow_jax.model.attention import (FullAttentionFn, dense_causal_attention,
                                          layer_splits_of)
 from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.sharding import RESIDUAL_AXES, ShardingSpec
 
 Array = jax.Array
 # attend(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]
@@ -148,7 +148,7 @@ class Qwen3ForCausalLM(nnx.Module):
     def run_layers(self, x: Array, positions: Array, attend: AttendFn, *,
                    remat: str | None = None,
                    layer_splits: tuple[int, ...] | None = None,
-                   residual_sharding: jax.sharding.NamedSharding | None = None) -> Array:
+                   residual_spec: ShardingSpec | None = None) -> Array:
         """x [B, T, H] -> final-normed hidden [B, T, H]; `attend` sees every layer's q/k/v.
 
         remat: one of REMAT_MODES for this call (None: "full" if the model was built with
@@ -157,13 +157,13 @@ class Qwen3ForCausalLM(nnx.Module):
         or None if unknown. With known splits each run of alike layers is one `lax.scan` over
         the layers' stacked weights (`_scan_layers`, its body rematerialised per `remat`);
         otherwise (the rollout's cached decode, whose KV cache is per layer) they are unrolled.
-        residual_sharding: a sharding for the residual stream [B, T, H] between layers (e.g.
-        tokens over the `model` axis: `sharding.residual_sharding`), so the activations a
+        residual_spec: where the residual stream [B, T, H] between layers lives (tokens over the
+        `model` axis: `sharding.residual_spec`), so the activations a
         backward pass keeps per layer are split over the devices that share a row instead of
         replicated on each (sequence parallelism; XLA turns the layer's all-reduces into
         reduce-scatter + all-gather). None: XLA's choice.
         """
-        constrain = functools.partial(constrain_residual, sharding=residual_sharding)
+        constrain = functools.partial(constrain_residual, spec=residual_spec)
         mode = remat or ("full" if self.remat else "none")
         if mode not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {mode!r}")
@@ -232,7 +232,7 @@ class Qwen3ForCausalLM(nnx.Module):
                       attention_mask: Array | None = None, *,
                       attention_fn: FullAttentionFn | None = None,
                       remat: str | None = None,
-                      residual_sharding: jax.sharding.NamedSharding | None = None) -> Array:
+                      residual_spec: ShardingSpec | None = None) -> Array:
         """tokens [B, T] -> final-normed hidden [B, T, H].
 
         attention_mask [B, T]: 1 for real tokens (default all ones). positions default to
@@ -247,7 +247,7 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.run_layers(
             self.embed(tokens), positions,
             lambda i, q, k, v: fn(i, q, k, v, positions, attention_mask), remat=remat,
-            layer_splits=layer_splits_of(fn), residual_sharding=residual_sharding)
+            layer_splits=layer_splits_of(fn), residual_spec=residual_spec)
 
     def __call__(self, tokens: Array, positions: Array | None = None,
                  attention_mask: Array | None = None, *,
@@ -256,15 +256,12 @@ class Qwen3ForCausalLM(nnx.Module):
                                               attention_fn=attention_fn))
 
 
-def constrain_residual(x: Array, sharding: jax.sharding.NamedSharding | None) -> Array:
-    """`x` [B, T, H] constrained to `sharding`, unless None or a sharded dim does not divide."""
-    if sharding is None:
+def constrain_residual(x: Array, spec: ShardingSpec | None) -> Array:
+    """`x` [B, T, H] constrained to `spec`'s sharding of `RESIDUAL_AXES` (a dim that does not
+    divide its mesh axis stays replicated, as everywhere); unchanged when `spec` is None."""
+    if spec is None:
         return x
-    for dim, axes in zip(x.shape, sharding.spec):
-        names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
-        if dim % max(1, int(np.prod([sharding.mesh.shape[a] for a in names]))):
-            return x
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.lax.with_sharding_constraint(x, spec.sharding(RESIDUAL_AXES, x.shape))
 
 
 def compute_copy(model: Qwen3ForCausalLM, dtype=None) -> Qwen3ForCausalLM:

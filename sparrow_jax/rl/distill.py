@@ -190,7 +190,7 @@ def sparse_logprobs(model: Qwen3ForCausalLM, traj, budgets, selection: SparseRep
                              dense_layers=selection.dense_layers,
                              query_chunk=opts.attention_chunk)
     hidden = trajectory_hidden(model, traj, attention_fn=fn, block_size=selection.block_size,
-                               remat=opts.remat, residual_sharding=opts.residual_sharding)
+                               remat=opts.remat, residual_spec=opts.residual_spec)
 
     def chunk(h, tokens):
         lp = opts.sampling.logprobs(model.logits(h))

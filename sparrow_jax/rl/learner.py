@@ -35,7 +35,7 @@ from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, Spars
 from sparrow_jax.rollout.engine import Trajectories
 from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.shapes import COMPILES
-from sparrow_jax.sharding import residual_sharding
+from sparrow_jax.sharding import ShardingSpec, residual_spec
 
 log = logging.getLogger(__name__)
 ALPHA_MODES = ("full", "topk", "none")
@@ -111,10 +111,10 @@ def _param_shardings(model: Qwen3ForCausalLM) -> tuple[jax.sharding.NamedShardin
     return shardings
 
 
-def _residual_sharding(model: Qwen3ForCausalLM) -> jax.sharding.NamedSharding | None:
+def _residual_spec(model: Qwen3ForCausalLM) -> ShardingSpec | None:
     """Sequence-parallel residuals over the parameters' mesh (None when they have no mesh)."""
     shardings = _param_shardings(model)
-    return None if shardings is None else residual_sharding(shardings[0].mesh)
+    return None if shardings is None else residual_spec(shardings[0].mesh)
 
 
 class Learner:
@@ -145,7 +145,7 @@ class Learner:
         self.tx = make_optimizer(cfg)
         self.opts = ProgramOptions(logit_chunk=cfg.logit_chunk, attention_chunk=cfg.attention_chunk,
                                    remat=cfg.remat, alpha_mode=cfg.alpha_mode, sampling=sampling,
-                                   residual_sharding=_residual_sharding(model),
+                                   residual_spec=_residual_spec(model),
                                    param_shardings=_param_shardings(model))
         self.graphdef, _, self.rest = nnx.split(model, nnx.Param, ...)
         self._opt_state = None  # created on first use: analysis-only users never pay for Adam

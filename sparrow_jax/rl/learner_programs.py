@@ -28,6 +28,7 @@ from sparrow_jax.rollout.engine import Trajectories
 from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
                                                 trajectory_hidden)
+from sparrow_jax.sharding import ShardingSpec
 
 
 @jax.tree_util.register_dataclass
@@ -59,8 +60,8 @@ class ProgramOptions:
     alpha_mode: str
     sampling: SamplingParams
     # The gradient forward's residual stream [B, T, H] between layers (sequence parallelism over
-    # the model axis, `sharding.residual_sharding`); None = XLA's choice.
-    residual_sharding: jax.sharding.NamedSharding | None = None
+    # the model axis, `sharding.residual_spec`); None = XLA's choice.
+    residual_spec: ShardingSpec | None = None
     # The parameters' shardings (flattened): gradients are pinned to them. Without the pin,
     # sequence-parallel residuals let XLA return the gradients replicated over the model axis
     # (measured with `sparrow dryrun`, Qwen3-8B on v5p-32: 9.4 -> 28.8 GiB of outputs per chip).
@@ -206,7 +207,7 @@ def _loss_terms(params, rest, graphdef, batch: LearnerBatch, budgets, denominato
     model_s = model if sparse_params is None else nnx.merge(graphdef, sparse_params, rest)
     traj = batch.traj
     hidden = trajectory_hidden(model, traj, attention_fn=_dense_attention(opts),
-                               remat=opts.remat, residual_sharding=opts.residual_sharding)
+                               remat=opts.remat, residual_spec=opts.residual_spec)
     fused = batch.logp_old is None
     hidden_s = _sparse_hidden(model_s, traj, budgets, replay, opts) if fused else None
     out = _token_outputs(model, opts, hidden, traj, hidden_s, model_s)

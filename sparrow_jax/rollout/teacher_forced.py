@@ -101,13 +101,13 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
 
 def trajectory_hidden(model: Qwen3ForCausalLM, traj: Trajectories, *, attention_fn=None,
                       block_size: int = 16, remat: str | None = None,
-                      residual_sharding=None) -> jax.Array:
+                      residual_spec=None) -> jax.Array:
     """Final-normed hidden states that predict each generated token: [B, T, H].
-    residual_sharding: see `Qwen3ForCausalLM.run_layers`."""
+    residual_spec: see `Qwen3ForCausalLM.run_layers`."""
     seq, mask = build_sequences(traj, block_size)
     positions = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
     hidden = model.hidden_states(seq, positions, mask, attention_fn=attention_fn, remat=remat,
-                                 residual_sharding=residual_sharding)
+                                 residual_spec=residual_spec)
     return response_hidden(hidden, traj)
 
 
