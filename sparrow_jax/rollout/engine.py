@@ -59,6 +59,15 @@ class RolloutConfig:
     window: int = 8
     compress_scorer: str = "rkv"
     rkv_lambda: float = 0.1
+    # engine = "paged" (sparrow_jax.rollout.scheduler, docs/rollout.md): KV in pages of block_size
+    # tokens, continuous batching in compiled decode chunks of `chunk_steps` steps, GRPO groups
+    # share their prompt's pages, preemption when the pool runs out. "static": one cache row per
+    # sample sized for the longest possible row, one while_loop until the slowest row ends.
+    engine: str = "static"
+    max_slots: int = 0           # samples decoded at once (0 = all); a multiple of the data axis
+    chunk_steps: int = 32
+    pool_bytes: int = 0          # page pool bytes per device (0 and pool_fraction 0: enough for
+    pool_fraction: float = 0.0   # every row at full length); or a fraction of device memory
 
     def __post_init__(self):
         if self.mode not in ("sparse", "dense", "compress"):
@@ -67,6 +76,17 @@ class RolloutConfig:
         if self.mode == "compress":
             from sparrow_jax.rollout.compress import check_config
             check_config(self)
+        if self.engine not in ("static", "paged"):
+            raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
+                             f"{self.engine!r}")
+        if self.engine == "paged" and self.mode == "compress":
+            raise ValueError("mode='compress' (KV eviction) runs on the static engine only; "
+                             "set engine='static'")
+        if self.chunk_steps <= 0 or self.max_slots < 0 or self.pool_bytes < 0 or not (
+                0 <= self.pool_fraction < 1):
+            raise ValueError(f"bad paged-engine settings chunk_steps={self.chunk_steps} "
+                             f"max_slots={self.max_slots} pool_bytes={self.pool_bytes} "
+                             f"pool_fraction={self.pool_fraction}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.max_budget % self.block_size or self.max_budget < 3 * self.block_size:
@@ -353,6 +373,10 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     p, see `sparrow_jax.multihost`), read a process's rows back with `multihost.local_rows`.
     """
     _check_budgets(cfg, budgets)          # before the (long) prefill
+    if cfg.engine == "paged":
+        from sparrow_jax.rollout import scheduler
+        return scheduler.generate(model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
+                                  bin_size=bin_size, group_size=group_size, rng=rng, spec=spec)
     state = start(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
                   spec=spec)
     return decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
@@ -368,12 +392,10 @@ def _check_budgets(cfg: RolloutConfig, budgets) -> np.ndarray:
     return budgets
 
 
-def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
-          group_size: int = 1, rng: jax.Array | None = None,
-          spec: ShardingSpec | None = None) -> DecodeState:
-    """The prefill program: validates and pads the prompts, fills the cache (one copy per
-    sample), samples the first token. Arguments as in `generate`; the result feeds `decode`
-    (whose `cfg` may differ in mode, dense layers and max_budget only)."""
+def prepare_prompts(prompt_tokens, prompt_lengths, *, cfg: RolloutConfig, group_size: int,
+                    spec: ShardingSpec | None) -> tuple[np.ndarray, np.ndarray]:
+    """Validates the prompts and pads them to a bucketed width (the same on every process).
+    Returns (prompt_tokens [Bp, P], prompt_lengths [Bp]) as int32 NumPy arrays."""
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
     if prompt_tokens.ndim != 2 or prompt_lengths.shape != prompt_tokens.shape[:1]:
@@ -397,6 +419,20 @@ def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rollou
     if spec is not None and b % spec.mesh.shape[spec.rules.get("batch") or "data"]:
         raise ValueError(f"rollout batch {b} is not divisible by the mesh's data axis "
                          f"{dict(spec.mesh.shape)}")
+    return prompt_tokens, prompt_lengths
+
+
+def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
+          group_size: int = 1, rng: jax.Array | None = None,
+          spec: ShardingSpec | None = None) -> DecodeState:
+    """The prefill program: validates and pads the prompts, fills the cache (one copy per
+    sample), samples the first token. Arguments as in `generate`; the result feeds `decode`
+    (whose `cfg` may differ in mode, dense layers and max_budget only)."""
+    prompt_tokens, prompt_lengths = prepare_prompts(prompt_tokens, prompt_lengths, cfg=cfg,
+                                                    group_size=group_size, spec=spec)
+    plen = prompt_tokens.shape[1]
+    multi = multihost.is_multiprocess()
+    b = prompt_tokens.shape[0] * group_size * jax.process_count()
     check_cache_fits(model.config, b, cfg.cache_slots(plen), model.dtype, spec,
                      block_size=cfg.block_size)
     graphdef, params = nnx.split(model)

@@ -1,0 +1,111 @@
+"""Host-side page accounting for the paged rollout engine: a free list with reference counts
+per pool, and the pool size a `RolloutConfig` asks for.
+
+A page holds one selection block (block_size tokens) of K, V and the block's key centroid for
+every layer. The n samples of a GRPO group hold references to their prompt's full pages; a page
+returns to the free list when its last holder releases it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+
+from sparrow_jax.model.config import Qwen3Config
+
+log = logging.getLogger(__name__)
+
+
+class PoolExhausted(RuntimeError):
+    """No free pages left (the scheduler preempts a running sample and retries)."""
+
+
+class PagePool:
+    """Physical pages 0..num_pages-1 of one pool (one data shard), reference counted."""
+
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise ValueError(f"a page pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self._refs = np.zeros(num_pages, np.int32)
+        # A stack with the lowest ids on top: pages are reused low-first (a compact working set).
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        """n fresh pages (reference count 1); raises PoolExhausted (taking nothing) if fewer
+        than n are free."""
+        if n > len(self._free):
+            raise PoolExhausted(f"{n} pages wanted, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(n)]
+        self._refs[pages] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of `pages` (a group sample taking its prompt's pages)."""
+        if pages and (self._refs[pages] <= 0).any():
+            raise ValueError(f"sharing pages that are not allocated: {pages}")
+        np.add.at(self._refs, pages, 1)
+
+    def release(self, pages: list[int]) -> None:
+        """Drops one reference to each of `pages`; pages nobody holds become free."""
+        if pages and (self._refs[pages] <= 0).any():
+            raise ValueError(f"releasing pages that are not allocated: {pages}")
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return int(self._refs[page])
+
+    def check_all_free(self) -> None:
+        """Raises if any page is still held (a leak: every sample releases its pages)."""
+        if self._free and len(self._free) == self.num_pages:
+            return
+        held = np.flatnonzero(self._refs).tolist()
+        raise RuntimeError(f"page leak: {len(held)} of {self.num_pages} pages still held "
+                           f"after the rollout (first: {held[:8]})")
+
+
+def pages_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def device_memory_limit() -> int | None:
+    """The first local device's memory limit in bytes (None where the backend does not say)."""
+    try:
+        return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # CPU backends may not implement memory_stats
+        return None
+
+
+def pool_pages(cfg: Qwen3Config, *, page_bytes_per_device: int, pool_bytes: int,
+               pool_fraction: float, default_pages: int) -> tuple[int, str]:
+    """Pages per pool (one pool per data shard) and where the size came from.
+
+    pool_bytes > 0: that many bytes per device; pool_fraction > 0: that fraction of the
+    device's memory limit (errors where the backend reports none, e.g. CPU); else default_pages
+    (the caller's: every row's worst case, the static engine's memory).
+    """
+    if pool_bytes > 0 and pool_fraction > 0:
+        raise ValueError("set RolloutConfig.pool_bytes or pool_fraction, not both")
+    if pool_bytes > 0:
+        return pool_bytes // page_bytes_per_device, f"pool_bytes={pool_bytes}"
+    if pool_fraction > 0:
+        limit = device_memory_limit()
+        if limit is None:
+            raise ValueError("RolloutConfig.pool_fraction needs a device that reports its memory "
+                             "limit (CPU does not); set pool_bytes instead")
+        return int(pool_fraction * limit) // page_bytes_per_device, \
+            f"pool_fraction={pool_fraction} of {limit / 2**30:.1f} GiB"
+    return default_pages, "default (every row at full length)"

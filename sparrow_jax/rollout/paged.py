@@ -1,0 +1,244 @@
+"""The paged engine's compiled programs: prefill into pages, and decode chunks of N steps.
+
+KV lives in page pools, per layer `[G, Hkv, N, bs, D]` (a page = one selection block of bs
+tokens; G pools = one per data shard, each owning its shard's slots) plus the key centroid of
+every page `[G, Hkv, N, D]`. A slot reads its pages through its page table `[S, P]` (logical
+block -> physical page). The host scheduler (`rollout/scheduler.py`) owns the tables, the page
+allocator (`rollout/page_pool.py`) and the samples; these programs only read and write pages.
+
+Shapes are bucketed by the scheduler (slots S, pages per slot P, prefill rows R and width W), so
+a rollout compiles a bounded number of programs; unused slots / rows are masked and their writes
+dropped (page id N is out of range: scatters with mode="drop" skip it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels
+from pallas_kernels.reference import all_blocks_selection
+from sparrow_jax import selection
+from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.rollout.engine import RolloutConfig, budget_for_lengths, prefill
+from sparrow_jax.rollout.sampling import sample, topk_logprobs
+from sparrow_jax.sharding import ShardingSpec
+
+# Logical axes: pools and slots over `data` (a pool serves its shard's slots), heads over `model`.
+POOL_AXES = ("batch", "kv_heads", None, None, "head_dim")       # [G, Hkv, N, bs, D]
+CENTROID_AXES = ("batch", "kv_heads", None, "head_dim")          # [G, Hkv, N, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKV:
+    k: tuple[jax.Array, ...]          # L x [G, Hkv, N, bs, D]
+    v: tuple[jax.Array, ...]          # L x [G, Hkv, N, bs, D]
+    centroids: tuple[jax.Array, ...]  # L x [G, Hkv, N, D] (mean key of each full page)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[2]
+
+
+def page_bytes(cfg: Qwen3Config, dtype, block_size: int) -> int:
+    """Bytes of one page over all layers: K, V and the centroid, all KV heads."""
+    per_layer = cfg.num_key_value_heads * cfg.head_dim * (2 * block_size + 1)
+    return int(cfg.num_hidden_layers * per_layer * jnp.dtype(dtype).itemsize)
+
+
+def init_pages(cfg: Qwen3Config, pools: int, pages: int, block_size: int, dtype,
+               spec: ShardingSpec | None = None) -> PagedKV:
+    """Zeroed page pools, `pages` per pool, created directly with their sharding."""
+    kv_shape = (pools, cfg.num_key_value_heads, pages, block_size, cfg.head_dim)
+    c_shape = kv_shape[:3] + kv_shape[4:]
+
+    def zeros(shape, axes):
+        sharding = None if spec is None else spec.sharding(axes, shape)
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+    layers = range(cfg.num_hidden_layers)
+    return PagedKV(k=tuple(zeros(kv_shape, POOL_AXES) for _ in layers),
+                   v=tuple(zeros(kv_shape, POOL_AXES) for _ in layers),
+                   centroids=tuple(zeros(c_shape, CENTROID_AXES) for _ in layers))
+
+
+def _sample_rows(rng, logits, sample_ids, index, cfg: RolloutConfig):
+    """Samples one token per row with the row's own key fold_in(fold_in(rng, sample), index),
+    so a sample's tokens do not depend on its slot, its neighbours or a preemption.
+    logits [R, V], sample_ids/index [R] -> (tokens [R], logprobs [R], top-k values/ids [R, k])."""
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(rng, s), i))(
+        sample_ids, index)
+    tok, lp = jax.vmap(lambda key, row: sample(key, row[None], temperature=cfg.temperature,
+                                               top_k=cfg.top_k, top_p=cfg.top_p))(keys, logits)
+    top_v, top_i = topk_logprobs(logits, cfg.record_topk, temperature=cfg.temperature)
+    return tok[:, 0], lp[:, 0], top_v, top_i
+
+
+# -- prefill ----------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "spec"),
+                   donate_argnames=("kv",))
+def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, pool_of, write_pages,
+                    sample_ids, index, rng, *, cfg: RolloutConfig, spec: ShardingSpec | None):
+    """Dense prefill of R sequences into pages, fanned out to n samples each.
+
+    tokens [R, W] (W a multiple of bs), lengths [R]; pool_of [R] the pool of each row;
+    write_pages [R, n, W/bs] the page each of the row's blocks goes to for each of its n samples
+    (full prompt pages: the same shared page for all n; the partly filled last page: a private
+    page per sample; unused: N = dropped). sample_ids/index [R, n]: the sampling key of each
+    sample's next token. Returns (kv, tokens/logprobs [R, n], top-k values/ids [R, n, k]).
+    """
+    model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
+    r, w = tokens.shape
+    n = write_pages.shape[1]
+    bs = cfg.block_size
+    ks, vs, last_logits = prefill(model, tokens, lengths, chunk=cfg.prefill_chunk)
+    gi = jnp.broadcast_to(pool_of[:, None, None], write_pages.shape)
+
+    def scatter(pool, data):                    # data [R, Hkv, W/bs, ...] -> pool[G, Hkv, N, ...]
+        vals = jnp.broadcast_to(jnp.moveaxis(data, 1, 2)[:, None], (r, n) + (w // bs,)
+                                + (data.shape[1],) + data.shape[3:])
+        return pool.at[gi, :, write_pages].set(vals.astype(pool.dtype), mode="drop")
+
+    def blocks(x):                              # [R, Hkv, W, D] -> [R, Hkv, W/bs, bs, D]
+        return x.reshape(r, x.shape[1], w // bs, bs, x.shape[-1])
+
+    kv = PagedKV(k=tuple(scatter(p, blocks(x)) for p, x in zip(kv.k, ks)),
+                 v=tuple(scatter(p, blocks(x)) for p, x in zip(kv.v, vs)),
+                 centroids=tuple(scatter(p, selection.block_centroids(x, bs))
+                                 for p, x in zip(kv.centroids, ks)))
+    logits = jnp.repeat(last_logits, n, axis=0)
+    tok, lp, top_v, top_i = _sample_rows(rng, logits, sample_ids.reshape(-1), index.reshape(-1),
+                                         cfg)
+    k = cfg.record_topk
+    return (kv, tok.reshape(r, n), lp.reshape(r, n), top_v.reshape(r, n, k),
+            top_i.reshape(r, n, k))
+
+
+# -- decode -----------------------------------------------------------------------------------
+def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, lengths, write,
+                     budget_blocks, *, sparse: bool, cfg: RolloutConfig, max_selected: int):
+    """One layer, one token per slot, on one pool (under shard_map: this shard's).
+
+    q [S, Hq, D]; k_new/v_new [S, Hkv, D] the fed token's key/value, written at position
+    lengths - 1; pools [1, Hkv, N, bs, D], centroids [1, Hkv, N, D]; page_table [S, P];
+    lengths [S] tokens including the fed one; write [S] bool (inactive slots write nothing).
+    Returns (out [S, Hq, D], k_pool, v_pool, c_pool).
+    """
+    bs = cfg.block_size
+    _, hkv, n_pages, _, d = k_pool.shape
+    s, p = page_table.shape
+    pos = lengths - 1
+    page = jnp.take_along_axis(page_table, (pos // bs)[:, None], axis=1)[:, 0]
+    flat = jnp.where(write, page * bs + pos % bs, n_pages * bs)         # out of range: dropped
+    k_flat = k_pool.reshape(hkv, n_pages * bs, d).at[:, flat].set(
+        k_new.swapaxes(0, 1).astype(k_pool.dtype), mode="drop")
+    v_flat = v_pool.reshape(hkv, n_pages * bs, d).at[:, flat].set(
+        v_new.swapaxes(0, 1).astype(v_pool.dtype), mode="drop")
+    k_pool = k_flat.reshape(k_pool.shape)
+    v_pool = v_flat.reshape(v_pool.shape)
+    if not sparse:
+        idx, num = all_blocks_selection(s, hkv, p * bs, lengths, bs)
+    else:
+        # The page this token filled gets its centroid (mean post-RoPE key, f32 accumulation).
+        filled = write & (lengths % bs == 0)
+        full_keys = k_pool[0][:, page].astype(jnp.float32)                # [Hkv, S, bs, D]
+        cent = jnp.mean(full_keys, axis=2).astype(c_pool.dtype)
+        c_pool = c_pool[0].at[:, jnp.where(filled, page, n_pages)].set(cent, mode="drop")[None]
+        cents = c_pool[0][:, jnp.clip(page_table, 0, n_pages - 1)].swapaxes(0, 1)  # [S, Hkv, P, D]
+        idx, num = selection.select_blocks(q, cents, lengths, budget_blocks,
+                                           max_selected=max_selected, block_size=bs)
+    out, _ = pallas_kernels.paged_block_sparse_decode(q, k_pool, v_pool, page_table, idx, num,
+                                                      lengths, backend=cfg.backend)
+    return out, k_pool, v_pool, c_pool
+
+
+def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
+    """Per-layer attention under shard_map: slots and pools over data, KV heads over model."""
+    if spec is None:
+        return fn
+    model_size = spec.mesh.shape.get("model", 1)
+    heads = "model" if num_kv_heads % model_size == 0 else None
+    data = spec.rules.get("batch")
+    tok, pool, cent, row = P(data, heads, None), P(data, heads, None, None, None), \
+        P(data, heads, None, None), P(data)
+    return jax.shard_map(fn, mesh=spec.mesh,
+                         in_specs=(tok, tok, tok, pool, pool, cent, P(data, None), row, row, row),
+                         out_specs=(tok, pool, pool, cent), check_vma=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Slots:
+    """The running samples of one decode chunk (host-built, bucketed to S rows)."""
+    token: jax.Array         # [S] int32 last sampled token (fed next)
+    length: jax.Array        # [S] int32 tokens in the cache (the fed token goes to this index)
+    generated: jax.Array     # [S] int32 tokens recorded so far (index of the next one)
+    active: jax.Array        # [S] bool
+    sample_id: jax.Array     # [S] int32 (sampling key)
+    page_table: jax.Array    # [S, P] int32 physical pages (N = none)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "steps", "bin_size", "spec"),
+                   donate_argnames=("kv",))
+def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, rng, *,
+                         cfg: RolloutConfig, steps: int, bin_size: int,
+                         spec: ShardingSpec | None):
+    """`steps` decode steps of every active slot (a `fori_loop`; no host round trip inside).
+
+    The scheduler guarantees every active slot has pages for `steps` more tokens. A slot stops
+    at a stop token or after cfg.max_new_tokens recorded tokens. Returns (kv, slots, records):
+    records = (tokens, logprobs, budgets [S, steps], top-k values/ids [S, steps, k],
+    recorded [S, steps] bool), step j of a slot being its token number generated + j.
+    """
+    model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
+    mcfg = model.config
+    s, p = slots.page_table.shape
+    max_selected = min(cfg.max_budget // cfg.block_size, p)
+    stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
+    attn = {sp: _sharded(functools.partial(_layer_attention, sparse=sp, cfg=cfg,
+                                           max_selected=max_selected), spec,
+                         mcfg.num_key_value_heads) for sp in (False, True)}
+    k_rec = cfg.record_topk
+    rec0 = (jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps), jnp.float32),
+            jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps, k_rec), jnp.float32),
+            jnp.zeros((s, steps, k_rec), jnp.int32), jnp.zeros((s, steps), bool))
+
+    def body(j, carry):
+        kv, sl, rec = carry
+        lengths = sl.length + 1
+        budget = budget_for_lengths(budgets, lengths, bin_size)
+        budget_blocks = jnp.minimum(budget // cfg.block_size, max_selected).astype(jnp.int32)
+        ks, vs, cs = list(kv.k), list(kv.v), list(kv.centroids)
+
+        def attend(i, q, k, v):
+            sparse = cfg.mode == "sparse" and i not in cfg.dense_layers
+            out, ks[i], vs[i], cs[i] = attn[sparse](
+                q[:, 0], k[:, 0], v[:, 0], ks[i], vs[i], cs[i], sl.page_table, lengths,
+                sl.active, budget_blocks)
+            return out[:, None]
+
+        hidden = model.run_layers(model.embed(sl.token[:, None]), sl.length[:, None], attend)
+        tok, lp, top_v, top_i = _sample_rows(rng, model.logits(hidden[:, 0]), sl.sample_id,
+                                             sl.generated, cfg)
+        act = sl.active
+        used = budget if cfg.mode == "sparse" else jnp.zeros_like(budget)
+        rec = (rec[0].at[:, j].set(jnp.where(act, tok, cfg.pad_token_id)),
+               rec[1].at[:, j].set(jnp.where(act, lp, 0.0)),
+               rec[2].at[:, j].set(jnp.where(act, used, 0)),
+               rec[3].at[:, j].set(top_v), rec[4].at[:, j].set(top_i), rec[5].at[:, j].set(act))
+        generated = sl.generated + act
+        done = jnp.isin(tok, stop_ids) | (generated >= cfg.max_new_tokens)
+        sl = dataclasses.replace(sl, token=jnp.where(act, tok, sl.token),
+                                 length=jnp.where(act, lengths, sl.length), generated=generated,
+                                 active=act & ~done)
+        return PagedKV(tuple(ks), tuple(vs), tuple(cs)), sl, rec
+
+    kv, slots, rec = jax.lax.fori_loop(0, steps, body, (kv, slots, rec0))
+    return kv, slots, rec

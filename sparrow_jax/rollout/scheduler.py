@@ -1,0 +1,369 @@
+"""Continuous batching on the host around the paged engine's compiled programs.
+
+Loop, until every sample has finished:
+  1. grow: every running sample gets the pages its next `chunk_steps` tokens need; when a pool
+     runs out, the most recently admitted running sample of that pool is preempted (its pages
+     released, it goes back to the front of the queue with its recorded tokens kept);
+  2. admit: queued work takes free slots while its pages fit, first come first served: a new
+     prompt's whole GRPO group at once (one prefill row whose full prompt pages all n samples
+     share; each sample gets its own copy of the partly filled last page), or a preempted
+     sample (its prompt + generated tokens recomputed, its recorded tokens and log-probs kept);
+  3. one compiled decode chunk over the running samples (slots compacted and bucketed);
+  4. harvest: finished samples' pages go back to their pool.
+Sampling keys are per (sample, token index), so a sample's tokens do not depend on which slot
+it ran in, what ran beside it, or whether it was preempted (greedy results are bit-identical).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.rollout import paged
+from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, _check_budgets, prepare_prompts
+from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_pages
+from sparrow_jax.shapes import COMPILES
+from sparrow_jax.sharding import ShardingSpec
+
+log = logging.getLogger(__name__)
+
+
+def pow2_bucket(n: int, cap: int) -> int:
+    """The smallest power of two >= n, at most cap (slot and prefill-row counts)."""
+    return min(cap, 1 << max(0, int(n) - 1).bit_length())
+
+
+def page_bucket(n: int, cap: int) -> int:
+    """Pages per slot, two buckets per octave from 4 (the decode cost follows the live length
+    within 1.5x; a rollout touches ~2 log2(cap / 4) widths), at most cap."""
+    b = 4
+    while b < n:
+        b = b + b // 2 if (b & (b - 1)) == 0 else 1 << b.bit_length()
+    return min(b, cap)
+
+
+@dataclasses.dataclass
+class _Sample:
+    index: int                   # row of the result (prompt index * group size + j)
+    prompt: int
+    generated: int = 0           # tokens recorded
+    pages: list = dataclasses.field(default_factory=list)   # logical block -> physical page
+    pool: int = -1
+    order: int = 0               # admission counter (the newest is preempted first)
+    preemptions: int = 0
+
+
+@dataclasses.dataclass
+class PagedStats:
+    """What the last paged rollout did (read by benchmarks and the dryrun report)."""
+    pages_per_pool: int = 0
+    pools: int = 1
+    page_bytes: int = 0
+    peak_pages: int = 0          # most pages held at once, summed over pools
+    preemptions: int = 0
+    chunks: int = 0
+    prefills: int = 0
+    shared_prompt_pages: int = 0  # page references served by sharing instead of a copy
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_pages * self.page_bytes
+
+
+LAST_STATS = PagedStats()
+
+
+class _Rollout:
+    """One rollout's host state: samples, queue, pools, records."""
+
+    def __init__(self, model, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
+                 group_size: int, rng, spec: ShardingSpec | None):
+        mcfg = model.config
+        self.model, self.cfg, self.spec, self.n = model, cfg, spec, group_size
+        self.prompts, self.prompt_lengths = prompt_tokens, prompt_lengths
+        bp, self.width = prompt_tokens.shape
+        self.rows = bp * group_size
+        self.bs, self.t = cfg.block_size, cfg.max_new_tokens
+        self.pools = 1 if spec is None else spec.mesh.shape[spec.rules.get("batch") or "data"]
+        slots = cfg.max_slots or self.rows
+        if slots % self.pools or slots // self.pools < group_size:
+            raise ValueError(f"RolloutConfig.max_slots={slots} must be a multiple of the data "
+                             f"axis ({self.pools}) with at least group_size={group_size} slots "
+                             "per data shard")
+        self.slots_per_pool = slots // self.pools
+        # Pages a sample can ever hold: prompt + generated tokens (the last sampled token is
+        # never fed, so never written).
+        self.max_pages = pages_for(self.width + self.t - 1, self.bs)
+        heads_split = (1 if spec is None or mcfg.num_key_value_heads % spec.mesh.shape.get(
+            "model", 1) else spec.mesh.shape.get("model", 1))
+        page_bytes = paged.page_bytes(mcfg, model.dtype, self.bs)
+        default = -(-self.rows // self.pools) * self.max_pages
+        self.pages_per_pool, source = pool_pages(
+            mcfg, page_bytes_per_device=page_bytes // heads_split, pool_bytes=cfg.pool_bytes,
+            pool_fraction=cfg.pool_fraction, default_pages=default)
+        group_need = pages_for(self.width, self.bs) + group_size * pages_for(
+            cfg.chunk_steps + self.bs, self.bs)
+        need = max(self.max_pages, group_need)
+        if self.pages_per_pool < need:
+            raise ValueError(
+                f"the page pool ({self.pages_per_pool} pages of {self.bs} tokens per data shard, "
+                f"from {source}) cannot hold one sample of {self.width} prompt + {self.t} new "
+                f"tokens or one group's prompt ({need} pages); raise RolloutConfig.pool_bytes")
+        self.alloc = [PagePool(self.pages_per_pool) for _ in range(self.pools)]
+        self.kv = paged.init_pages(mcfg, self.pools, self.pages_per_pool, self.bs, model.dtype,
+                                   spec)
+        log.info("paged rollout: %d pool(s) x %d pages (%s, %.2f GiB per device), %d slots, "
+                 "chunks of %d steps", self.pools, self.pages_per_pool, source,
+                 self.pages_per_pool * page_bytes / heads_split / 2**30, slots, cfg.chunk_steps)
+        self.stats = PagedStats(pages_per_pool=self.pages_per_pool, pools=self.pools,
+                                page_bytes=page_bytes)
+        self.graphdef, self.params = nnx.split(model)
+        self.rng = jax.random.key(0) if rng is None else rng
+        k = cfg.record_topk
+        self.tokens = np.full((self.rows, self.t), cfg.pad_token_id, np.int32)
+        self.logprobs = np.zeros((self.rows, self.t), np.float32)
+        self.budgets = np.zeros((self.rows, self.t), np.int32)
+        self.topk_v = np.zeros((self.rows, self.t, k), np.float32)
+        self.topk_i = np.zeros((self.rows, self.t, k), np.int32)
+        self.samples = [_Sample(i, i // group_size) for i in range(self.rows)]
+        self.queue = collections.deque(("group", g) for g in range(bp))
+        self.running: list[list[_Sample]] = [[] for _ in range(self.pools)]
+        self.admitted = 0
+        self.stop_ids = set(cfg.stop_token_ids)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _length(self, s: _Sample) -> int:
+        """Tokens in the cache while running: prompt + all generated but the last (fed next)."""
+        return int(self.prompt_lengths[s.prompt]) + s.generated - 1
+
+    def _pages_wanted(self, s: _Sample) -> int:
+        return min(pages_for(self._length(s) + self.cfg.chunk_steps, self.bs), self.max_pages)
+
+    def _record(self, s: _Sample, toks, lps, buds, top_v, top_i) -> bool:
+        """Appends recorded tokens to sample s; True if it finished."""
+        c = len(toks)
+        g = s.generated
+        self.tokens[s.index, g:g + c] = toks
+        self.logprobs[s.index, g:g + c] = lps
+        self.budgets[s.index, g:g + c] = buds
+        self.topk_v[s.index, g:g + c] = top_v
+        self.topk_i[s.index, g:g + c] = top_i
+        s.generated += c
+        return s.generated >= self.t or (c > 0 and int(toks[-1]) in self.stop_ids)
+
+    def _finish(self, s: _Sample) -> None:
+        self.alloc[s.pool].release(s.pages)
+        s.pages = []
+
+    def _preempt(self, s: _Sample) -> None:
+        self.running[s.pool].remove(s)
+        self._finish(s)
+        s.preemptions += 1
+        self.stats.preemptions += 1
+        self.queue.appendleft(("resume", s.index))
+        log.info("paged rollout: preempted sample %d at %d tokens (pool %d full)", s.index,
+                 s.generated, s.pool)
+
+    def _note_peak(self) -> None:
+        used = sum(a.used_pages for a in self.alloc)
+        self.stats.peak_pages = max(self.stats.peak_pages, used)
+
+    # -- 1. grow ------------------------------------------------------------------------------
+    def grow(self) -> None:
+        for pool, running in enumerate(self.running):
+            for s in sorted(running, key=lambda x: x.order):
+                if s not in running:
+                    continue                                  # preempted below
+                while len(s.pages) < self._pages_wanted(s):
+                    try:
+                        s.pages += self.alloc[pool].alloc(self._pages_wanted(s) - len(s.pages))
+                    except PoolExhausted:
+                        victim = max(running, key=lambda x: x.order)
+                        self._preempt(victim)
+                        if victim is s:
+                            break
+
+    # -- 2. admit -----------------------------------------------------------------------------
+    def admit(self) -> list[tuple]:
+        """Takes queued work while slots and pages allow; returns prefill units
+        (kind, samples, pool, shared_pages, private_pages per sample)."""
+        units = []
+        while self.queue:
+            kind, i = self.queue[0]
+            group = ([self.samples[i * self.n + j] for j in range(self.n)] if kind == "group"
+                     else [self.samples[i]])
+            length = (int(self.prompt_lengths[i]) if kind == "group"
+                      else self._length(group[0]))
+            shared = length // self.bs if kind == "group" else 0
+            private = [self._pages_wanted_at(length, group[0]) - shared for _ in group]
+            need = shared + sum(private)
+            free = [(a.free_pages, p) for p, a in enumerate(self.alloc)
+                    if self.slots_per_pool - len(self.running[p]) >= len(group)]
+            if not free or max(free)[0] < need:
+                break
+            pool = max(free)[1]
+            self.queue.popleft()
+            shared_pages = self.alloc[pool].alloc(shared)
+            for s, n_priv in zip(group, private):
+                if kind == "group":
+                    self.alloc[pool].share(shared_pages)
+                s.pages = shared_pages + self.alloc[pool].alloc(n_priv)
+                s.pool, s.order = pool, self.admitted
+                self.admitted += 1
+                self.running[pool].append(s)
+            if kind == "group" and shared:
+                self.alloc[pool].release(shared_pages)    # the samples hold them now
+                self.stats.shared_prompt_pages += shared * (len(group) - 1)
+            units.append((kind, group, pool, length))
+        self._note_peak()
+        return units
+
+    def _pages_wanted_at(self, cache_length: int, s: _Sample) -> int:
+        return min(pages_for(cache_length + self.cfg.chunk_steps, self.bs), self.max_pages)
+
+    def prefill(self, units: list[tuple], budgets) -> None:
+        """One prefill program over the admitted units (rows and width bucketed)."""
+        cfg, bs = self.cfg, self.bs
+        longest = max(u[3] for u in units)
+        width = cfg.prompt_width(max(longest, 1))
+        rows = pow2_bucket(len(units), max(1, self.slots_per_pool * self.pools))
+        n = self.n
+        n_pages = self.pages_per_pool
+        tokens = np.full((rows, width), cfg.pad_token_id, np.int32)
+        lengths = np.ones((rows,), np.int32)
+        pool_of = np.zeros((rows,), np.int32)
+        write = np.full((rows, n, width // bs), n_pages, np.int32)
+        sample_ids = np.zeros((rows, n), np.int32)
+        index = np.zeros((rows, n), np.int32)
+        for r, (kind, group, pool, length) in enumerate(units):
+            s0 = group[0]
+            plen = int(self.prompt_lengths[s0.prompt])
+            seq = self.prompts[s0.prompt, :plen]
+            if kind == "resume" and s0.generated > 1:
+                seq = np.concatenate([seq, self.tokens[s0.index, :s0.generated - 1]])
+            tokens[r, :length] = seq
+            lengths[r] = length
+            pool_of[r] = pool
+            used = pages_for(length, bs)
+            for j, s in enumerate(group):
+                write[r, j, :used] = s.pages[:used]
+                sample_ids[r, j] = s.index
+                index[r, j] = s.generated
+        COMPILES.note("rollout/paged_prefill", rows=rows, width=width, group_size=n,
+                      pages=n_pages, dtype=jnp.dtype(self.model.dtype).name)
+        out = paged.prefill_program(self.graphdef, self.params, self.kv, jnp.asarray(tokens),
+                                    jnp.asarray(lengths), jnp.asarray(pool_of),
+                                    jnp.asarray(write), jnp.asarray(sample_ids),
+                                    jnp.asarray(index), self.rng, cfg=cfg, spec=self.spec)
+        self.kv = out[0]
+        tok, lp, top_v, top_i = (np.asarray(x) for x in out[1:])
+        self.stats.prefills += 1
+        for r, (kind, group, pool, length) in enumerate(units):
+            if kind == "resume":
+                continue         # its next token is already recorded: decode feeds it
+            for j, s in enumerate(group):
+                if self._record(s, tok[r, j:j + 1], lp[r, j:j + 1], np.zeros(1, np.int32),
+                                top_v[r, j:j + 1], top_i[r, j:j + 1]):
+                    self.running[pool].remove(s)
+                    self._finish(s)
+
+    # -- 3. decode ----------------------------------------------------------------------------
+    def decode(self, budgets) -> None:
+        cfg = self.cfg
+        per_pool = pow2_bucket(max(len(r) for r in self.running), self.slots_per_pool)
+        width = page_bucket(max(len(s.pages) for r in self.running for s in r), self.max_pages)
+        total = per_pool * self.pools
+        token = np.zeros(total, np.int32)
+        length = np.zeros(total, np.int32)
+        generated = np.zeros(total, np.int32)
+        active = np.zeros(total, bool)
+        sample_id = np.zeros(total, np.int32)
+        table = np.full((total, width), self.pages_per_pool, np.int32)
+        order: list[tuple[int, _Sample]] = []
+        for pool, running in enumerate(self.running):
+            for k, s in enumerate(running):
+                row = pool * per_pool + k
+                token[row] = self.tokens[s.index, s.generated - 1]
+                length[row], generated[row] = self._length(s), s.generated
+                active[row], sample_id[row] = True, s.index
+                table[row, :len(s.pages)] = s.pages
+                order.append((row, s))
+        slots = paged.Slots(token=jnp.asarray(token), length=jnp.asarray(length),
+                            generated=jnp.asarray(generated), active=jnp.asarray(active),
+                            sample_id=jnp.asarray(sample_id), page_table=jnp.asarray(table))
+        if self.spec is not None:
+            slots = jax.tree.map(lambda x: _place(x, self.spec), slots)
+        COMPILES.note("rollout/paged_decode", slots=total, pages_per_slot=width,
+                      steps=cfg.chunk_steps, mode=cfg.mode, pages=self.pages_per_pool,
+                      dtype=jnp.dtype(self.model.dtype).name)
+        self.kv, _, rec = paged.decode_chunk_program(
+            self.graphdef, self.params, self.kv, slots, jnp.asarray(budgets), self.rng, cfg=cfg,
+            steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
+        toks, lps, buds, top_v, top_i, recorded = (np.asarray(x) for x in rec)
+        self.stats.chunks += 1
+        for row, s in order:
+            c = int(recorded[row].sum())
+            if self._record(s, toks[row, :c], lps[row, :c], buds[row, :c], top_v[row, :c],
+                            top_i[row, :c]):
+                self.running[s.pool].remove(s)
+                self._finish(s)
+
+    def run(self, budgets, bin_size: int) -> None:
+        self.bin_size = bin_size
+        while self.queue or any(self.running):
+            self.grow()
+            units = self.admit()
+            if units:
+                self.prefill(units, budgets)
+            if any(self.running):
+                self.decode(budgets)
+            elif self.queue and not units:
+                raise RuntimeError("paged rollout made no progress: the queue's head does not "
+                                   "fit an empty pool (a bug: the pool size was checked)")
+        for a in self.alloc:
+            a.check_all_free()
+
+
+def _place(x: jax.Array, spec: ShardingSpec) -> jax.Array:
+    """Rows over the data axis (slot arrays: each shard's slots on its devices)."""
+    return jax.device_put(x, spec.sharding(("batch",) + (None,) * (x.ndim - 1), x.shape))
+
+
+def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
+             budgets, bin_size: int = 2000, group_size: int = 1, rng: jax.Array | None = None,
+             spec: ShardingSpec | None = None) -> Trajectories:
+    """The paged engine's `engine.generate`: same arguments, same `Trajectories` (rows grouped
+    in prompt order, shapes as the static engine's). Single-process only for now."""
+    global LAST_STATS
+    if jax.process_count() > 1:
+        raise ValueError("RolloutConfig.engine='paged' runs in one process only for now; use "
+                         "engine='static' for multi-process rollouts")
+    budgets = _check_budgets(cfg, budgets)
+    prompt_tokens, prompt_lengths = prepare_prompts(prompt_tokens, prompt_lengths, cfg=cfg,
+                                                    group_size=group_size, spec=spec)
+    ro = _Rollout(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
+                  spec=spec)
+    ro.run(budgets, bin_size)
+    LAST_STATS = ro.stats
+    rows_lengths = np.array([s.generated for s in ro.samples], np.int32)
+    def rep(x):
+        return np.repeat(x, group_size, axis=0)
+    t = np.arange(cfg.max_new_tokens)
+    plens = rep(prompt_lengths)
+    traj = Trajectories(
+        prompt_tokens=jnp.asarray(rep(prompt_tokens)), prompt_lengths=jnp.asarray(plens),
+        tokens=jnp.asarray(ro.tokens), logprobs=jnp.asarray(ro.logprobs),
+        topk_logprobs=jnp.asarray(ro.topk_v), topk_ids=jnp.asarray(ro.topk_i),
+        budgets=jnp.asarray(ro.budgets), cached_lengths=jnp.asarray(plens[:, None] + t[None]),
+        mask=jnp.asarray(t[None] < rows_lengths[:, None]),
+        response_lengths=jnp.asarray(rows_lengths))
+    if spec is not None:
+        traj = jax.tree.map(lambda x: _place(x, spec), traj)
+    return traj
