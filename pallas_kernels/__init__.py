@@ -2,7 +2,8 @@
 and their XLA references. Entry points: ``block_sparse_decode`` and ``dense_decode``."""
 
 from pallas_kernels.dispatch import (BACKENDS, BackendUnavailableError, block_sparse_decode,
-                                     dense_decode, resolve_backend)
+                                     dense_decode, paged_block_sparse_decode,
+                                     resolve_backend)
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "block_sparse_decode", "dense_decode",
-           "resolve_backend"]
+           "paged_block_sparse_decode", "resolve_backend"]

@@ -16,8 +16,10 @@ Run in the separate compile environment (see .ci/compile_env.sh), from a directo
   direct ``triton.compile`` to an sm_90 cubin checking the shared-memory footprint.
 * triton_interpret (needs TRITON_INTERPRET=1 in the environment): runs the raw Triton kernel in
   Triton's CPU interpreter and compares with the XLA reference, since no GPU executes it here.
-Each target also compiles a deliberately oversized kernel that must FAIL: proof that the check
-really compiles instead of silently accepting anything. Exit status 1 if any check fails.
+Every Pallas / jax_triton target also compiles the paged form (PAGED_SHAPE: one page pool shared
+by a batch of 64 rows, behind the page-table lookup). Each target also compiles a deliberately
+oversized kernel that must FAIL: proof that the check really compiles instead of silently
+accepting anything. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ SHAPES = [
     ("qwen3-8b-b32-16k", 32, 32, 8, 128, 32768, 16384),
 ]
 BF16_ONLY = {"qwen3-8b-b32-16k"}
+# Paged decode as the rollout engine runs it: Qwen3-1.7B (Hq 16, Hkv 8, D 128), bf16, 64 rows
+# sharing one pool (G = 1) of 16384 pages of 16 tokens, page tables of 2048 pages (32K tokens)
+# per row, 256 selected entries (a 4K-token budget).
+# (name, batch, Hq, Hkv, D, pools G, pages per pool N, page-table width P, entries K)
+PAGED_SHAPE = ("qwen3-1.7b-paged", 64, 16, 8, 128, 1, 16384, 2048, 256)
 
 
 def _dtypes(name: str) -> tuple:
@@ -110,6 +117,29 @@ def _args(sharding, b, hq, hkv, d, s, budget, dtype, sparse=True):
     return q, k, k, sds((b, hkv, kk), jnp.int32), sds((b, hkv), jnp.int32), ln
 
 
+def _paged_args(sharding, dtype=jnp.bfloat16):
+    """Abstract inputs of the public paged form: q, k_pages, v_pages, page_table, block_indices,
+    num_blocks, lengths at PAGED_SHAPE."""
+    _, b, hq, hkv, d, pools, n_pages, p_width, kk = PAGED_SHAPE
+
+    def sds(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    pages = sds((pools, hkv, n_pages, BLOCK, d), dtype)
+    return (sds((b, hq, d), dtype), pages, pages, sds((b, p_width), jnp.int32),
+            sds((b, hkv, kk), jnp.int32), sds((b, hkv), jnp.int32), sds((b,), jnp.int32))
+
+
+def _paged(kernel, **kw):
+    """A backend's paged kernel behind the public form's page-table lookup, as dispatch runs it
+    (dispatch itself refuses these backends on a CPU host)."""
+    from pallas_kernels.reference import physical_pages
+
+    def call(q, k_pages, v_pages, page_table, block_indices, num_blocks, lengths):
+        return kernel(q, k_pages, v_pages, physical_pages(page_table, block_indices),
+                      block_indices, num_blocks, lengths, **kw)
+    return call
+
+
 def _compile(fn, args, needle: str) -> str:
     compiled = jax.jit(fn).lower(*args).compile()
     text = compiled.as_text()
@@ -135,12 +165,14 @@ def check_tpu() -> None:
             _check(f"{tag} pallas_tpu dense {name} bf16", lambda: _compile(
                 tpu.dense_decode_tpu, _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
                 "tpu_custom_call"))
-        # Negative control: one 32K-token tile per step needs > 32 MiB of VMEM buffers.
+        _check(f"{tag} pallas_tpu paged {PAGED_SHAPE[0]} bfloat16", lambda: _compile(
+            _paged(tpu.paged_block_sparse_decode_tpu), _paged_args(sh), "tpu_custom_call"))
+        # Negative control: one 32K-token tile (page) per step needs > 32 MiB of VMEM buffers.
         _, b, hq, hkv, d, s, _ = SHAPES[0]
         _check(f"{tag} negative control (VMEM overflow)", lambda: _compile(
-            lambda q, k, v, bi, nb, ln: tpu._sparse_call(
-                q, k, v, bi, nb, ln, block_size=s, scale=0.1, blocks_per_step=1,
-                interpret=False),
+            lambda q, k, v, bi, nb, ln: tpu._paged_call(
+                q, k.reshape(1, hkv, 1, s, d), v.reshape(1, hkv, 1, s, d), bi, bi, nb, ln,
+                scale=0.1, blocks_per_step=1, interpret=False),
             _args(sh, 1, hq, hkv, d, s, s, jnp.bfloat16)[:3]
             + (jax.ShapeDtypeStruct((1, hkv, 1), jnp.int32, sharding=sh),
                jax.ShapeDtypeStruct((1, hkv), jnp.int32, sharding=sh),
@@ -168,6 +200,9 @@ def check_cuda() -> None:
         _check(f"{tag} pallas_triton dense {name} bf16", lambda: _compile(
             ptriton.dense_decode_triton, _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
             "__gpu$xla.gpu.triton"))
+    _check(f"{tag} pallas_triton paged {PAGED_SHAPE[0]} bfloat16", lambda: _compile(
+        _paged(ptriton.paged_block_sparse_decode_triton), _paged_args(sh),
+        "__gpu$xla.gpu.triton"))
     _, b, hq, hkv, d, s, budget = SHAPES[0]
     _check(f"{tag} negative control (shared memory overflow)", lambda: _compile(
         lambda *a: ptriton.block_sparse_decode_triton(*a, blocks_per_step=256, num_stages=4),
@@ -183,8 +218,8 @@ def _triton_cubin(meta: dict, dtype, num_warps: int = 4, num_stages: int = 2) ->
     from pallas_kernels import jax_triton as pjt
     fn = pjt._sparse_decode_kernel
     elt = {"bfloat16": "*bf16", "float32": "*fp32"}[jnp.dtype(dtype).name]
-    ptrs = dict(q_ptr=elt, k_ptr=elt, v_ptr=elt, idx_ptr="*i32", nb_ptr="*i32", len_ptr="*i32",
-                acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32")
+    ptrs = dict(q_ptr=elt, k_ptr=elt, v_ptr=elt, pid_ptr="*i32", blk_ptr="*i32", nb_ptr="*i32",
+                len_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32")
     sig = {n: ptrs.get(n, "constexpr") for n in fn.arg_names}
     src = ASTSource(fn, signature=sig, constexprs=meta)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -211,7 +246,7 @@ def check_jax_triton() -> None:
             _check(f"{tag} jax_triton lower+compile {name} {dn}", lambda: _compile(
                 lambda *a: pjt.block_sparse_decode_jax_triton(*a, compute_capability=90),
                 _args(sh, b, hq, hkv, d, s, budget, dtype), "triton_kernel_call"))
-            meta = pjt.kernel_constexprs(b, hq, hkv, s, d, budget // BLOCK, dtype,
+            meta = pjt.kernel_constexprs(b, hq, hkv, s // BLOCK, d, budget // BLOCK, dtype,
                                          block_size=BLOCK, scale=d ** -0.5, blocks_per_step=None,
                                          num_splits=None)
             meta.pop("N_SPLIT")
@@ -219,34 +254,61 @@ def check_jax_triton() -> None:
         _check(f"{tag} jax_triton dense lower+compile {name} bf16", lambda: _compile(
             lambda *a: pjt.dense_decode_jax_triton(*a, compute_capability=90),
             _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False), "triton_kernel_call"))
+    name, b, hq, hkv, d, pools, n_pages, _, kk = PAGED_SHAPE
+    _check(f"{tag} jax_triton paged lower+compile {name} bfloat16", lambda: _compile(
+        _paged(pjt.paged_block_sparse_decode_jax_triton, compute_capability=90),
+        _paged_args(sh), "triton_kernel_call"))
+    paged_meta = pjt.kernel_constexprs(b, hq, hkv, n_pages, d, kk, jnp.bfloat16, block_size=BLOCK,
+                                       scale=d ** -0.5, blocks_per_step=None, num_splits=None,
+                                       pools=pools)
+    paged_meta.pop("N_SPLIT")
+    _check(f"{tag} jax_triton paged cubin {name} bfloat16",
+           lambda: _triton_cubin(paged_meta, jnp.bfloat16))
     _, b, hq, hkv, d, s, budget = SHAPES[0]
-    big = pjt.kernel_constexprs(b, hq, hkv, s, d, budget // BLOCK, jnp.float32, block_size=BLOCK,
-                                scale=0.1, blocks_per_step=16, num_splits=1)
+    big = pjt.kernel_constexprs(b, hq, hkv, s // BLOCK, d, budget // BLOCK, jnp.float32,
+                                block_size=BLOCK, scale=0.1, blocks_per_step=16, num_splits=1)
     big.pop("N_SPLIT")
     _check(f"{tag} jax_triton negative control (shared memory overflow)",
            lambda: _triton_cubin(big, jnp.float32, num_stages=3), expect_failure=True)
 
 
-def _interpret_case(dtype_name: str) -> str:
+def _interpret_case(dtype_name: str, shared_pool: bool) -> str:
     """Runs the raw Triton kernel in Triton's CPU interpreter on torch tensors and compares the
-    merged result with the XLA reference (the jax_triton kernel is otherwise only compiled)."""
+    merged result with the contiguous XLA reference (the jax_triton kernel is otherwise only
+    compiled). shared_pool False: the contiguous cache viewed as one pool per row (page id =
+    block id); True: both rows' pages shuffled into one pool with spare pages of noise."""
     import numpy as np
     import torch
     from pallas_kernels import jax_triton as pjt
     from pallas_kernels.reference import block_sparse_decode_xla
     from pallas_kernels.triton import merge_partials
     b, hkv, g, s, d, kk = 2, 2, 4, 128, 32, 5
+    nblk = s // BLOCK
     tdt = {"float32": torch.float32, "float16": torch.float16}[dtype_name]
-    meta = pjt.kernel_constexprs(b, hkv * g, hkv, s, d, kk, jnp.dtype(dtype_name),
-                                 block_size=BLOCK, scale=d ** -0.5, blocks_per_step=2,
-                                 num_splits=2)
-    n_split, gp, k_pad = meta.pop("N_SPLIT"), meta["GP"], meta["K_PAD"]
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, hkv * g, d, generator=gen).to(tdt)
     k = torch.randn(b, hkv, s, d, generator=gen).to(tdt)
     v = torch.randn(b, hkv, s, d, generator=gen).to(tdt)
+    if shared_pool:
+        n_pages = b * nblk + 3
+        table = torch.randperm(n_pages, generator=gen)[:b * nblk].reshape(b, nblk).numpy()
+        kp = (3 * torch.randn(1, hkv, n_pages, BLOCK, d, generator=gen)).to(tdt)
+        vp = (3 * torch.randn(1, hkv, n_pages, BLOCK, d, generator=gen)).to(tdt)
+        for r in range(b):
+            for i in range(nblk):
+                kp[0, :, table[r, i]] = k[r, :, i * BLOCK:(i + 1) * BLOCK]
+                vp[0, :, table[r, i]] = v[r, :, i * BLOCK:(i + 1) * BLOCK]
+    else:
+        n_pages = nblk
+        table = np.tile(np.arange(nblk), (b, 1))
+        kp, vp = k.reshape(b, hkv, nblk, BLOCK, d), v.reshape(b, hkv, nblk, BLOCK, d)
+    meta = pjt.kernel_constexprs(b, hkv * g, hkv, n_pages, d, kk, jnp.dtype(dtype_name),
+                                 block_size=BLOCK, scale=d ** -0.5, blocks_per_step=2,
+                                 num_splits=2, pools=kp.shape[0])
+    n_split, gp, k_pad = meta.pop("N_SPLIT"), meta["GP"], meta["K_PAD"]
     sel = np.array([0, 2, 3, 5, 5], np.int32)
     idx = np.tile(np.concatenate([sel, np.full(k_pad - kk, 5, np.int32)]), (b, hkv, 1))
+    pid = np.take_along_axis(table[:, None, :], idx, axis=2).astype(np.int32)
     nb = np.array([[4, 3], [0, 2]], np.int32)
     ln = np.array([100, 90], np.int32)
     qg = torch.zeros(b, hkv, gp, d, dtype=tdt)
@@ -255,8 +317,8 @@ def _interpret_case(dtype_name: str) -> str:
     m = torch.zeros(n_split, b, hkv, gp)
     l = torch.zeros(n_split, b, hkv, gp)
     pjt._sparse_decode_kernel[(b, hkv, n_split)](
-        qg, k, v, torch.from_numpy(idx), torch.from_numpy(nb), torch.from_numpy(ln),
-        acc, m, l, **meta)
+        qg, kp.contiguous(), vp.contiguous(), torch.from_numpy(pid), torch.from_numpy(idx),
+        torch.from_numpy(nb), torch.from_numpy(ln), acc, m, l, **meta)
     out, lse = merge_partials(*(jnp.asarray(x.numpy()[:, :, :, :g]) for x in (acc, m, l)))
     to_j = lambda t: jnp.asarray(t.float().numpy(), jnp.dtype(dtype_name))
     want = block_sparse_decode_xla(to_j(q), to_j(k), to_j(v), jnp.asarray(idx[..., :kk]),
@@ -278,7 +340,10 @@ def check_triton_interpret() -> None:
     # kernel is compiled to a real sm_90 cubin by the jax_triton target.
     for dt in ("float32", "float16"):
         _check(f"triton-interpreter jax_triton kernel numerics {dt}",
-               lambda: _interpret_case(dt))
+               lambda: _interpret_case(dt, shared_pool=False))
+    # The paged layout proper (shuffled pages of one shared pool), once: same kernel code.
+    _check("triton-interpreter jax_triton kernel numerics paged shared pool float32",
+           lambda: _interpret_case("float32", shared_pool=True))
 
 
 CHECKS = {"tpu": check_tpu, "cuda": check_cuda, "jax_triton": check_jax_triton,

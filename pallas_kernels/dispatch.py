@@ -117,6 +117,48 @@ def block_sparse_decode(
     return _jt.block_sparse_decode_jax_triton(q, k, v, block_indices, num_blocks, lengths, **kw)
 
 
+def paged_block_sparse_decode(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    block_indices: jax.Array,
+    num_blocks: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Exact softmax attention of one decode token over selected pages of a paged KV cache.
+
+    Args:
+      q: [B, Hq, D] queries (query head h uses KV head h // (Hq // Hkv)).
+      k_pages, v_pages: [G, Hkv, N, bs, D] page pools (a page holds one block of bs tokens);
+        row b reads pool b // (B // G) (G = 1: one shared pool; G = data shards: each shard's
+        rows own a pool).
+      page_table: [B, P] int32 physical page (in the row's pool) of each logical block 0..P-1.
+      block_indices: [B, Hkv, K] int32 selected logical blocks, valid first (ascending), padding
+        repeats the last valid id. Dense decode = all of a row's blocks
+        (``reference.all_blocks_selection``).
+      num_blocks: [B, Hkv] int32 valid entries per row; lengths: [B] int32 tokens per row
+        (positions >= length are masked).
+
+    Returns out [B, Hq, D] (q.dtype) and lse [B, Hq] f32, as ``block_sparse_decode``.
+    """
+    _ref.check_paged_inputs(q, k_pages, v_pages, page_table, block_indices, num_blocks, lengths)
+    name = resolve_backend(backend, interpret=interpret)
+    page_ids = _ref.physical_pages(page_table, block_indices)
+    args = (q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths)
+    if name == "xla":
+        return _ref.paged_block_sparse_decode_xla(*args, scale=scale)
+    if name == "pallas_tpu":
+        return _tpu.paged_block_sparse_decode_tpu(*args, scale=scale, interpret=interpret)
+    if name == "pallas_triton":
+        return _triton.paged_block_sparse_decode_triton(*args, scale=scale, interpret=interpret)
+    return _jt.paged_block_sparse_decode_jax_triton(*args, scale=scale)
+
+
 def dense_decode(
     q: jax.Array,
     k: jax.Array,

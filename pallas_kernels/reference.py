@@ -13,6 +13,10 @@ Shapes (one decode step, one new query token per sequence):
   lengths       [B]         int32         tokens at index >= length are masked
   out           [B, Hq, D]  (q.dtype)     lse [B, Hq] float32 (natural log)
 Query head h attends with KV head h // (Hq // Hkv).
+
+Paged form (the rollout engine's cache): K/V live in page pools [G, Hkv, N, bs, D] (a page = one
+selection block); row b reads pool b // (B // G) through its page table [B, P] (logical block ->
+physical page). The contiguous form above is the paged one with G = B and page i = block i.
 """
 
 from __future__ import annotations
@@ -158,6 +162,140 @@ def _chunk_count(total: int, bytes_per_unit: int) -> tuple[int, int]:
     return per, -(-total // per)
 
 
+def check_paged_inputs(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    block_indices: jax.Array,
+    num_blocks: jax.Array,
+    lengths: jax.Array,
+) -> tuple[int, int, int, int, int, int, int, int]:
+    """Validates paged decode inputs; returns (B, Hq, Hkv, G_pools, N_pages, bs, D, rows_per_pool).
+
+    k_pages/v_pages [G, Hkv, N, bs, D]: G page pools (one per data shard; the contiguous view
+    has G = B); row b reads pool b // (B // G). page_table [B, P] int32 physical page ids (within
+    the row's pool) of the row's logical blocks 0..P-1.
+    """
+    if k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [G, Hkv, N, bs, D], got "
+                         f"{k_pages.shape} and {v_pages.shape}")
+    pools, hkv, n_pages, bs, d = k_pages.shape
+    # The per-row checks are those of the contiguous form (k viewed as [B, Hkv, *, D]).
+    b = q.shape[0] if q.ndim == 3 else -1
+    view = jax.ShapeDtypeStruct((b, hkv, bs, d), k_pages.dtype)
+    check_decode_inputs(q, view, view, lengths, block_size=bs, block_indices=block_indices,
+                        num_blocks=num_blocks)
+    if pools == 0 or b % pools:
+        raise ValueError(f"batch B={b} must be a multiple of the number of page pools G={pools}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or page_table.shape[1] == 0:
+        raise ValueError(f"page_table must be [B, P]=[{b}, P >= 1], got {page_table.shape}")
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"page_table must be integer, got {page_table.dtype}")
+    return b, q.shape[1], hkv, pools, n_pages, bs, d, b // pools
+
+
+def check_page_ids(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_ids: jax.Array,
+    block_indices: jax.Array,
+    num_blocks: jax.Array,
+    lengths: jax.Array,
+) -> tuple[int, int, int, int, int, int, int, int]:
+    """``check_paged_inputs`` for the kernels' own form, which takes the composed physical page
+    ids [B, Hkv, K] (``physical_pages``) instead of the page table; same return value."""
+    b = q.shape[0] if q.ndim == 3 else 1
+    # Stand-in table: everything but the page ids is validated exactly as the public entry does.
+    dims = check_paged_inputs(q, k_pages, v_pages, jax.ShapeDtypeStruct((b, 1), jnp.int32),
+                              block_indices, num_blocks, lengths)
+    if page_ids.shape != block_indices.shape:
+        raise ValueError(f"page_ids must be [B, Hkv, K] like block_indices "
+                         f"{block_indices.shape}, got {page_ids.shape}")
+    if not jnp.issubdtype(page_ids.dtype, jnp.integer):
+        raise ValueError(f"page_ids must be integer, got {page_ids.dtype}")
+    return dims
+
+
+def physical_pages(page_table: jax.Array, block_indices: jax.Array) -> jax.Array:
+    """Physical page id of every selected logical block: page_table [B, P], block_indices
+    [B, Hkv, K] -> [B, Hkv, K] int32 (logical ids clamped to the table, page ids to >= 0)."""
+    p = page_table.shape[1]
+    logical = jnp.clip(block_indices.astype(jnp.int32), 0, p - 1)
+    pages = jnp.take_along_axis(page_table.astype(jnp.int32)[:, None, :], logical, axis=2)
+    return jnp.maximum(pages, 0)
+
+
+def paged_block_sparse_decode_xla(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_ids: jax.Array,
+    block_indices: jax.Array,
+    num_blocks: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Gather-based block-sparse decode over a page pool (inputs validated by the caller).
+
+    q [B, Hq, D]; k_pages/v_pages [G, Hkv, N, bs, D]; page_ids [B, Hkv, K] physical pages to
+    read; block_indices [B, Hkv, K] their logical block ids (only for the length mask);
+    num_blocks [B, Hkv]; lengths [B]. Cost follows K (the selection width), not the pool size.
+
+    One gather per KV head (shared by its G query heads): the pool is viewed as flat rows of
+    pages [G*Hkv*N, bs*D] and indexed with flat page ids, which XLA:CPU turns into a tight memcpy
+    loop (per-query-head or multi-dim gathers are pathologically slow there). Large selections
+    are processed in chunks of entries (a scan with online softmax), see CHUNK_BYTES.
+    """
+    b, hq, d = q.shape
+    pools, hkv, n_pages, block_size, _ = k_pages.shape
+    scale = default_scale(d, scale)
+    kk = page_ids.shape[-1]
+    per, n_chunks = _chunk_count(kk, 2 * b * hkv * block_size * d * k_pages.dtype.itemsize)
+    pid = jnp.clip(page_ids.astype(jnp.int32), 0, n_pages - 1)
+    bi = block_indices.astype(jnp.int32)
+    if per * n_chunks != kk:     # pad with the last entry; padding is >= num_blocks, so masked
+        extra = per * n_chunks - kk
+        pid = jnp.concatenate([pid, jnp.repeat(pid[..., -1:], extra, axis=-1)], -1)
+        bi = jnp.concatenate([bi, jnp.repeat(bi[..., -1:], extra, axis=-1)], -1)
+    pool = jnp.arange(b, dtype=jnp.int32) // (b // pools)
+    row = pool[:, None] * hkv + jnp.arange(hkv, dtype=jnp.int32)[None, :]   # [B, Hkv]
+    # Rows of whole pages, [G*Hkv*N, bs*D]: XLA:CPU gathers these 2-D rows ~1.6x faster than
+    # [.., bs, D] slices of a 3-D view (1.55 vs 2.43 ms for 17 MB at batch 16).
+    k_rows = k_pages.reshape(pools * hkv * n_pages, block_size * d)
+    v_rows = v_pages.reshape(pools * hkv * n_pages, block_size * d)
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    lens = lengths.astype(jnp.int32)[:, None, None]
+    offs = jnp.arange(block_size, dtype=jnp.int32)
+
+    def chunk(carry: Carry | None, c: jax.Array) -> tuple[Carry, None]:
+        ids = lax.dynamic_slice_in_dim(pid, c * per, per, axis=2)        # [B, Hkv, per]
+        logical = lax.dynamic_slice_in_dim(bi, c * per, per, axis=2)
+        # Materialise the row ids first: fused into the gather, XLA:CPU recomputes this index
+        # arithmetic for every copied element.
+        flat = lax.optimization_barrier((row[:, :, None] * n_pages + ids).reshape(-1))
+        kg = k_rows.at[flat].get(mode="promise_in_bounds").reshape(b, hkv, per * block_size, d)
+        vg = v_rows.at[flat].get(mode="promise_in_bounds").reshape(b, hkv, per * block_size, d)
+        # Entries >= num_blocks (padding) are masked, as are tokens at or beyond the length
+        # (the partially filled last block).
+        entry = (c * per + jnp.arange(per, dtype=jnp.int32)) < num_blocks[..., None]
+        pos = logical[..., None] * block_size + offs
+        mask = (entry[..., None] & (pos < lens[..., None])).reshape(b, hkv, per * block_size)
+        return _attend_chunk(carry, qg, kg, vg, mask, scale, keys_lhs=True), None
+
+    out, lse = _finish(_scan_chunks(chunk, n_chunks))
+    return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
+
+
+def contiguous_as_pages(k: jax.Array, block_size: int) -> jax.Array:
+    """The contiguous cache [B, Hkv, S, D] as B page pools [B, Hkv, S // bs, bs, D] whose page
+    ids equal the logical block ids (a reshape: no copy)."""
+    b, hkv, s, d = k.shape
+    return k.reshape(b, hkv, s // block_size, block_size, d)
+
+
 def block_sparse_decode_xla(
     q: jax.Array,
     k: jax.Array,
@@ -169,49 +307,15 @@ def block_sparse_decode_xla(
     block_size: int = 16,
     scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Gather-based block-sparse decode. Shapes as in the module docstring.
-
-    One gather per KV head (shared by its G query heads): k is viewed as flat rows of blocks
-    [B*Hkv*NB, bs, D] and indexed with flat block ids, which XLA:CPU turns into a tight memcpy
-    loop (per-query-head or multi-dim gathers are pathologically slow there). Large selections
-    are processed in chunks of entries (a scan with online softmax), see CHUNK_BYTES.
-    """
-    b, hq, hkv, s, d, g = check_decode_inputs(
-        q, k, v, lengths, block_size=block_size, block_indices=block_indices,
-        num_blocks=num_blocks)
-    scale = default_scale(d, scale)
-    nb = s // block_size
-    kk = block_indices.shape[-1]
-    per, n_chunks = _chunk_count(kk, 2 * b * hkv * block_size * d * k.dtype.itemsize)
-    bi = jnp.clip(block_indices.astype(jnp.int32), 0, nb - 1)
-    if per * n_chunks != kk:     # pad with the last entry; padding is >= num_blocks, so masked
-        bi = jnp.concatenate([bi, jnp.repeat(bi[..., -1:], per * n_chunks - kk, axis=-1)], -1)
-    row = (jnp.arange(b, dtype=jnp.int32)[:, None] * hkv
-           + jnp.arange(hkv, dtype=jnp.int32)[None, :])               # [B, Hkv]
-    # Rows of whole blocks, [B*Hkv*NB, bs*D]: XLA:CPU gathers these 2-D rows ~1.6x faster than
-    # [.., bs, D] slices of a 3-D view (1.55 vs 2.43 ms for 17 MB at batch 16).
-    k_rows = k.reshape(b * hkv * nb, block_size * d)
-    v_rows = v.reshape(b * hkv * nb, block_size * d)
-    qg = q.reshape(b, hkv, g, d)
-    lens = lengths.astype(jnp.int32)[:, None, None]
-    offs = jnp.arange(block_size, dtype=jnp.int32)
-
-    def chunk(carry: Carry | None, c: jax.Array) -> tuple[Carry, None]:
-        ids = lax.dynamic_slice_in_dim(bi, c * per, per, axis=2)         # [B, Hkv, per]
-        # Materialise the row ids first: fused into the gather, XLA:CPU recomputes this index
-        # arithmetic for every copied element.
-        flat = lax.optimization_barrier((row[:, :, None] * nb + ids).reshape(-1))
-        kg = k_rows.at[flat].get(mode="promise_in_bounds").reshape(b, hkv, per * block_size, d)
-        vg = v_rows.at[flat].get(mode="promise_in_bounds").reshape(b, hkv, per * block_size, d)
-        # Entries >= num_blocks (padding) are masked, as are tokens at or beyond the length
-        # (the partially filled last block).
-        entry = (c * per + jnp.arange(per, dtype=jnp.int32)) < num_blocks[..., None]
-        pos = ids[..., None] * block_size + offs
-        mask = (entry[..., None] & (pos < lens[..., None])).reshape(b, hkv, per * block_size)
-        return _attend_chunk(carry, qg, kg, vg, mask, scale, keys_lhs=True), None
-
-    out, lse = _finish(_scan_chunks(chunk, n_chunks))
-    return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
+    """Block-sparse decode over a contiguous cache (shapes as in the module docstring): the
+    paged kernel on the cache viewed as one page pool per row."""
+    check_decode_inputs(q, k, v, lengths, block_size=block_size, block_indices=block_indices,
+                        num_blocks=num_blocks)
+    nb = k.shape[2] // block_size
+    ids = jnp.clip(block_indices.astype(jnp.int32), 0, nb - 1)
+    return paged_block_sparse_decode_xla(
+        q, contiguous_as_pages(k, block_size), contiguous_as_pages(v, block_size), ids, ids,
+        num_blocks, lengths, scale=scale)
 
 
 def dense_decode_xla(

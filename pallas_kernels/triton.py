@@ -4,10 +4,15 @@ In jax 0.10.x ``pallas_call`` on GPU defaults to Mosaic GPU; passing
 ``jax.experimental.pallas.triton.CompilerParams`` selects the Triton lowering used here.
 
 Design (shapes as in ``reference.py``):
+  * One kernel, paged: K/V are page pools [G, Hkv, N, bs, D] and row b reads pool b // (B // G);
+    the contiguous cache is the same thing viewed as B pools whose page ids are the block ids
+    (``contiguous_as_pages``, a reshape), so the contiguous sparse and dense entry points are
+    thin views of the paged kernel.
   * grid = (B, Hkv, n_split). A program owns one KV head's whole GQA group, padded to Gp >= 16
     rows so both products run on tensor cores (``tl.dot`` needs M >= 16), and walks its share of
-    the selected entries P blocks at a time: the P block ids are loaded as a vector and K/V are
-    gathered as [P, bs, D] -> [P*bs, D] (no copy of the cache, just indexed loads).
+    the selected entries P pages at a time: the P physical page ids are loaded as a vector and
+    K/V are gathered as [P, bs, D] -> [P*bs, D] (no copy of the pool, just indexed loads); the
+    length mask uses the entries' logical block ids.
   * The loop runs only over entries < num_blocks (dynamic trip count), so padding costs nothing.
   * Split-K: when B*Hkv programs cannot fill the GPU (decode with small batch), the selected
     entries are split across n_split programs that each emit (acc, m, l) in f32; a tiny XLA
@@ -25,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.reference import (NEG_INF, all_blocks_selection, check_decode_inputs,
-                                      default_scale)
+                                      check_page_ids, contiguous_as_pages, default_scale)
 
 # Programs needed to keep an H100 busy (132 SMs x ~2 resident CTAs): below this, split K.
 _TARGET_PROGRAMS = 264
@@ -53,9 +58,10 @@ def default_blocks_per_step(dtype, block_size: int) -> int:
     return max(1, tokens // block_size)
 
 
-def _kernel(nb_ref, len_ref, idx_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
+def _kernel(nb_ref, len_ref, pid_ref, blk_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
             p_blocks: int, block_size: int, chunk: int, scale: float, precision):
-    """nb_ref/len_ref [1]; idx_ref [K_pad]; q_ref [Gp, D]; k_ref/v_ref [NB, bs, D];
+    """nb_ref/len_ref [1]; pid_ref (physical pages) and blk_ref (logical blocks) [K_pad];
+    q_ref [Gp, D]; k_ref/v_ref [N, bs, D] (the row's pool, this KV head);
     outputs acc_ref [Gp, D], m_ref/l_ref [Gp] (f32, unnormalised partials of this split)."""
     split = pl.program_id(2)
     nb = nb_ref[0]
@@ -72,12 +78,14 @@ def _kernel(nb_ref, len_ref, idx_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref
     def body(i, carry):
         acc, m, l = carry
         e0 = start + i * p_blocks
-        ids = idx_ref[pl.ds(e0, p_blocks)]                                   # [P]
-        kb = k_ref[ids].reshape(tok, d)                                      # gathered [P*bs, D]
-        vb = v_ref[ids].reshape(tok, d)
+        pages = pid_ref[pl.ds(e0, p_blocks)]                                 # [P]
+        logical = blk_ref[pl.ds(e0, p_blocks)]
+        kb = k_ref[pages].reshape(tok, d)                                    # gathered [P*bs, D]
+        vb = v_ref[pages].reshape(tok, d)
         s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale     # [Gp, P*bs]
-        pos = ids[:, None] * block_size + in_block
+        # The mask follows the logical token position, wherever the page sits in the pool.
+        pos = logical[:, None] * block_size + in_block
         ok = (pos < length) & (e0 + slot < stop)
         ok = ok.reshape(1, tok)
         s = jnp.where(ok, s, NEG_INF)
@@ -111,43 +119,59 @@ def merge_partials(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Arra
     return out, lse
 
 
-def _triton_call(q, k, v, block_indices, num_blocks, lengths, *, block_size: int, scale: float,
-                 blocks_per_step: int, num_splits: int | None, num_warps: int,
-                 num_stages: int, interpret: bool):
+def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths, *,
+                scale: float, blocks_per_step: int, num_splits: int | None, num_warps: int,
+                num_stages: int, interpret: bool):
+    """The kernel launch behind every entry point (inputs already validated).
+
+    q [B, Hq, D]; k_pages/v_pages [G, Hkv, N, bs, D]; page_ids/block_indices [B, Hkv, K];
+    num_blocks [B, Hkv]; lengths [B] -> out [B, Hq, D], lse [B, Hq] f32.
+    """
     b, hq, d = q.shape
-    _, hkv, s, _ = k.shape
+    pools, hkv, n_pages, block_size, _ = k_pages.shape
+    rows_per_pool = b // pools
     g = hq // hkv
-    nblk = s // block_size
-    kk = block_indices.shape[-1]
+    kk = page_ids.shape[-1]
     p_blocks = min(_next_pow2(blocks_per_step), _next_pow2(kk))
     steps = -(-kk // p_blocks)
     n_split = num_splits or choose_splits(b, hkv, steps)
     chunk = -(-steps // n_split) * p_blocks
     k_pad = chunk * n_split
-    idx = jnp.clip(block_indices.astype(jnp.int32), 0, nblk - 1)
+    # Clamped page ids: a bad id can never read outside the pool. Padding repeats the last entry
+    # (masked: it is >= num_blocks).
+    pid = jnp.clip(page_ids.astype(jnp.int32), 0, n_pages - 1)
+    blk = block_indices.astype(jnp.int32)
     if k_pad != kk:
-        idx = jnp.concatenate([idx, jnp.repeat(idx[..., -1:], k_pad - kk, axis=-1)], axis=-1)
+        pid = jnp.concatenate([pid, jnp.repeat(pid[..., -1:], k_pad - kk, axis=-1)], axis=-1)
+        blk = jnp.concatenate([blk, jnp.repeat(blk[..., -1:], k_pad - kk, axis=-1)], axis=-1)
     nbv = jnp.clip(num_blocks.astype(jnp.int32), 0, kk)[..., None]           # [B, Hkv, 1]
     gp = max(16, _next_pow2(g))
     qg = q.reshape(b, hkv, g, d)
     if gp != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    # Free reshapes: the kernel indexes whole blocks of the cache by id.
-    k5 = k.reshape(b, hkv, nblk, block_size, d)
-    v5 = v.reshape(b, hkv, nblk, block_size, d)
+
+    # The program of row b sees its pool's whole [N, bs, D] slab for its KV head and gathers
+    # pages by id from it (indexed loads, no copy of the pool).
+    def pool_map(bi, hi, si):
+        if pools == 1:
+            return 0, hi, 0, 0, 0
+        return (bi if rows_per_pool == 1 else lax.div(bi, rows_per_pool)), hi, 0, 0, 0
+
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, p_blocks=p_blocks, block_size=block_size, chunk=chunk,
                                scale=scale, precision=precision)
+    row_spec = pl.BlockSpec((None, None, k_pad), lambda bi, hi, si: (bi, hi, 0))
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_split),
         in_specs=[
             pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0)),
             pl.BlockSpec((1,), lambda bi, hi, si: (bi,)),
-            pl.BlockSpec((None, None, k_pad), lambda bi, hi, si: (bi, hi, 0)),
+            row_spec,
+            row_spec,
             pl.BlockSpec((None, None, gp, d), lambda bi, hi, si: (bi, hi, 0, 0)),
-            pl.BlockSpec((None, None, nblk, block_size, d), lambda bi, hi, si: (bi, hi, 0, 0, 0)),
-            pl.BlockSpec((None, None, nblk, block_size, d), lambda bi, hi, si: (bi, hi, 0, 0, 0)),
+            pl.BlockSpec((None, None, n_pages, block_size, d), pool_map),
+            pl.BlockSpec((None, None, n_pages, block_size, d), pool_map),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, d), lambda bi, hi, si: (si, bi, hi, 0, 0)),
@@ -160,7 +184,7 @@ def _triton_call(q, k, v, block_indices, num_blocks, lengths, *, block_size: int
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparrow_block_sparse_decode_triton",
-    )(nbv, lengths.astype(jnp.int32), idx, qg, k5, v5)
+    )(nbv, lengths.astype(jnp.int32), pid, blk, qg, k_pages, v_pages)
     out, lse = merge_partials(acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g])
     return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
 
@@ -173,6 +197,35 @@ def _check_triton_shapes(d: int, block_size: int) -> None:
         raise ValueError(f"pallas_triton needs a power-of-two block_size, got {block_size}")
 
 
+def paged_block_sparse_decode_triton(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ids: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array, *,
+    scale: float | None = None, blocks_per_step: int | None = None,
+    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Block-sparse decode over page pools via Pallas->Triton.
+
+    q [B, Hq, D]; k_pages/v_pages [G, Hkv, N, bs, D] (row b reads pool b // (B // G));
+    page_ids [B, Hkv, K] physical pages to read (``reference.physical_pages``); block_indices
+    [B, Hkv, K] their logical block ids (length mask only); num_blocks [B, Hkv]; lengths [B]
+    -> out [B, Hq, D] (q.dtype), lse [B, Hq] f32.
+
+    blocks_per_step: pages gathered per loop iteration (power of two; default 128 tokens' worth
+      for 16-bit caches, 64 for f32).
+    num_splits: split-K factor (None = automatic from B*Hkv).
+    """
+    *_, bs, d, _ = check_page_ids(q, k_pages, v_pages, page_ids, block_indices, num_blocks,
+                                  lengths)
+    _check_triton_shapes(d, bs)
+    if blocks_per_step is None:
+        blocks_per_step = default_blocks_per_step(k_pages.dtype, bs)
+    return _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths,
+                       scale=default_scale(d, scale), blocks_per_step=blocks_per_step,
+                       num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                       interpret=interpret)
+
+
 def block_sparse_decode_triton(
     q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
     num_blocks: jax.Array, lengths: jax.Array, *, block_size: int = 16,
@@ -183,34 +236,34 @@ def block_sparse_decode_triton(
     """Block-sparse decode via Pallas->Triton. q [B, Hq, D], k/v [B, Hkv, S, D],
     block_indices [B, Hkv, K], num_blocks [B, Hkv], lengths [B] -> out [B, Hq, D], lse [B, Hq].
 
+    The paged kernel on the cache viewed as one pool per row (page id = block id, no copy).
     blocks_per_step: blocks gathered per loop iteration (power of two; default 128 tokens' worth
       for 16-bit caches, 64 for f32).
     num_splits: split-K factor (None = automatic from B*Hkv).
     """
-    _, _, _, _, d, _ = check_decode_inputs(q, k, v, lengths, block_size=block_size,
+    _, _, _, s, d, _ = check_decode_inputs(q, k, v, lengths, block_size=block_size,
                                            block_indices=block_indices, num_blocks=num_blocks)
     _check_triton_shapes(d, block_size)
-    if blocks_per_step is None:
-        blocks_per_step = default_blocks_per_step(k.dtype, block_size)
-    return _triton_call(q, k, v, block_indices, num_blocks, lengths, block_size=block_size,
-                        scale=default_scale(d, scale), blocks_per_step=blocks_per_step,
-                        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                        interpret=interpret)
+    ids = jnp.clip(block_indices.astype(jnp.int32), 0, s // block_size - 1)
+    return paged_block_sparse_decode_triton(
+        q, contiguous_as_pages(k, block_size), contiguous_as_pages(v, block_size), ids, ids,
+        num_blocks, lengths, scale=scale, blocks_per_step=blocks_per_step,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 def dense_decode_triton(
     q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
     scale: float | None = None, num_splits: int | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Dense decode via the same kernel with every block selected, in 64-token tiles
-    (contiguous ids, so the 'gather' is a plain strided load)."""
+    """Dense decode via the paged kernel on the contiguous view with every block selected, in
+    64-token tiles (contiguous ids, so the 'gather' is a plain strided load)."""
     b, _, hkv, s, d, _ = check_decode_inputs(q, k, v, lengths, block_size=1)
     tile = 64 if s % 64 == 0 else 16
     if s % tile:
         raise ValueError(f"pallas_triton dense decode needs S to be a multiple of 16, got S={s}")
     _check_triton_shapes(d, tile)
     idx, nb = all_blocks_selection(b, hkv, s, lengths, tile)
-    return _triton_call(q, k, v, idx, nb, lengths, block_size=tile,
-                        scale=default_scale(d, scale),
-                        blocks_per_step=default_blocks_per_step(k.dtype, tile),
-                        num_splits=num_splits, num_warps=4, num_stages=2, interpret=interpret)
+    return paged_block_sparse_decode_triton(
+        q, contiguous_as_pages(k, tile), contiguous_as_pages(v, tile), idx, idx, nb, lengths,
+        scale=scale, blocks_per_step=default_blocks_per_step(k.dtype, tile),
+        num_splits=num_splits, interpret=interpret)

@@ -254,7 +254,8 @@ def test_tpu_multi_step_online_softmax(monkeypatch):
     via pl.when, DMA index clamped), a K that is not a multiple of P, and the batch split over
     several pallas_calls (SMEM table budget) with the batch offset in the K/V index_map."""
     from pallas_kernels import tpu
-    monkeypatch.setattr(tpu, "_SMEM_TABLE_BYTES", 4 * 2 * 8 * 2)       # 2 rows per call
+    # Two int32 tables (page ids, logical ids) x Hkv=2 x K_pad=8, for 2 rows per call.
+    monkeypatch.setattr(tpu, "_SMEM_TABLE_BYTES", 2 * 4 * 2 * 8 * 2)
     lengths = [128, 40, 99]
     q, k, v, ln = make_inputs(8, b=3, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
                               lengths=lengths)
@@ -321,6 +322,158 @@ def test_auto_picks_xla_on_cpu_and_logs_once(caplog):
     out, lse = run_sparse("auto", *_small())
     ref = run_sparse("xla", *_small())
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref[0]))
+
+
+# ----------------------------------------------------------------------------- paged KV cache
+
+def make_pages(seed: int, k, v, lengths, pools: int, *, spare: int = 3):
+    """Scatters a contiguous cache k/v [B, Hkv, S, D] into `pools` page pools
+    [G, Hkv, N, bs, D] in shuffled order (N = rows per pool x S/bs + `spare`; pages nobody maps
+    hold noise, so a wrong page read shows) -> (k_pages, v_pages, page_table [B, S/bs]).
+    Logical blocks at or past a row's ceil(length / bs) map to -1 (unallocated), as in an engine
+    whose rows have not grown that far; their pages still hold the row's data."""
+    rng = np.random.default_rng(seed)
+    kf, vf = np.asarray(k, np.float32), np.asarray(v, np.float32)
+    b, hkv, s, d = kf.shape
+    nblk, rows = s // BS, b // pools
+    n = rows * nblk + spare
+    kp = 3.0 * rng.standard_normal((pools, hkv, n, BS, d)).astype(np.float32)
+    vp = 3.0 * rng.standard_normal((pools, hkv, n, BS, d)).astype(np.float32)
+    table = np.zeros((b, nblk), np.int32)
+    for g in range(pools):
+        perm = rng.permutation(n)
+        for r in range(rows):
+            row = g * rows + r
+            for i in range(nblk):
+                page = perm[r * nblk + i]
+                table[row, i] = page
+                kp[g, :, page] = kf[row, :, i * BS:(i + 1) * BS]
+                vp[g, :, page] = vf[row, :, i * BS:(i + 1) * BS]
+            table[row, -(-int(lengths[row]) // BS):] = -1
+    return (jnp.asarray(kp, k.dtype), jnp.asarray(vp, v.dtype), jnp.asarray(table))
+
+
+def run_paged(backend, q, kp, vp, table, bi, nb, lengths, **kw):
+    fn = jax.jit(lambda *a: pk.paged_block_sparse_decode(*a, backend=backend,
+                                                         interpret=backend in PALLAS, **kw))
+    return fn(q, kp, vp, table, bi, nb, lengths)
+
+
+PAGED_LENGTHS = [77, 128, 45, 16]      # partly filled last pages (77, 45) and exact fills
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("pools", [1, 2])
+def test_paged_xla_matches_numpy(pools, dtype):
+    """G = 1 (shared pool) and 2 (two rows per pool; G = B is the contiguous view) with shuffled
+    pages, against float64 NumPy and the contiguous XLA path on the same data."""
+    q, k, v, ln = make_inputs(20 + pools, b=4, hkv=2, g=2, s=128, d=32, dtype=dtype,
+                              lengths=PAGED_LENGTHS)
+    bi, nb = make_selection(20 + pools, PAGED_LENGTHS, 2, 5, empty_rows=((2, 1),))
+    kp, vp, table = make_pages(pools, k, v, PAGED_LENGTHS, pools)
+    got = run_paged("xla", q, kp, vp, table, bi, nb, ln)
+    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
+    assert_close(got, numpy_decode(q, k, v, bi, nb, ln), dtype)
+    contiguous = run_sparse("xla", q, k, v, bi, nb, ln)
+    for a, c in zip(got, contiguous):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
+                                   rtol=1e-6, atol=1e-6)
+
+
+# (pools, GQA group, dtype): one shared pool and two pools of two rows each.
+PAGED_CASES = [(1, 2, jnp.float32), (2, 4, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("pools,g,dtype", PAGED_CASES,
+                         ids=lambda x: str(getattr(x, "__name__", x)))
+@pytest.mark.parametrize("backend", PALLAS)
+def test_paged_pallas_matches_xla_and_contiguous(backend, pools, g, dtype):
+    q, k, v, ln = make_inputs(30 + g, b=4, hkv=2, g=g, s=128, d=32, dtype=dtype,
+                              lengths=PAGED_LENGTHS)
+    bi, nb = make_selection(30 + g, PAGED_LENGTHS, 2, 5)
+    kp, vp, table = make_pages(g, k, v, PAGED_LENGTHS, pools)
+    got = run_paged(backend, q, kp, vp, table, bi, nb, ln)
+    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
+    assert_close(got, numpy_decode(q, k, v, bi, nb, ln), dtype)
+    for want in (run_paged("xla", q, kp, vp, table, bi, nb, ln),
+                 run_sparse(backend, q, k, v, bi, nb, ln)):
+        for a, c in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
+                                       **tol(dtype))
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_paged_all_blocks_equals_dense(backend):
+    """Selecting every block of a row through a shuffled shared pool is dense decode."""
+    lengths = [128, 45]
+    q, k, v, ln = make_inputs(11, b=2, hkv=2, g=2, s=128, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    kp, vp, table = make_pages(11, k, v, lengths, 1)
+    bi, nb = all_blocks_selection(2, 2, 128, ln, BS)
+    got = run_paged(backend, q, kp, vp, table, bi, nb, ln)
+    want = numpy_dense(q, k, v, ln)
+    rel = np.linalg.norm(np.asarray(got[0], np.float64) - want[0]) / np.linalg.norm(want[0])
+    assert rel <= 1e-5, rel
+    np.testing.assert_allclose(np.asarray(got[1]), want[1], rtol=1e-5)
+    dense = run_dense(backend, q, k, v, ln)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(dense[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(dense[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_paged_kernel_knobs(monkeypatch):
+    """The tuning paths on two pools of two rows: TPU with 2 pages per grid step and one row per
+    pallas_call (the batch offset enters the pool index), Triton with forced split-K."""
+    from pallas_kernels import reference, tpu
+    from pallas_kernels.triton import paged_block_sparse_decode_triton
+    monkeypatch.setattr(tpu, "_SMEM_TABLE_BYTES", 2 * 4 * 2 * 8)      # 1 row per call
+    q, k, v, ln = make_inputs(12, b=4, hkv=2, g=2, s=128, d=32, dtype=jnp.float32,
+                              lengths=PAGED_LENGTHS)
+    bi, nb = make_selection(12, PAGED_LENGTHS, 2, 7)
+    kp, vp, table = make_pages(12, k, v, PAGED_LENGTHS, 2)
+    ids = reference.physical_pages(table, bi)
+    want = numpy_decode(q, k, v, bi, nb, ln)
+    fns = [lambda *a: tpu.paged_block_sparse_decode_tpu(*a, blocks_per_step=2, interpret=True),
+           lambda *a: paged_block_sparse_decode_triton(*a, blocks_per_step=2, num_splits=3,
+                                                       interpret=True)]
+    for fn in fns:
+        assert_close(jax.jit(fn)(q, kp, vp, ids, bi, nb, ln), want, jnp.float32)
+
+
+def _small_paged():
+    q, k, v, bi, nb, ln = _small()
+    kp, vp, table = make_pages(0, k, v, [64, 64], 1)
+    return q, kp, vp, table, bi, nb, ln
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: (a[0], a[1][0], a[2][0], *a[3:]), r"k_pages and v_pages must both be \[G"),
+    (lambda a: (a[0], a[1], a[2][..., :16], *a[3:]), r"k_pages and v_pages must both be \[G"),
+    (lambda a: (a[0], jnp.concatenate([a[1]] * 3), jnp.concatenate([a[2]] * 3), *a[3:]),
+     "multiple of the number of page pools G=3"),
+    (lambda a: (*a[:3], a[3][:1], *a[4:]), r"page_table must be \[B, P\]"),
+    (lambda a: (*a[:3], a[3][0], *a[4:]), r"page_table must be \[B, P\]"),
+    (lambda a: (*a[:3], a[3][:, :0], *a[4:]), r"page_table must be \[B, P\]"),
+    (lambda a: (*a[:3], a[3].astype(jnp.float32), *a[4:]), "page_table must be integer"),
+    (lambda a: (*a[:4], a[4][:, :1], *a[5:]), "block_indices"),
+    (lambda a: (*a[:6], a[6][:1]), "lengths"),
+])
+@pytest.mark.parametrize("backend", ALL)
+def test_paged_bad_inputs_raise(backend, mutate, match):
+    args = mutate(_small_paged())
+    with pytest.raises(ValueError, match=match):
+        pk.paged_block_sparse_decode(*args, backend=backend, interpret=backend in PALLAS)
+
+
+def test_paged_kernels_check_page_ids():
+    """The backends' own paged entry points take composed page ids [B, Hkv, K]."""
+    from pallas_kernels import jax_triton, tpu, triton
+    q, kp, vp, _, bi, nb, ln = _small_paged()
+    for fn in (tpu.paged_block_sparse_decode_tpu, triton.paged_block_sparse_decode_triton,
+               jax_triton.paged_block_sparse_decode_jax_triton):
+        with pytest.raises(ValueError, match=r"page_ids must be \[B, Hkv, K\]"):
+            fn(q, kp, vp, bi[:, :, :2], bi, nb, ln)
+        with pytest.raises(ValueError, match="page_ids must be integer"):
+            fn(q, kp, vp, bi.astype(jnp.float32), bi, nb, ln)
 
 
 # ----------------------------------------------------------------------------- shard_map

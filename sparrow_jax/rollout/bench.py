@@ -1,4 +1,5 @@
 """`sparrow bench rollout`: dense vs block-sparse rollout decode throughput on a random model.
+(`--workload longtail`: static vs paged engine at equal memory, see `longtail_bench`.)
 
     sparrow bench rollout [gin files] [--gin_param ...] [--json] [--preset qwen3-1.7b]
         [--layers 4 --hidden 512 --heads 8 --kv_heads 2 --head_dim 64 --vocab 4096]
@@ -65,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed KV budgets in tokens (default 1024 when no --schedule)")
     p.add_argument("--schedule", default=None, help="also run a per-bin schedule (name or JSON)")
     p.add_argument("--batch", type=int, default=4, help="decode rows (samples of the prompt)")
-    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=None,
+                   help="tokens per row (fixed workload, default 64); the cap (longtail, 1024)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per program (median)")
     p.add_argument("--backend", default=None, help="kernel backend (default RolloutConfig.backend)")
     p.add_argument("--dense_layers", nargs="+", default=None,
@@ -74,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "RolloutConfig.dense_layers)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=("fixed", "longtail"), default="fixed",
+                   help="fixed: dense vs sparse decode at given contexts; longtail: static vs "
+                        "paged engine on long-tailed responses at equal KV memory "
+                        "(sparrow_jax.rollout.longtail_bench)")
+    lt = p.add_argument_group("longtail workload")
+    lt.add_argument("--samples", type=int, default=64)
+    lt.add_argument("--group", type=int, default=8, help="samples per prompt")
+    lt.add_argument("--prompt_len", type=int, default=128)
+    lt.add_argument("--mean_len", type=int, default=256, help="mean response length")
+    lt.add_argument("--static_batch", type=int, default=16,
+                    help="static engine rows at once (sets both engines' KV memory)")
+    lt.add_argument("--chunk_steps", type=int, nargs="+", default=[32],
+                    help="paged engine decode steps per compiled chunk (one run each)")
+    lt.add_argument("--modes", nargs="+", choices=("dense", "sparse"),
+                    default=["dense", "sparse"])
     return p
 
 
@@ -229,6 +246,8 @@ def main(argv: Sequence[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
+    if args.new_tokens is None:
+        args.new_tokens = 1024 if args.workload == "longtail" else 64
     from sparrow_jax.cli import parse_gin
     parse_gin(args.gin_files, args.gin_param)
 
@@ -254,6 +273,9 @@ def main(argv: Sequence[str]) -> int:
     model = Qwen3ForCausalLM(mcfg, dtype=dtype, rngs=nnx.Rngs(args.seed))
     dev = jax.devices()[0]
     device = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
+    if args.workload == "longtail":
+        from sparrow_jax.rollout import longtail_bench
+        return longtail_bench.run(model, args, base_cfg, device, backend)
     shape = {k: getattr(mcfg, k) for k in ("num_hidden_layers", "hidden_size",
                                              "num_attention_heads", "num_key_value_heads",
                                              "head_dim", "intermediate_size", "vocab_size")}

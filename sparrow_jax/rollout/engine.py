@@ -23,7 +23,7 @@ from sparrow_jax import multihost, selection
 from sparrow_jax.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
 from sparrow_jax.model.attention import _MASK_VALUE
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout.sampling import SamplingParams, sample, topk_logprobs
+from sparrow_jax.rollout.sampling import SamplingParams, sample_rows, topk_logprobs
 from sparrow_jax.shapes import COMPILES, bucket_length, default_buckets
 from sparrow_jax.sharding import ShardingSpec
 
@@ -238,6 +238,7 @@ class DecodeState:
     rng: jax.Array
     prompt_tokens: jax.Array     # [B, P] int32 (repeated per sample)
     prompt_lengths: jax.Array    # [B] int32
+    sample_ids: jax.Array        # [B] int32 sampling key of each row (see sampling.sample_rows)
 
 
 def _constrain(x, axes, spec: ShardingSpec | None):
@@ -246,13 +247,14 @@ def _constrain(x, axes, spec: ShardingSpec | None):
 
 def _record(state: DecodeState, logits, cfg: RolloutConfig, active) -> DecodeState:
     """Samples the next token from logits [B, V] and records it at position state.step."""
-    rng, sub = jax.random.split(state.rng)
-    tok, lp = sample(sub, logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    step = state.step
+    tok, lp = sample_rows(state.rng, logits, state.sample_ids,
+                          jnp.full_like(state.sample_ids, step),
+                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     top_v, top_i = topk_logprobs(logits, cfg.record_topk, temperature=cfg.temperature)
     tok = jnp.where(active, tok, cfg.pad_token_id)
-    step = state.step
     return dataclasses.replace(
-        state, rng=rng, token=tok, tokens=state.tokens.at[:, step].set(tok),
+        state, token=tok, tokens=state.tokens.at[:, step].set(tok),
         logprobs=state.logprobs.at[:, step].set(jnp.where(active, lp, 0.0)),
         topk_logprobs=state.topk_logprobs.at[:, step].set(top_v),
         topk_ids=state.topk_ids.at[:, step].set(top_i),
@@ -260,8 +262,9 @@ def _record(state: DecodeState, logits, cfg: RolloutConfig, active) -> DecodeSta
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "group_size", "spec"))
-def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, *, cfg: RolloutConfig,
-                     group_size: int, spec: ShardingSpec | None) -> DecodeState:
+def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first_sample=0, *,
+                     cfg: RolloutConfig, group_size: int, spec: ShardingSpec | None
+                     ) -> DecodeState:
     """Dense prefill, cache layout for `group_size` samples per prompt, first sampled token.
     Independent of the rollout mode: dense and sparse decode start from the same state (compress
     mode allocates its bounded cache, cfg.cache_slots, and no centroids)."""
@@ -290,7 +293,8 @@ def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, *, cf
         topk_ids=jnp.zeros((b, t_new, k_rec), jnp.int32),
         budgets=jnp.zeros((b, t_new), jnp.int32), done=jnp.zeros((b,), bool),
         response_lengths=jnp.zeros((b,), jnp.int32), rng=rng,
-        prompt_tokens=rep(prompt_tokens), prompt_lengths=lengths)
+        prompt_tokens=rep(prompt_tokens), prompt_lengths=lengths,
+        sample_ids=first_sample + jnp.arange(b, dtype=jnp.int32))
     state = _record(state, rep(first_logits), cfg, jnp.ones((b,), bool))
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
     return dataclasses.replace(state, step=jnp.int32(1),
@@ -361,7 +365,7 @@ def _decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollo
 
 def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
              budgets, bin_size: int = 2000, group_size: int = 1, rng: jax.Array | None = None,
-             spec: ShardingSpec | None = None) -> Trajectories:
+             spec: ShardingSpec | None = None, first_sample: int = 0) -> Trajectories:
     """Samples `group_size` completions per prompt: `start` (prefill) then `decode`.
 
     prompt_tokens [Bp, P] int32 right-padded (P is padded up to a block multiple here),
@@ -371,14 +375,17 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     Multi-process runs (`jax.process_count() > 1`): each process passes its own Bp prompts (the
     same Bp everywhere) and a `spec`; the result is global (process p's prompts are its row block
     p, see `sparrow_jax.multihost`), read a process's rows back with `multihost.local_rows`.
+    Row b's tokens are drawn with sampling key (rng, first_sample + b, token index), so a batch
+    split over several calls (first_sample = rows before it) draws the same samples as one call.
     """
     _check_budgets(cfg, budgets)          # before the (long) prefill
     if cfg.engine == "paged":
         from sparrow_jax.rollout import scheduler
         return scheduler.generate(model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
-                                  bin_size=bin_size, group_size=group_size, rng=rng, spec=spec)
+                                  bin_size=bin_size, group_size=group_size, rng=rng, spec=spec,
+                                  first_sample=first_sample)
     state = start(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
-                  spec=spec)
+                  spec=spec, first_sample=first_sample)
     return decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
 
 
@@ -424,7 +431,7 @@ def prepare_prompts(prompt_tokens, prompt_lengths, *, cfg: RolloutConfig, group_
 
 def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
           group_size: int = 1, rng: jax.Array | None = None,
-          spec: ShardingSpec | None = None) -> DecodeState:
+          spec: ShardingSpec | None = None, first_sample: int = 0) -> DecodeState:
     """The prefill program: validates and pads the prompts, fills the cache (one copy per
     sample), samples the first token. Arguments as in `generate`; the result feeds `decode`
     (whose `cfg` may differ in mode, dense layers and max_budget only)."""
@@ -445,7 +452,8 @@ def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rollou
         lengths_in = multihost.rows_to_global(prompt_lengths, spec)
     else:
         tokens_in, lengths_in = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
-    return _prefill_program(graphdef, params, tokens_in, lengths_in, rng, cfg=cfg,
+    return _prefill_program(graphdef, params, tokens_in, lengths_in, rng,
+                            jnp.int32(first_sample), cfg=cfg,
                             group_size=group_size, spec=spec)
 
 

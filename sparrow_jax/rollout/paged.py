@@ -27,7 +27,7 @@ from sparrow_jax import selection
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout.engine import RolloutConfig, budget_for_lengths, prefill
-from sparrow_jax.rollout.sampling import sample, topk_logprobs
+from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.sharding import ShardingSpec
 
 # Logical axes: pools and slots over `data` (a pool serves its shard's slots), heads over `model`.
@@ -70,15 +70,11 @@ def init_pages(cfg: Qwen3Config, pools: int, pages: int, block_size: int, dtype,
 
 
 def _sample_rows(rng, logits, sample_ids, index, cfg: RolloutConfig):
-    """Samples one token per row with the row's own key fold_in(fold_in(rng, sample), index),
-    so a sample's tokens do not depend on its slot, its neighbours or a preemption.
-    logits [R, V], sample_ids/index [R] -> (tokens [R], logprobs [R], top-k values/ids [R, k])."""
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(rng, s), i))(
-        sample_ids, index)
-    tok, lp = jax.vmap(lambda key, row: sample(key, row[None], temperature=cfg.temperature,
-                                               top_k=cfg.top_k, top_p=cfg.top_p))(keys, logits)
+    """logits [R, V] -> (tokens [R], logprobs [R], top-k values/ids [R, k]); see sample_rows."""
+    tok, lp = sample_rows(rng, logits, sample_ids, index, temperature=cfg.temperature,
+                          top_k=cfg.top_k, top_p=cfg.top_p)
     top_v, top_i = topk_logprobs(logits, cfg.record_topk, temperature=cfg.temperature)
-    return tok[:, 0], lp[:, 0], top_v, top_i
+    return tok, lp, top_v, top_i
 
 
 # -- prefill ----------------------------------------------------------------------------------

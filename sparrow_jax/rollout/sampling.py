@@ -86,6 +86,20 @@ def sample(rng: jax.Array, logits: jax.Array, *, temperature: float, top_k: int 
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
+def sample_rows(rng: jax.Array, logits: jax.Array, sample_ids: jax.Array, index: jax.Array, *,
+                temperature: float, top_k: int = 0, top_p: float = 1.0
+                ) -> tuple[jax.Array, jax.Array]:
+    """Like `sample`, with row r's noise from key fold_in(fold_in(rng, sample_ids[r]), index[r]):
+    a sample's tokens depend only on (rng, its id, its token index), not on its row in a batch,
+    its neighbours or when it ran (both rollout engines use it; the paged one moves samples
+    between slots and recomputes preempted ones). logits [R, V], ids/index [R] -> [R], [R]."""
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(rng, s), i))(
+        sample_ids, index)
+    tok, lp = jax.vmap(lambda key, row: sample(key, row[None], temperature=temperature,
+                                               top_k=top_k, top_p=top_p))(keys, logits)
+    return tok[:, 0], lp[:, 0]
+
+
 def topk_logprobs(logits: jax.Array, k: int, *, temperature: float) -> tuple[jax.Array, jax.Array]:
     """Top-k of the temperature-scaled, untruncated distribution: ([B, k] logprobs, [B, k] ids).
 

@@ -84,7 +84,7 @@ class _Rollout:
     """One rollout's host state: samples, queue, pools, records."""
 
     def __init__(self, model, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
-                 group_size: int, rng, spec: ShardingSpec | None):
+                 group_size: int, rng, spec: ShardingSpec | None, first_sample: int = 0):
         mcfg = model.config
         self.model, self.cfg, self.spec, self.n = model, cfg, spec, group_size
         self.prompts, self.prompt_lengths = prompt_tokens, prompt_lengths
@@ -125,6 +125,9 @@ class _Rollout:
         self.stats = PagedStats(pages_per_pool=self.pages_per_pool, pools=self.pools,
                                 page_bytes=page_bytes)
         self.graphdef, self.params = nnx.split(model)
+        # The programs' static config without the host-only settings: one compiled program per
+        # shape whatever the pool source, slot cap or engine flag.
+        self.program_cfg = dataclasses.replace(cfg, pool_bytes=0, pool_fraction=0.0, max_slots=0)
         self.rng = jax.random.key(0) if rng is None else rng
         k = cfg.record_topk
         self.tokens = np.full((self.rows, self.t), cfg.pad_token_id, np.int32)
@@ -133,6 +136,7 @@ class _Rollout:
         self.topk_v = np.zeros((self.rows, self.t, k), np.float32)
         self.topk_i = np.zeros((self.rows, self.t, k), np.int32)
         self.samples = [_Sample(i, i // group_size) for i in range(self.rows)]
+        self.first_sample = first_sample
         self.queue = collections.deque(("group", g) for g in range(bp))
         self.running: list[list[_Sample]] = [[] for _ in range(self.pools)]
         self.admitted = 0
@@ -254,14 +258,14 @@ class _Rollout:
             used = pages_for(length, bs)
             for j, s in enumerate(group):
                 write[r, j, :used] = s.pages[:used]
-                sample_ids[r, j] = s.index
+                sample_ids[r, j] = self.first_sample + s.index
                 index[r, j] = s.generated
         COMPILES.note("rollout/paged_prefill", rows=rows, width=width, group_size=n,
                       pages=n_pages, dtype=jnp.dtype(self.model.dtype).name)
         out = paged.prefill_program(self.graphdef, self.params, self.kv, jnp.asarray(tokens),
                                     jnp.asarray(lengths), jnp.asarray(pool_of),
                                     jnp.asarray(write), jnp.asarray(sample_ids),
-                                    jnp.asarray(index), self.rng, cfg=cfg, spec=self.spec)
+                                    jnp.asarray(index), self.rng, cfg=self.program_cfg, spec=self.spec)
         self.kv = out[0]
         tok, lp, top_v, top_i = (np.asarray(x) for x in out[1:])
         self.stats.prefills += 1
@@ -292,7 +296,7 @@ class _Rollout:
                 row = pool * per_pool + k
                 token[row] = self.tokens[s.index, s.generated - 1]
                 length[row], generated[row] = self._length(s), s.generated
-                active[row], sample_id[row] = True, s.index
+                active[row], sample_id[row] = True, self.first_sample + s.index
                 table[row, :len(s.pages)] = s.pages
                 order.append((row, s))
         slots = paged.Slots(token=jnp.asarray(token), length=jnp.asarray(length),
@@ -304,8 +308,8 @@ class _Rollout:
                       steps=cfg.chunk_steps, mode=cfg.mode, pages=self.pages_per_pool,
                       dtype=jnp.dtype(self.model.dtype).name)
         self.kv, _, rec = paged.decode_chunk_program(
-            self.graphdef, self.params, self.kv, slots, jnp.asarray(budgets), self.rng, cfg=cfg,
-            steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
+            self.graphdef, self.params, self.kv, slots, jnp.asarray(budgets), self.rng,
+            cfg=self.program_cfg, steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
         toks, lps, buds, top_v, top_i, recorded = (np.asarray(x) for x in rec)
         self.stats.chunks += 1
         for row, s in order:
@@ -338,7 +342,7 @@ def _place(x: jax.Array, spec: ShardingSpec) -> jax.Array:
 
 def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
              budgets, bin_size: int = 2000, group_size: int = 1, rng: jax.Array | None = None,
-             spec: ShardingSpec | None = None) -> Trajectories:
+             spec: ShardingSpec | None = None, first_sample: int = 0) -> Trajectories:
     """The paged engine's `engine.generate`: same arguments, same `Trajectories` (rows grouped
     in prompt order, shapes as the static engine's). Single-process only for now."""
     global LAST_STATS
@@ -349,7 +353,7 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     prompt_tokens, prompt_lengths = prepare_prompts(prompt_tokens, prompt_lengths, cfg=cfg,
                                                     group_size=group_size, spec=spec)
     ro = _Rollout(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
-                  spec=spec)
+                  spec=spec, first_sample=first_sample)
     ro.run(budgets, bin_size)
     LAST_STATS = ro.stats
     rows_lengths = np.array([s.generated for s in ro.samples], np.int32)

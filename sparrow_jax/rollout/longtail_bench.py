@@ -1,0 +1,140 @@
+"""`sparrow bench rollout --workload longtail`: the static engine vs the paged continuous one on
+an RL-like workload, at equal KV memory, dense and sparse, in one run.
+
+Workload: `--samples` samples (`--group` per prompt, GRPO style) of prompts of `--prompt_len`
+tokens (uniform in [prompt_len / 2, prompt_len]), sampled at temperature 1 from a random model
+with `vocab / --mean_len` stop tokens: response lengths are then about geometric with mean
+`--mean_len`, truncated at `--new_tokens` (a long tail, like RL responses: most short, a few
+at the cap). The measured length distribution is printed. Both engines key every token by
+(sample, index), so they generate exactly the same samples (checked): the same work.
+
+Equal memory: the static engine gets `--static_batch` rows at a time (its cache: rows x
+(prompt width + new_tokens) tokens) and runs the samples in waves, each until its longest row
+ends; the paged engine gets a page pool of exactly those bytes and `--samples` slots, admitting
+samples while pages last (continuous batching, preemption when the pool runs out).
+
+Timing: tokens/s = generated tokens / wall time of the whole rollout (prefills included); one
+untimed warm-up run per engine compiles its programs first; then `--repeats` timed runs,
+engines interleaved (median).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _workload(args, vocab: int, block_size: int):
+    rng = np.random.default_rng(args.seed)
+    prompts = args.samples // args.group
+    lengths = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, prompts)
+    tokens = np.zeros((prompts, args.prompt_len), np.int32)
+    stop = max(1, round(vocab / args.mean_len))
+    stop_ids = tuple(range(vocab - stop, vocab))
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(1, vocab - stop, n)
+    return tokens, lengths.astype(np.int32), stop_ids
+
+
+def _static_rollout(model, tokens, lengths, cfg, budgets, group: int, wave_prompts: int, key):
+    """Waves of `wave_prompts` prompts (the static engine's memory), one after the other."""
+    from sparrow_jax.rollout import generate
+    outs = [generate(model, tokens[w:w + wave_prompts], lengths[w:w + wave_prompts], cfg=cfg,
+                     budgets=budgets, group_size=group, rng=key, first_sample=w * group)
+            for w in range(0, len(tokens), wave_prompts)]
+    return (np.concatenate([np.asarray(o.tokens) for o in outs]),
+            np.concatenate([np.asarray(o.response_lengths) for o in outs]))
+
+
+def _paged_rollout(model, tokens, lengths, cfg, budgets, group: int, wave_prompts: int, key):
+    """Every prompt in one call: the pool admits what fits (same sample keys as the waves)."""
+    from sparrow_jax.rollout import generate
+    out = generate(model, tokens, lengths, cfg=cfg, budgets=budgets, group_size=group, rng=key)
+    return np.asarray(out.tokens), np.asarray(out.response_lengths)
+
+
+def run(model, args, base_cfg, device: str, backend: str) -> int:
+    from sparrow_jax.kv_cache import cache_bytes
+    from sparrow_jax.rollout import scheduler
+    mcfg = model.config
+    if args.samples % args.group or args.static_batch % args.group:
+        raise SystemExit("sparrow bench rollout: --samples and --static_batch must be multiples "
+                         "of --group")
+    tokens, lengths, stop_ids = _workload(args, mcfg.vocab_size, base_cfg.block_size)
+    t = args.new_tokens
+    key = jax.random.key(args.seed)
+    wave_prompts = args.static_batch // args.group
+    budget = args.budget[0] if args.budget else 256
+    budgets = np.full(20, budget, np.int32)
+    width = base_cfg.prompt_width(args.prompt_len)
+    static_bytes = cache_bytes(mcfg, args.static_batch, -(-(width + t) // 16) * 16, model.dtype,
+                               base_cfg.block_size)
+    print(f"# longtail: {args.samples} samples ({args.group} per prompt), prompts "
+          f"{args.prompt_len // 2}-{args.prompt_len} tokens, new_tokens cap {t}, "
+          f"{len(stop_ids)} stop ids of {mcfg.vocab_size} (geometric lengths, mean ~"
+          f"{args.mean_len}), sparse budget {budget}, backend {backend}, device {device}, "
+          f"KV memory {static_bytes / 2**20:.1f} MiB for both engines (static: "
+          f"{args.static_batch} rows x {width + t} tokens)", flush=True)
+    header = (f"{'mode':>6} {'engine':>16} {'tok/s':>9} {'wall s':>8} {'ratio':>6} "
+              f"{'KV alloc MiB':>13} {'KV peak MiB':>12} {'preempt':>8} {'same samples':>13}")
+    print(header, flush=True)
+    for mode in args.modes:
+        cfg = dataclasses.replace(base_cfg, mode=mode, max_new_tokens=t, temperature=1.0,
+                                  stop_token_ids=stop_ids, max_budget=max(budget, 48))
+        engines: dict[str, Any] = {"static": (cfg, _static_rollout)}
+        for c in args.chunk_steps:
+            engines[f"paged/chunk{c}"] = (dataclasses.replace(
+                cfg, engine="paged", pool_bytes=static_bytes, max_slots=args.samples,
+                chunk_steps=c), _paged_rollout)
+
+        def go(name):
+            ecfg, fn = engines[name]
+            t0 = time.perf_counter()
+            out = fn(model, tokens, lengths, ecfg, budgets, args.group, wave_prompts, key)
+            return time.perf_counter() - t0, out, dataclasses.replace(scheduler.LAST_STATS)
+
+        warm = {name: go(name) for name in engines}                 # compiles every program
+        ref_tokens, resp = warm["static"][1]
+        generated = int(resp.sum())
+        if mode == args.modes[0]:
+            print(f"# response lengths: mean {resp.mean():.0f}, p50 {np.median(resp):.0f}, "
+                  f"p90 {np.percentile(resp, 90):.0f}, max {resp.max()}, at cap "
+                  f"{(resp >= t).mean():.0%}; {generated} tokens", flush=True)
+        walls: dict[str, list[float]] = {name: [] for name in engines}
+        stats = {}
+        for _ in range(args.repeats):
+            for name in engines:
+                w, _, st = go(name)
+                walls[name].append(w)
+                stats[name] = st
+        base = generated / statistics.median(walls["static"])
+        for name in engines:
+            rate = generated / statistics.median(walls[name])
+            same = bool(np.array_equal(ref_tokens, warm[name][1][0]))
+            if name == "static":
+                alloc = peak = static_bytes
+                pre = 0
+            else:
+                st = stats[name]
+                alloc, peak, pre = st.pages_per_pool * st.page_bytes, st.peak_bytes, st.preemptions
+            print(f"{mode:>6} {name:>16} {rate:>9.1f} {statistics.median(walls[name]):>8.2f} "
+                  f"{rate / base:>5.2f}x {alloc / 2**20:>13.1f} {peak / 2**20:>12.1f} "
+                  f"{pre:>8} {'yes' if same else 'NO':>13}", flush=True)
+            if args.json:
+                print(json.dumps({"bench": "rollout", "workload": "longtail", "mode": mode,
+                                  "engine": name, "tok_s": rate, "ratio": rate / base,
+                                  "wall_s": walls[name], "generated_tokens": generated,
+                                  "kv_alloc_bytes": alloc, "kv_peak_bytes": peak,
+                                  "preemptions": pre, "same_samples": same,
+                                  "samples": args.samples, "group": args.group,
+                                  "new_tokens": t, "mean_len": args.mean_len,
+                                  "static_batch": args.static_batch, "budget": budget,
+                                  "device": device, "backend": backend}), flush=True)
+    return 0

@@ -1,0 +1,170 @@
+"""The paged engine (page pools, continuous batching, prefix sharing, preemption) gives exactly
+the static engine's samples; transformers' greedy generate in dense mode; no page leaks."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_fixtures import make_tiny_qwen3
+from sparrow_jax.model import load_hf
+from sparrow_jax.rollout import RolloutConfig, generate, paged, scheduler
+from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted
+from sparrow_jax.shapes import COMPILES
+
+# Budgets of 4 then 6 blocks (48-token bins) against contexts up to ~157 tokens: sparse
+# selection really drops blocks.
+BUDGETS = np.asarray([64] + [96] * 19, np.int32)
+BASE = dict(max_new_tokens=120, backend="xla", max_budget=128)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    torch_model = make_tiny_qwen3(path, layers=3, vocab=96, hidden=48, heads=4, kv_heads=2)
+    return torch_model, load_hf(path, dtype=jnp.float32)
+
+
+def _prompts(lengths, seed=3):
+    rng = np.random.default_rng(seed)
+    toks = np.zeros((len(lengths), max(lengths)), np.int32)
+    for i, n in enumerate(lengths):
+        toks[i, :n] = rng.integers(3, 96, n)
+    return toks, np.asarray(lengths, np.int32)
+
+
+def _run(model, cfg, toks, lens, group_size=2, rng=None, engine="paged", **paged_kw):
+    cfg = dataclasses.replace(cfg, engine=engine, **paged_kw)
+    return generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, bin_size=48,
+                    group_size=group_size, rng=rng)
+
+
+def _assert_same(a, b):
+    """Same samples: tokens, lengths, budgets exactly; log-probs and top-k to f32 noise."""
+    m = np.asarray(a.mask)
+    np.testing.assert_array_equal(np.asarray(a.response_lengths), np.asarray(b.response_lengths))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
+    np.testing.assert_array_equal(np.asarray(a.budgets), np.asarray(b.budgets))
+    np.testing.assert_array_equal(np.asarray(a.cached_lengths), np.asarray(b.cached_lengths))
+    np.testing.assert_array_equal(np.asarray(a.prompt_tokens), np.asarray(b.prompt_tokens))
+    np.testing.assert_allclose(np.asarray(a.logprobs)[m], np.asarray(b.logprobs)[m], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a.topk_logprobs)[m], np.asarray(b.topk_logprobs)[m],
+                               atol=1e-5)
+
+
+def _page_bytes(model):
+    return paged.page_bytes(model.config, model.dtype, 16)
+
+
+def test_page_pool_refcounts_and_leak_check():
+    pool = PagePool(4)
+    a = pool.alloc(2)
+    assert a == [0, 1] and pool.free_pages == 2
+    pool.share(a)                         # a second sample of the group holds the prompt pages
+    pool.release(a)
+    assert pool.free_pages == 2           # still held once
+    with pytest.raises(PoolExhausted):
+        pool.alloc(3)
+    assert pool.free_pages == 2           # a failed alloc takes nothing
+    with pytest.raises(RuntimeError, match="page leak"):
+        pool.check_all_free()
+    pool.release(a)
+    pool.check_all_free()
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.release([0])
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_paged_equals_static_with_stop_tokens_groups_and_preemption(tiny, mode):
+    """Sampled (both engines key each token by sample and index), ragged prompts (a partly filled last prompt page, one exactly full), GRPO groups, a stop
+    token that ends rows mid-sequence; then the same with a pool too small for all samples at
+    once (preemption + recompute): every sample identical, every page back in the pool."""
+    _, model = tiny
+    toks, lens = _prompts([20, 37, 32])
+    cfg = RolloutConfig(temperature=1.0, mode=mode, **BASE)
+    rng = jax.random.key(2)
+    free = np.asarray(_run(model, cfg, toks, lens, rng=rng, engine="static").tokens)
+    # A stop token that row 0 first produces mid-sequence and the last row never does.
+    stop = next(int(t) for t in free[0, 40:] if t not in free[-1] and t not in free[0, :40])
+    cfg = dataclasses.replace(cfg, stop_token_ids=(stop,))
+    static = _run(model, cfg, toks, lens, rng=rng, engine="static")
+    rl = np.asarray(static.response_lengths)
+    assert rl.min() < 120 and rl.max() == 120           # a stop mid-sequence, a row at the cap
+    assert int(np.asarray(static.cached_lengths)[np.asarray(static.mask)].max()) > 150
+    _assert_same(static, _run(model, cfg, toks, lens, rng=rng))
+    roomy = scheduler.LAST_STATS
+    assert roomy.preemptions == 0 and roomy.shared_prompt_pages == 1 + 2 + 2
+    # Samples move between slots, wait in the queue, are preempted and recomputed: their
+    # tokens stay those of the static engine (keys per sample and token index).
+    _assert_same(static, _run(model, cfg, toks, lens, rng=rng, pool_bytes=24 * _page_bytes(model)))
+    tight = scheduler.LAST_STATS
+    assert tight.preemptions > 0 and tight.peak_pages <= 24
+    if mode == "sparse":
+        _assert_same(static, _run(model, cfg, toks, lens, rng=rng, max_slots=2))
+
+
+def test_paged_dense_equals_transformers_generate(tiny):
+    import torch
+    torch_model, model = tiny
+    toks, lens = _prompts([5, 19, 33], seed=0)
+    cfg = RolloutConfig(max_new_tokens=24, temperature=0.0, mode="dense", backend="xla",
+                        engine="paged", chunk_steps=8)
+    traj = generate(model, toks, lens, cfg=cfg, budgets=BUDGETS)
+    for i, n in enumerate(lens):
+        with torch.no_grad():
+            ref = torch_model.generate(torch.tensor(toks[i:i + 1, :n], dtype=torch.long),
+                                       max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0).numpy()[0, n:]
+        assert np.asarray(traj.tokens[i]).tolist() == ref.tolist()
+
+
+def test_group_prompt_pages_are_stored_once(tiny):
+    """8 samples of one 100-token prompt: its 6 full pages exist once, not 8 times."""
+    _, model = tiny
+    toks, lens = _prompts([100])
+    cfg = RolloutConfig(temperature=1.0, mode="dense", max_new_tokens=2, backend="xla",
+                        engine="paged", chunk_steps=1)
+    generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, group_size=8, rng=jax.random.key(0))
+    st = scheduler.LAST_STATS
+    assert st.shared_prompt_pages == 6 * 7
+    # Held at once: 6 shared pages + one private page per sample (the partly filled 7th page,
+    # which also takes the next token): 14 pages, vs 8 x 7 = 56 for private copies.
+    assert st.peak_pages == 6 + 8
+    assert st.peak_bytes == 14 * _page_bytes(model)
+
+
+def test_compiles_are_bucketed(tiny):
+    """A rollout compiles a bounded number of programs: slots in powers of two, pages per slot
+    two per octave, whatever the samples' lengths."""
+    _, model = tiny
+    toks, lens = _prompts([20, 37, 32], seed=5)
+    COMPILES.clear()
+    cfg = RolloutConfig(temperature=1.0, mode="sparse", engine="paged", **BASE)
+    generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, bin_size=48, group_size=2,
+             rng=jax.random.key(1))
+    decode_shapes = COMPILES.shapes("rollout/paged_decode")
+    assert {s["slots"] for s in decode_shapes} <= {1, 2, 4, 6}
+    assert {s["pages_per_slot"] for s in decode_shapes} <= {4, 6, 8, 12}
+    assert len(COMPILES.shapes("rollout/paged_prefill")) == 1
+
+
+def test_bad_paged_settings(tiny):
+    _, model = tiny
+    toks, lens = _prompts([20])
+    with pytest.raises(ValueError, match="static engine only"):
+        RolloutConfig(engine="paged", mode="compress")
+    with pytest.raises(ValueError, match="engine must be"):
+        RolloutConfig(engine="vllm")
+    cfg = RolloutConfig(temperature=1.0, engine="paged", **BASE)
+    with pytest.raises(ValueError, match="cannot hold one sample"):
+        generate(model, toks, lens, cfg=dataclasses.replace(cfg, pool_bytes=4 * _page_bytes(model)),
+                 budgets=BUDGETS)
+    with pytest.raises(ValueError, match="max_slots"):
+        generate(model, toks, lens, cfg=dataclasses.replace(cfg, max_slots=1), budgets=BUDGETS,
+                 group_size=2)
+    with pytest.raises(ValueError, match="pool_fraction"):
+        generate(model, toks, lens, cfg=dataclasses.replace(cfg, pool_fraction=0.5),
+                 budgets=BUDGETS)
