@@ -51,11 +51,12 @@ from sparrow_jax import cost_model, multihost
 from sparrow_jax.dryrun_programs import (Measured, StepShape, abstract_policy,
                                          abstract_trajectories, compile_program, decode_state,
                                          device_bytes, gib, join_program, learner_programs, place,
-                                         rollout_programs, sds, step_shape)
+                                         paged_rollout_programs, rollout_programs, sds,
+                                         step_shape)
 from sparrow_jax.dryrun_targets import (TARGETS, Target, get_target, target_devices,
                                         toolchain_name, toolchain_problem)
 from sparrow_jax.model.config import QWEN3_PRESETS, Qwen3Config, qwen3_preset
-from sparrow_jax.rollout import engine
+from sparrow_jax.rollout import engine, page_pool
 from sparrow_jax.sharding import ShardingSpec, make_mesh
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,16 @@ def measure_rollout(shape: StepShape, spec: ShardingSpec, target: Target, rows: 
     """prefill + decode for `rows` rows per call; probe: also a decode recording one block of
     tokens over the same cache - XLA costs a while loop's body once, so that program's cost
     analysis is one decode step (+ a small prologue/epilogue)."""
-    prefill, decode = rollout_programs(shape, spec, rows)
     per_dev = rows / spec.mesh.shape["data"]
+    if shape.rollout.engine == "paged":
+        progs, _ = paged_rollout_programs(shape, spec, rows, target.hbm_bytes)
+        out = [compile_program(p, target.kernel_platform, per_dev)[0] for p in progs]
+        if probe:                       # one decode step: its cost analysis is one token's
+            d = progs[-1]
+            d.name, d.static = d.name + "[1-step cost probe]", {**d.static, "steps": 1}
+            out.append(compile_program(d, target.kernel_platform, per_dev)[0])
+        return out
+    prefill, decode = rollout_programs(shape, spec, rows)
     m_pre, lowered, compiled = compile_program(prefill, target.kernel_platform, per_dev)
     out = [m_pre]
     for tokens in (0, shape.rollout.block_size) if probe else (0,):
@@ -158,7 +167,9 @@ def fit_max_batches(shape: StepShape, spec: ShardingSpec, target: Target,
     """Largest rollout rows per call and learner micro-batch (per device) that would fit."""
     data, out = spec.mesh.shape["data"], {}
     unit = math.lcm(shape.group_size * shape.hosts, data)
-    rows2 = _other_size(shape.rows_call, unit, shape.rows_step)
+    # The paged engine's memory is its pool (RolloutConfig), not its rows: nothing to fit.
+    rows2 = None if shape.rollout.engine == "paged" else _other_size(shape.rows_call, unit,
+                                                                     shape.rows_step)
     if rows2:
         fits = [_fit(a, b, room) for a, b in zip(rollout[:2], at_depth(
             measure_rollout, shape, depth, spec, target, rows2))]
@@ -244,7 +255,8 @@ def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
                   "prompt_len": shape.prompt_len, "max_new_tokens": t,
                   "compute_dtype": jnp.dtype(shape.compute_dtype).name,
                   "master_dtype": jnp.dtype(shape.master_dtype).name, "remat": lc.remat,
-                  "rollout_mode": shape.rollout.mode, "backend": shape.rollout.backend},
+                  "rollout_mode": shape.rollout.mode, "backend": shape.rollout.backend,
+                  "rollout_engine": shape.rollout.engine},
         "persistent": persistent, "step_data": step_data,
         "programs": [dataclasses.asdict(p) | {"transient": p.transient} for p in programs],
         "peak_bytes": peak,
@@ -254,6 +266,18 @@ def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
                   if depth and depth + 1 < model.num_hidden_layers
                   else f"compiled at full depth ({model.num_hidden_layers} layers)"),
     }
+    if shape.rollout.engine == "paged":
+        lay = page_pool.pool_layout(
+            model, shape.rollout, shape.compute_dtype, rows=shape.rows_call,
+            prompt_width=shape.prompt_len, group_size=shape.group_size, data=data,
+            model=spec.mesh.shape.get("model", 1), memory_limit=target.hbm_bytes)
+        report["paged_pool"] = {
+            "pages_per_pool": lay.pages_per_pool, "pools": lay.pools,
+            "bytes_per_device": lay.bytes_per_device, "source": lay.source,
+            "tokens_per_pool": lay.pages_per_pool * shape.rollout.block_size,
+            "slots_per_device": lay.slots_per_pool, "max_tokens_per_sample":
+                lay.max_pages * shape.rollout.block_size,
+            "chunk_steps": shape.rollout.chunk_steps}
     if fit:
         report["max_batches"] = fit_max_batches(shape, spec, target, rollout[:2], learn,
                                                 limit - base, depth)
@@ -268,6 +292,7 @@ def format_report(r: dict) -> str:
         f"target   {r['target_description']}; compiled with {r['toolchain']}; {r['depth']}",
         f"model    {r['model_params'] / 1e9:.2f}B params, compute {s['compute_dtype']}, master "
         f"{s['master_dtype']}, learner remat {s['remat']}; rollout {s['rollout_mode']} "
+        f"on the {s.get('rollout_engine', 'static')} engine "
         f"(kernels: {s['backend']})",
         f"mesh     {r['mesh']}; {s['rows_step']} rollouts/step in {s['rollout_calls']} call(s) of "
         f"{s['rows_call']} rows ({s['rows_call_per_device']:g}/device); PPO mini-batch "
@@ -287,6 +312,13 @@ def format_report(r: dict) -> str:
         if p["error"]:
             lines.append(f"  ! {p['error']}")
     lines += [f"  largest in {p['name']}: " + "; ".join(p["largest"]) for p in r["programs"]]
+    pp = r.get("paged_pool")
+    if pp:
+        lines.append(
+            f"paged KV pool per device: {pp['pages_per_pool']} pages = {pp['tokens_per_pool']} "
+            f"tokens, {gib(pp['bytes_per_device'])} GiB ({pp['source']}); "
+            f"{pp['slots_per_device']} slots; a sample holds at most "
+            f"{pp['max_tokens_per_sample']} tokens; decode chunks of {pp['chunk_steps']} steps")
     c = r["cost_check"]
     if c["compiled_bytes"] is not None:
         lines.append(

@@ -32,7 +32,7 @@ from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rl import learner
 from sparrow_jax.rl import learner_programs as learner_programs_mod
-from sparrow_jax.rollout import batching, engine
+from sparrow_jax.rollout import batching, engine, page_pool, paged, scheduler
 from sparrow_jax.schedule import make_schedule
 from sparrow_jax.sharding import ShardingSpec, state_shardings
 
@@ -158,6 +158,56 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
             Program("rollout.decode", engine._decode_program, (graphdef, state, None, budgets),
                     ("static", "state", "local", "local"),
                     dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
+
+
+def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_bytes: int
+                           ) -> tuple[list[Program], page_pool.PoolLayout]:
+    """The paged engine's programs for one rollout call of `rows` samples (`rollout/paged.py`):
+    prefill of new groups (every slot's prompt at once, the worst case), prefill of a resumed
+    sample (its prompt + every new token but the last: the widest), and one decode chunk over
+    every slot at the widest page table; the page pool is their own (donated) argument."""
+    model, state, _, _ = abstract_policy(shape, spec)
+    state = place(state, jax.tree.map(lambda x: x.sharding, state), shape.compute_dtype)
+    graphdef, rc, n, m = nnx.graphdef(model), shape.rollout, shape.group_size, shape.model
+    data = spec.mesh.shape["data"]
+    layout = page_pool.pool_layout(m, rc, shape.compute_dtype, rows=rows,
+                                   prompt_width=shape.prompt_len, group_size=n, data=data,
+                                   model=spec.mesh.shape.get("model", 1), memory_limit=hbm_bytes)
+    kv = jax.eval_shape(lambda: paged.PagedKV(*(tuple(
+        jnp.zeros(shp, shape.compute_dtype) for _ in range(m.num_hidden_layers))
+        for shp in [(data, m.num_key_value_heads, layout.pages_per_pool, rc.block_size,
+                     m.head_dim)] * 2 + [(data, m.num_key_value_heads, layout.pages_per_pool,
+                                          m.head_dim)])))
+    kv = paged.PagedKV(*(tuple(sds(x.shape, x.dtype, spec, axes) for x in part)
+                         for part, axes in ((kv.k, paged.POOL_AXES), (kv.v, paged.POOL_AXES),
+                                            (kv.centroids, paged.CENTROID_AXES))))
+    rng = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=spec.sharding((), ()))
+    budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))
+    i32 = jnp.int32
+    cfg = dataclasses.replace(rc, pool_bytes=0, pool_fraction=0.0, max_slots=0)
+
+    def prefill(name, per_pool, width, fan):
+        r, bs = per_pool * data, rc.block_size
+        args = (graphdef, state, kv, sds((r, width), i32, spec), sds((r,), i32, spec),
+                sds((r, fan, width // bs), i32, spec), sds((r, fan), i32, spec),
+                sds((r, fan), i32, spec), rng)
+        return Program(name, paged.prefill_program, args,
+                       ("static", "state", "local") + ("local",) * 6, dict(cfg=cfg, spec=spec))
+
+    groups_per_pool = max(1, layout.slots_per_pool // n)
+    widest = scheduler.prefill_width(rc, shape.prompt_len + rc.max_new_tokens - 1,
+                                     layout.max_pages)
+    s = layout.slots_per_pool * data
+    slots = paged.Slots(sds((s,), i32, spec), sds((s,), i32, spec), sds((s,), i32, spec),
+                        sds((s,), jnp.bool_, spec), sds((s,), i32, spec),
+                        sds((s, layout.max_pages), i32, spec))
+    decode = Program("rollout.paged_decode", paged.decode_chunk_program,
+                     (graphdef, state, kv, slots, budgets, rng),
+                     ("static", "state", "local", "local", "local", "local"),
+                     dict(cfg=cfg, steps=rc.chunk_steps, bin_size=shape.bin_size, spec=spec))
+    return [prefill("rollout.paged_prefill", groups_per_pool, shape.prompt_len, n),
+            prefill("rollout.paged_prefill[resume]", 1, widest, n), decode], layout
 
 
 def join_program(shape: StepShape, spec: ShardingSpec) -> Program:

@@ -8,6 +8,7 @@ single-device rollout of the same checkpoint, rng and prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ from hf_fixtures import make_tiny_qwen3  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
 from sparrow_jax.rl import learner_programs  # noqa: E402
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig  # noqa: E402
-from sparrow_jax.rollout import RolloutConfig, generate  # noqa: E402
+from sparrow_jax.rollout import RolloutConfig, generate, paged, scheduler  # noqa: E402
 from sparrow_jax.rollout.teacher_forced import build_sequences  # noqa: E402
 from sparrow_jax.sharding import RESIDUAL_AXES, ShardingSpec, make_mesh  # noqa: E402
 
@@ -76,15 +77,28 @@ def compare(out_dir: str) -> list[dict]:
         kernel = sharded.layers[0].mlp.up_proj.kernel[...]
         model_shards = len({str(sh.index) for sh in kernel.addressable_shards})
         by_mode = {}
-        for mode in ("dense", "sparse"):
+        runs = [("static", "dense"), ("static", "sparse"), ("paged", "sparse")]
+        if name == "kv4_sharded_heads":
+            runs.append(("paged", "dense"))
+        for engine, mode in runs:
+            # The paged runs: a pool of 14 pages per data shard, which holds one group (2 samples
+            # of ~10 pages each): preemption on the mesh too.
+            extra = dict(engine="paged", max_slots=8, chunk_steps=32,
+                         pool_bytes=14 * paged.page_bytes(single.config, jnp.float32, 16)
+                         // (4 if name == "kv4_sharded_heads" else 1)) if engine == "paged" else {}
             cfg = RolloutConfig(max_new_tokens=120, temperature=1.0, mode=mode, backend="xla",
-                                max_budget=128, stop_token_ids=())
+                                max_budget=128, stop_token_ids=(), **extra)
             kw = dict(cfg=cfg, budgets=BUDGETS, bin_size=48, group_size=2, rng=jax.random.key(5))
-            ref = generate(single, toks, lens, **kw)
+            # The unsharded paged reference runs with a roomy pool: samples do not depend on it.
+            ref = generate(single, toks, lens, **{**kw, "cfg": dataclasses.replace(
+                cfg, pool_bytes=0)})
             got = generate(sharded, toks, lens, spec=spec, **kw)
-            by_mode[mode] = (np.asarray(ref.tokens), np.asarray(ref.logprobs))
+            if engine == "static":
+                by_mode[mode] = (np.asarray(ref.tokens), np.asarray(ref.logprobs))
             results.append({
-                "case": name, "mode": mode,
+                "case": name, "mode": mode, "engine": engine,
+                "preemptions": scheduler.LAST_STATS.preemptions if engine == "paged" else 0,
+                "pools": scheduler.LAST_STATS.pools if engine == "paged" else 0,
                 "tokens_equal": bool(np.array_equal(np.asarray(ref.tokens),
                                                     np.asarray(got.tokens))),
                 "mask_equal": bool(np.array_equal(np.asarray(ref.mask), np.asarray(got.mask))),
@@ -95,7 +109,8 @@ def compare(out_dir: str) -> list[dict]:
                 "max_cached_length": int(np.asarray(ref.cached_lengths).max()),
                 "tokens_sharding": str(got.tokens.sharding.spec),
                 "param_model_shards": model_shards,
-                "gap_to_dense": gap_to_dense(by_mode) if mode == "sparse" else 0.0,
+                "gap_to_dense": gap_to_dense(by_mode) if mode == "sparse" and engine == "static"
+                else 0.0,
             })
     return results
 

@@ -77,7 +77,9 @@ def test_sparse_rollout_writes_one_row_per_sample(model_dir, tmp_path, capsys):
         assert EOS not in r["token_ids"][:-1]  # generation stops at the first eos
         assert r["completion"] == tok.decode(r["token_ids"], skip_special_tokens=True)
         b = r["budgets"]
-        assert b["mode"] == "sparse" and b["min"] == b["max"] == 48
+        assert b["mode"] == "sparse"
+        if b["sparse_tokens"]:            # a row that stopped at its first token has none
+            assert b["min"] == b["max"] == 48
         assert b["sparse_tokens"] + b["dense_tokens"] == n
     assert any(r["budgets"]["sparse_tokens"] > 0 for r in rows)
     assert "tokens/s" in printed and "backend=xla" in printed

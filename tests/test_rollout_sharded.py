@@ -24,13 +24,13 @@ def results(tmp_path_factory):
                            str(out)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, f"sharded check failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {(r["case"], r.get("mode")): r for r in rows}
+    return {(r["case"], r.get("mode"), r.get("engine", "static")): r for r in rows}
 
 
 @pytest.mark.parametrize("case", ["kv4_sharded_heads", "kv2_replicated_heads"])
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_sharded_rollout_equals_unsharded(results, case, mode):
-    r = results[(case, mode)]
+    r = results[(case, mode, "static")]
     assert r["tokens_equal"], r
     assert r["mask_equal"] and r["budgets_equal"], r
     assert r["max_logprob_diff"] <= 1e-5, r
@@ -43,8 +43,21 @@ def test_sharded_rollout_equals_unsharded(results, case, mode):
         assert r["gap_to_dense"] > 1e-3, r
 
 
+@pytest.mark.parametrize("case,mode", [("kv4_sharded_heads", "dense"),
+                                       ("kv4_sharded_heads", "sparse"),
+                                       ("kv2_replicated_heads", "sparse")])
+def test_sharded_paged_rollout_equals_unsharded(results, case, mode):
+    """The paged engine on the 2x4 mesh (a pool per data shard, KV heads over model where they
+    divide it, preemption on both) gives the unsharded paged engine's samples."""
+    r = results[(case, mode, "paged")]
+    assert r["tokens_equal"] and r["mask_equal"] and r["budgets_equal"], r
+    assert r["max_logprob_diff"] <= 1e-5, r
+    assert r["tokens_sharding"].startswith("P('data'") and r["pools"] == 2, r
+    assert r["preemptions"] > 0 and r["max_cached_length"] > 150, r
+
+
 def test_sharded_learner_update_equals_unsharded(results):
-    r = results[("learner_update", None)]
+    r = results[("learner_update", None, "static")]
     assert r["max_param_step"] > 1e-4, r             # the step really changed the weights
     # Adam's first step is ~lr * sign(grad): reduction-order noise on near-zero gradients moves
     # a few weights by a fraction of the step, nothing more.

@@ -170,7 +170,7 @@ def _decode_program(graphdef, params, state: DecodeState, *, cfg: RolloutConfig,
         mask=steps[None, :] < st.response_lengths[:, None], response_lengths=st.response_lengths,
         evicted_at=evicted)
     traj = jax.tree.map(lambda x: _constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
-    return traj, (st.cache, st.step, st.token, st.done, st.rng)
+    return traj, (st.cache, st.step, st.token, st.done, st.rng, st.sample_ids)
 
 
 def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig,

@@ -8,12 +8,15 @@ returns to the free list when its last holder releases it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.model.config import Qwen3Config
+
 
 log = logging.getLogger(__name__)
 
@@ -89,23 +92,80 @@ def device_memory_limit() -> int | None:
         return None
 
 
-def pool_pages(cfg: Qwen3Config, *, page_bytes_per_device: int, pool_bytes: int,
-               pool_fraction: float, default_pages: int) -> tuple[int, str]:
+def pool_pages(*, page_bytes_per_device: int, pool_bytes: int, pool_fraction: float,
+               default_pages: int, memory_limit: int | None = None) -> tuple[int, str]:
     """Pages per pool (one pool per data shard) and where the size came from.
 
     pool_bytes > 0: that many bytes per device; pool_fraction > 0: that fraction of the
-    device's memory limit (errors where the backend reports none, e.g. CPU); else default_pages
-    (the caller's: every row's worst case, the static engine's memory).
+    device's memory limit (`memory_limit`, default: what the local device reports; errors where
+    there is none, e.g. CPU); else default_pages (the caller's: every row's worst case, the
+    static engine's memory).
     """
     if pool_bytes > 0 and pool_fraction > 0:
         raise ValueError("set RolloutConfig.pool_bytes or pool_fraction, not both")
     if pool_bytes > 0:
         return pool_bytes // page_bytes_per_device, f"pool_bytes={pool_bytes}"
     if pool_fraction > 0:
-        limit = device_memory_limit()
+        limit = memory_limit or device_memory_limit()
         if limit is None:
             raise ValueError("RolloutConfig.pool_fraction needs a device that reports its memory "
                              "limit (CPU does not); set pool_bytes instead")
         return int(pool_fraction * limit) // page_bytes_per_device, \
             f"pool_fraction={pool_fraction} of {limit / 2**30:.1f} GiB"
     return default_pages, "default (every row at full length)"
+
+
+def page_bytes(cfg: Qwen3Config, dtype, block_size: int) -> int:
+    """Bytes of one page over all layers: K, V and the centroid, all KV heads."""
+    per_layer = cfg.num_key_value_heads * cfg.head_dim * (2 * block_size + 1)
+    return int(cfg.num_hidden_layers * per_layer * jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Where a paged rollout's KV lives: one pool per data shard, each serving its shard's slots."""
+    pools: int                   # = data shards
+    pages_per_pool: int
+    slots_per_pool: int
+    max_pages: int               # pages one sample can ever hold (prompt + new tokens)
+    page_bytes: int              # all KV heads
+    page_bytes_per_device: int   # the heads one device holds
+    source: str                  # where the size came from
+
+    @property
+    def bytes_per_device(self) -> int:
+        return self.pages_per_pool * self.page_bytes_per_device
+
+
+def pool_layout(mcfg: Qwen3Config, cfg, dtype, *, rows: int, prompt_width: int, group_size: int,
+                data: int = 1, model: int = 1, memory_limit: int | None = None) -> PoolLayout:
+    """The pool a `RolloutConfig` (cfg) asks for, for `rows` samples of prompts `prompt_width`
+    wide on a (data, model) mesh; validated: the pool must hold one whole sample and one
+    group's prompt, and the slots a whole group per shard (else the rollout could not finish)."""
+    bs = cfg.block_size
+    slots = cfg.max_slots or rows
+    if slots % data or slots // data < group_size:
+        raise ValueError(f"RolloutConfig.max_slots={slots} must be a multiple of the data axis "
+                         f"({data}) with at least group_size={group_size} slots per data shard")
+    # The last sampled token is never fed, so never written.
+    max_pages = pages_for(prompt_width + cfg.max_new_tokens - 1, bs)
+    heads_split = model if mcfg.num_key_value_heads % model == 0 else 1
+    full = page_bytes(mcfg, dtype, bs)
+    pages, source = pool_pages(
+        page_bytes_per_device=full // heads_split, pool_bytes=cfg.pool_bytes,
+        pool_fraction=cfg.pool_fraction, default_pages=-(-rows // data) * max_pages,
+        memory_limit=memory_limit)
+    need = max(max_pages, pages_for(prompt_width, bs)
+               + group_size * pages_for(cfg.chunk_steps + bs, bs))
+    if pages < need:
+        raise ValueError(
+            f"the page pool ({pages} pages of {bs} tokens per data shard, from {source}) cannot "
+            f"hold one sample of {prompt_width} prompt + {cfg.max_new_tokens} new tokens or one "
+            f"group's prompt ({need} pages); raise RolloutConfig.pool_bytes")
+    layout = PoolLayout(data, pages, slots // data, max_pages, full, full // heads_split, source)
+    limit = memory_limit or device_memory_limit()
+    if limit is not None and layout.bytes_per_device > 0.9 * limit:
+        raise MemoryError(f"the page pool needs {layout.bytes_per_device / 2**30:.2f} GiB per "
+                          f"device ({source}) but the device has {limit / 2**30:.2f} GiB; lower "
+                          "RolloutConfig.pool_bytes / pool_fraction")
+    return layout

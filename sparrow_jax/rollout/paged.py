@@ -27,6 +27,7 @@ from sparrow_jax import selection
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout.engine import RolloutConfig, budget_for_lengths, prefill
+from sparrow_jax.rollout.page_pool import page_bytes  # noqa: F401  (re-exported)
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.sharding import ShardingSpec
 
@@ -45,12 +46,6 @@ class PagedKV:
     @property
     def num_pages(self) -> int:
         return self.k[0].shape[2]
-
-
-def page_bytes(cfg: Qwen3Config, dtype, block_size: int) -> int:
-    """Bytes of one page over all layers: K, V and the centroid, all KV heads."""
-    per_layer = cfg.num_key_value_heads * cfg.head_dim * (2 * block_size + 1)
-    return int(cfg.num_hidden_layers * per_layer * jnp.dtype(dtype).itemsize)
 
 
 def init_pages(cfg: Qwen3Config, pools: int, pages: int, block_size: int, dtype,
@@ -78,37 +73,60 @@ def _sample_rows(rng, logits, sample_ids, index, cfg: RolloutConfig):
 
 
 # -- prefill ----------------------------------------------------------------------------------
+def _write_pages(k_pool, v_pool, c_pool, ks, vs, write_pages, *, block_size: int):
+    """Writes R rows' prefilled K/V (and page centroids) into one pool (under shard_map: this
+    shard's rows into this shard's pool). ks/vs [R, Hkv, W, D]; pools [1, Hkv, N, bs, D],
+    centroids [1, Hkv, N, D]; write_pages [R, n, W/bs] target page of each block for each of a
+    row's n samples (N = none: the write is dropped)."""
+    r, hkv, w, d = ks.shape
+    n = write_pages.shape[1]
+    nb = w // block_size
+
+    def put(pool, data):                      # data [R, Hkv, nb, ...] -> pool[0][:, pages]
+        vals = jnp.broadcast_to(jnp.moveaxis(data, 1, 0)[:, :, None],
+                                (hkv, r, n, nb) + data.shape[3:])
+        return pool[0].at[:, write_pages].set(vals.astype(pool.dtype), mode="drop")[None]
+
+    def blocks(x):
+        return x.reshape(r, hkv, nb, block_size, d)
+
+    return (put(k_pool, blocks(ks)), put(v_pool, blocks(vs)),
+            put(c_pool, selection.block_centroids(ks, block_size)))
+
+
+def _sharded_write(spec: ShardingSpec | None, num_kv_heads: int, block_size: int):
+    fn = functools.partial(_write_pages, block_size=block_size)
+    if spec is None:
+        return fn
+    data, heads = _axes(spec, num_kv_heads)
+    pool, cent = P(data, heads, None, None, None), P(data, heads, None, None)
+    rows = P(data, heads, None, None)
+    return jax.shard_map(fn, mesh=spec.mesh,
+                         in_specs=(pool, pool, cent, rows, rows, P(data, None, None)),
+                         out_specs=(pool, pool, cent), check_vma=False)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "spec"),
                    donate_argnames=("kv",))
-def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, pool_of, write_pages,
-                    sample_ids, index, rng, *, cfg: RolloutConfig, spec: ShardingSpec | None):
+def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, write_pages, sample_ids,
+                    index, rng, *, cfg: RolloutConfig, spec: ShardingSpec | None):
     """Dense prefill of R sequences into pages, fanned out to n samples each.
 
-    tokens [R, W] (W a multiple of bs), lengths [R]; pool_of [R] the pool of each row;
-    write_pages [R, n, W/bs] the page each of the row's blocks goes to for each of its n samples
-    (full prompt pages: the same shared page for all n; the partly filled last page: a private
-    page per sample; unused: N = dropped). sample_ids/index [R, n]: the sampling key of each
-    sample's next token. Returns (kv, tokens/logprobs [R, n], top-k values/ids [R, n, k]).
+    tokens [R, W] (W a multiple of bs), lengths [R]; rows are laid out by pool (R / G rows per
+    pool, the pool's data shard). write_pages [R, n, W/bs] the page (in the row's pool) each of
+    the row's blocks goes to for each of its n samples: full prompt pages the same shared page
+    for all n, the partly filled last page a private page per sample, unused N (dropped).
+    sample_ids/index [R, n]: the sampling key of each sample's next token.
+    Returns (kv, tokens/logprobs [R, n], top-k values/ids [R, n, k]).
     """
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
-    r, w = tokens.shape
+    r = tokens.shape[0]
     n = write_pages.shape[1]
-    bs = cfg.block_size
     ks, vs, last_logits = prefill(model, tokens, lengths, chunk=cfg.prefill_chunk)
-    gi = jnp.broadcast_to(pool_of[:, None, None], write_pages.shape)
-
-    def scatter(pool, data):                    # data [R, Hkv, W/bs, ...] -> pool[G, Hkv, N, ...]
-        vals = jnp.broadcast_to(jnp.moveaxis(data, 1, 2)[:, None], (r, n) + (w // bs,)
-                                + (data.shape[1],) + data.shape[3:])
-        return pool.at[gi, :, write_pages].set(vals.astype(pool.dtype), mode="drop")
-
-    def blocks(x):                              # [R, Hkv, W, D] -> [R, Hkv, W/bs, bs, D]
-        return x.reshape(r, x.shape[1], w // bs, bs, x.shape[-1])
-
-    kv = PagedKV(k=tuple(scatter(p, blocks(x)) for p, x in zip(kv.k, ks)),
-                 v=tuple(scatter(p, blocks(x)) for p, x in zip(kv.v, vs)),
-                 centroids=tuple(scatter(p, selection.block_centroids(x, bs))
-                                 for p, x in zip(kv.centroids, ks)))
+    write = _sharded_write(spec, model.config.num_key_value_heads, cfg.block_size)
+    out = [write(k, v, c, kx, vx, write_pages)
+           for k, v, c, kx, vx in zip(kv.k, kv.v, kv.centroids, ks, vs)]
+    kv = PagedKV(*(tuple(o[i] for o in out) for i in range(3)))
     logits = jnp.repeat(last_logits, n, axis=0)
     tok, lp, top_v, top_i = _sample_rows(rng, logits, sample_ids.reshape(-1), index.reshape(-1),
                                          cfg)
@@ -155,13 +173,18 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     return out, k_pool, v_pool, c_pool
 
 
+def _axes(spec: ShardingSpec, num_kv_heads: int) -> tuple[str | None, str | None]:
+    """Mesh axes of pools/slots (data) and KV heads (model, unless the heads do not divide it:
+    then replicated, as the static engine's cache)."""
+    model_size = spec.mesh.shape.get("model", 1)
+    return spec.rules.get("batch"), "model" if num_kv_heads % model_size == 0 else None
+
+
 def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
     """Per-layer attention under shard_map: slots and pools over data, KV heads over model."""
     if spec is None:
         return fn
-    model_size = spec.mesh.shape.get("model", 1)
-    heads = "model" if num_kv_heads % model_size == 0 else None
-    data = spec.rules.get("batch")
+    data, heads = _axes(spec, num_kv_heads)
     tok, pool, cent, row = P(data, heads, None), P(data, heads, None, None, None), \
         P(data, heads, None, None), P(data)
     return jax.shard_map(fn, mesh=spec.mesh,

@@ -28,7 +28,7 @@ from flax import nnx
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import paged
 from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, _check_budgets, prepare_prompts
-from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_pages
+from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
 from sparrow_jax.shapes import COMPILES
 from sparrow_jax.sharding import ShardingSpec
 
@@ -47,6 +47,14 @@ def page_bucket(n: int, cap: int) -> int:
     while b < n:
         b = b + b // 2 if (b & (b - 1)) == 0 else 1 << b.bit_length()
     return min(b, cap)
+
+
+def prefill_width(cfg: RolloutConfig, length: int, max_pages: int) -> int:
+    """Static width of a prefill of sequences up to `length` tokens: a prompt bucket, or for a
+    resumed sample's long prompt + generated tokens a multiple of the prefill chunk (at most
+    the widest sample: a 32K-token resume is prefilled at 34816 tokens, not the 49152 bucket)."""
+    chunked = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
+    return min(cfg.prompt_width(length), chunked, max_pages * cfg.block_size)
 
 
 @dataclasses.dataclass
@@ -91,39 +99,22 @@ class _Rollout:
         bp, self.width = prompt_tokens.shape
         self.rows = bp * group_size
         self.bs, self.t = cfg.block_size, cfg.max_new_tokens
-        self.pools = 1 if spec is None else spec.mesh.shape[spec.rules.get("batch") or "data"]
-        slots = cfg.max_slots or self.rows
-        if slots % self.pools or slots // self.pools < group_size:
-            raise ValueError(f"RolloutConfig.max_slots={slots} must be a multiple of the data "
-                             f"axis ({self.pools}) with at least group_size={group_size} slots "
-                             "per data shard")
-        self.slots_per_pool = slots // self.pools
-        # Pages a sample can ever hold: prompt + generated tokens (the last sampled token is
-        # never fed, so never written).
-        self.max_pages = pages_for(self.width + self.t - 1, self.bs)
-        heads_split = (1 if spec is None or mcfg.num_key_value_heads % spec.mesh.shape.get(
-            "model", 1) else spec.mesh.shape.get("model", 1))
-        page_bytes = paged.page_bytes(mcfg, model.dtype, self.bs)
-        default = -(-self.rows // self.pools) * self.max_pages
-        self.pages_per_pool, source = pool_pages(
-            mcfg, page_bytes_per_device=page_bytes // heads_split, pool_bytes=cfg.pool_bytes,
-            pool_fraction=cfg.pool_fraction, default_pages=default)
-        group_need = pages_for(self.width, self.bs) + group_size * pages_for(
-            cfg.chunk_steps + self.bs, self.bs)
-        need = max(self.max_pages, group_need)
-        if self.pages_per_pool < need:
-            raise ValueError(
-                f"the page pool ({self.pages_per_pool} pages of {self.bs} tokens per data shard, "
-                f"from {source}) cannot hold one sample of {self.width} prompt + {self.t} new "
-                f"tokens or one group's prompt ({need} pages); raise RolloutConfig.pool_bytes")
+        data = 1 if spec is None else spec.mesh.shape[spec.rules.get("batch") or "data"]
+        layout = pool_layout(mcfg, cfg, model.dtype, rows=self.rows, prompt_width=self.width,
+                             group_size=group_size, data=data,
+                             model=1 if spec is None else spec.mesh.shape.get("model", 1))
+        self.layout = layout
+        self.pools, self.pages_per_pool = layout.pools, layout.pages_per_pool
+        self.slots_per_pool, self.max_pages = layout.slots_per_pool, layout.max_pages
         self.alloc = [PagePool(self.pages_per_pool) for _ in range(self.pools)]
         self.kv = paged.init_pages(mcfg, self.pools, self.pages_per_pool, self.bs, model.dtype,
                                    spec)
         log.info("paged rollout: %d pool(s) x %d pages (%s, %.2f GiB per device), %d slots, "
-                 "chunks of %d steps", self.pools, self.pages_per_pool, source,
-                 self.pages_per_pool * page_bytes / heads_split / 2**30, slots, cfg.chunk_steps)
+                 "chunks of %d steps", self.pools, self.pages_per_pool, layout.source,
+                 layout.bytes_per_device / 2**30, layout.slots_per_pool * self.pools,
+                 cfg.chunk_steps)
         self.stats = PagedStats(pages_per_pool=self.pages_per_pool, pools=self.pools,
-                                page_bytes=page_bytes)
+                                page_bytes=layout.page_bytes)
         self.graphdef, self.params = nnx.split(model)
         # The programs' static config without the host-only settings: one compiled program per
         # shape whatever the pool source, slot cap or engine flag.
@@ -232,21 +223,31 @@ class _Rollout:
     def _pages_wanted_at(self, cache_length: int, s: _Sample) -> int:
         return min(pages_for(cache_length + self.cfg.chunk_steps, self.bs), self.max_pages)
 
-    def prefill(self, units: list[tuple], budgets) -> None:
-        """One prefill program over the admitted units (rows and width bucketed)."""
-        cfg, bs = self.cfg, self.bs
-        longest = max(u[3] for u in units)
-        width = cfg.prompt_width(max(longest, 1))
-        rows = pow2_bucket(len(units), max(1, self.slots_per_pool * self.pools))
-        n = self.n
-        n_pages = self.pages_per_pool
+    def prefill(self, units: list[tuple]) -> None:
+        """Prefill programs over the admitted units: new groups together (prompt width), resumed
+        samples together (their prompt + generated tokens); rows per pool bucketed."""
+        for kind in ("group", "resume"):
+            batch = [u for u in units if u[0] == kind]
+            if batch:
+                self._prefill(batch)
+
+    def _prefill(self, units: list[tuple]) -> None:
+        cfg, bs, n = self.cfg, self.bs, self.n
+        width = prefill_width(cfg, max(u[3] for u in units), self.max_pages)
+        per_pool = pow2_bucket(max(sum(u[2] == p for u in units) for p in range(self.pools)),
+                               self.slots_per_pool)
+        rows = per_pool * self.pools
         tokens = np.full((rows, width), cfg.pad_token_id, np.int32)
         lengths = np.ones((rows,), np.int32)
-        pool_of = np.zeros((rows,), np.int32)
-        write = np.full((rows, n, width // bs), n_pages, np.int32)
+        write = np.full((rows, n, width // bs), self.pages_per_pool, np.int32)
         sample_ids = np.zeros((rows, n), np.int32)
         index = np.zeros((rows, n), np.int32)
-        for r, (kind, group, pool, length) in enumerate(units):
+        where = []
+        taken = [0] * self.pools
+        for kind, group, pool, length in units:
+            r = pool * per_pool + taken[pool]
+            taken[pool] += 1
+            where.append(r)
             s0 = group[0]
             plen = int(self.prompt_lengths[s0.prompt])
             seq = self.prompts[s0.prompt, :plen]
@@ -254,22 +255,20 @@ class _Rollout:
                 seq = np.concatenate([seq, self.tokens[s0.index, :s0.generated - 1]])
             tokens[r, :length] = seq
             lengths[r] = length
-            pool_of[r] = pool
             used = pages_for(length, bs)
             for j, s in enumerate(group):
                 write[r, j, :used] = s.pages[:used]
                 sample_ids[r, j] = self.first_sample + s.index
                 index[r, j] = s.generated
         COMPILES.note("rollout/paged_prefill", rows=rows, width=width, group_size=n,
-                      pages=n_pages, dtype=jnp.dtype(self.model.dtype).name)
-        out = paged.prefill_program(self.graphdef, self.params, self.kv, jnp.asarray(tokens),
-                                    jnp.asarray(lengths), jnp.asarray(pool_of),
-                                    jnp.asarray(write), jnp.asarray(sample_ids),
-                                    jnp.asarray(index), self.rng, cfg=self.program_cfg, spec=self.spec)
+                      pages=self.pages_per_pool, dtype=jnp.dtype(self.model.dtype).name)
+        args = [self._rows(x) for x in (tokens, lengths, write, sample_ids, index)]
+        out = paged.prefill_program(self.graphdef, self.params, self.kv, *args, self.rng,
+                                    cfg=self.program_cfg, spec=self.spec)
         self.kv = out[0]
         tok, lp, top_v, top_i = (np.asarray(x) for x in out[1:])
         self.stats.prefills += 1
-        for r, (kind, group, pool, length) in enumerate(units):
+        for r, (kind, group, pool, length) in zip(where, units):
             if kind == "resume":
                 continue         # its next token is already recorded: decode feeds it
             for j, s in enumerate(group):
@@ -277,6 +276,10 @@ class _Rollout:
                                 top_v[r, j:j + 1], top_i[r, j:j + 1]):
                     self.running[pool].remove(s)
                     self._finish(s)
+
+    def _rows(self, x: np.ndarray) -> jax.Array:
+        """Host rows (laid out by pool) to the device: over the data axis when sharded."""
+        return jnp.asarray(x) if self.spec is None else _place(x, self.spec)
 
     # -- 3. decode ----------------------------------------------------------------------------
     def decode(self, budgets) -> None:
@@ -299,11 +302,8 @@ class _Rollout:
                 active[row], sample_id[row] = True, self.first_sample + s.index
                 table[row, :len(s.pages)] = s.pages
                 order.append((row, s))
-        slots = paged.Slots(token=jnp.asarray(token), length=jnp.asarray(length),
-                            generated=jnp.asarray(generated), active=jnp.asarray(active),
-                            sample_id=jnp.asarray(sample_id), page_table=jnp.asarray(table))
-        if self.spec is not None:
-            slots = jax.tree.map(lambda x: _place(x, self.spec), slots)
+        slots = paged.Slots(*(self._rows(x) for x in (token, length, generated, active,
+                                                        sample_id, table)))
         COMPILES.note("rollout/paged_decode", slots=total, pages_per_slot=width,
                       steps=cfg.chunk_steps, mode=cfg.mode, pages=self.pages_per_pool,
                       dtype=jnp.dtype(self.model.dtype).name)
@@ -325,7 +325,7 @@ class _Rollout:
             self.grow()
             units = self.admit()
             if units:
-                self.prefill(units, budgets)
+                self.prefill(units)
             if any(self.running):
                 self.decode(budgets)
             elif self.queue and not units:
