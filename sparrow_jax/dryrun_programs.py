@@ -187,13 +187,14 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
     i32 = jnp.int32
     cfg = dataclasses.replace(rc, pool_bytes=0, pool_fraction=0.0, max_slots=0)
 
-    def prefill(name, per_pool, width, fan):
+    def prefill(name, per_pool, width, fan, replay):
         r, bs = per_pool * data, rc.block_size
         args = (graphdef, state, kv, sds((r, width), i32, spec), sds((r,), i32, spec),
                 sds((r, fan, width // bs), i32, spec), sds((r, fan), i32, spec),
-                sds((r, fan), i32, spec), rng)
+                sds((r, fan), i32, spec), rng, sds((r,), i32, spec), budgets)
         return Program(name, paged.prefill_program, args,
-                       ("static", "state", "local") + ("local",) * 6, dict(cfg=cfg, spec=spec))
+                       ("static", "state", "local") + ("local",) * 8,
+                       dict(cfg=cfg, spec=spec, bin_size=shape.bin_size, replay=replay))
 
     groups_per_pool = max(1, layout.slots_per_pool // n)
     widest = scheduler.prefill_width(rc, shape.prompt_len + rc.max_new_tokens - 1,
@@ -206,8 +207,9 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
                      (graphdef, state, kv, slots, budgets, rng),
                      ("static", "state", "local", "local", "local", "local"),
                      dict(cfg=cfg, steps=rc.chunk_steps, bin_size=shape.bin_size, spec=spec))
-    return [prefill("rollout.paged_prefill", groups_per_pool, shape.prompt_len, n),
-            prefill("rollout.paged_prefill[resume]", 1, widest, n), decode], layout
+    return [prefill("rollout.paged_prefill", groups_per_pool, shape.prompt_len, n, False),
+            prefill("rollout.paged_prefill[resume]", 1, widest, n, rc.mode == "sparse"),
+            decode], layout
 
 
 def join_program(shape: StepShape, spec: ShardingSpec) -> Program:

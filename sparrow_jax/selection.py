@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["block_centroids", "update_centroid", "block_minmax", "centroid_scores",
-           "quest_scores", "select_from_scores", "select_blocks"]
+           "quest_scores", "select_from_scores", "select_blocks", "selected_keys"]
 
 # Blocks always kept in the sparse regime: the sink (block 0) and the two most recent blocks.
 NUM_RESERVED = 3
@@ -201,3 +201,20 @@ def select_blocks(q: jax.Array, centroids: jax.Array, lengths: jax.Array,
     budget = jnp.broadcast_to(budget[:, None] if budget.ndim == 1 else budget, (b, hkv))
     return select_from_scores(scores, lengths, budget, max_selected=max_selected,
                               block_size=block_size)
+
+
+def selected_keys(scores: jax.Array, positions: jax.Array, budget_blocks: jax.Array, *,
+                  max_selected: int, block_size: int = 16) -> jax.Array:
+    """The keys decode-time selection lets each query see, for a whole-sequence (teacher-forced)
+    replay: scores [B, C, Hkv, NB] (over whole blocks), positions [B, C] of the queries,
+    budget_blocks [B, C] -> [B, C, Hkv, NB * block_size] bool (causality not applied: a query at
+    position p decoded with length p + 1, so its selection never picks a later block)."""
+    b, c, hkv, nb = scores.shape
+    lengths = jnp.broadcast_to((positions + 1)[..., None], (b, c, hkv))
+    budget = jnp.broadcast_to(budget_blocks[..., None], (b, c, hkv)).astype(jnp.int32)
+    idx, _ = select_from_scores(scores, lengths, budget, max_selected=max_selected,
+                                block_size=block_size)
+    # Padding repeats the last valid id, so scattering every entry marks exactly the selection.
+    chosen = jnp.put_along_axis(jnp.zeros((b, c, hkv, nb), bool), idx, True, axis=-1,
+                                inplace=False)
+    return jnp.repeat(chosen, block_size, axis=-1)

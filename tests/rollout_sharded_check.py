@@ -28,7 +28,7 @@ from hf_fixtures import make_tiny_qwen3  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
 from sparrow_jax.rl import learner_programs  # noqa: E402
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig  # noqa: E402
-from sparrow_jax.rollout import RolloutConfig, generate, paged, scheduler  # noqa: E402
+from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler  # noqa: E402
 from sparrow_jax.rollout.teacher_forced import build_sequences  # noqa: E402
 from sparrow_jax.sharding import RESIDUAL_AXES, ShardingSpec, make_mesh  # noqa: E402
 
@@ -84,7 +84,7 @@ def compare(out_dir: str) -> list[dict]:
             # The paged runs: a pool of 14 pages per data shard, which holds one group (2 samples
             # of ~10 pages each): preemption on the mesh too.
             extra = dict(engine="paged", max_slots=8, chunk_steps=32,
-                         pool_bytes=14 * paged.page_bytes(single.config, jnp.float32, 16)
+                         pool_bytes=14 * page_pool.page_bytes(single.config, jnp.float32, 16)
                          // (4 if name == "kv4_sharded_heads" else 1)) if engine == "paged" else {}
             cfg = RolloutConfig(max_new_tokens=120, temperature=1.0, mode=mode, backend="xla",
                                 max_budget=128, stop_token_ids=(), **extra)

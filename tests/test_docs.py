@@ -254,6 +254,11 @@ _REGISTRY = {
     "--batch 16 --new_tokens 64 --repeats 3": (Twin("bench_rollout"),),
     _ROLLOUT_BENCH + "--preset qwen3-1.7b --context 32768 --schedule qwen3-1.7b-0.86 --batch 8 "
     "--new_tokens 256 --dtype bfloat16": (Twin("bench_rollout"),),
+    # docs/benchmarks.md, README.md: static vs paged engine on the long-tailed workload
+    _ROLLOUT_BENCH + "--workload longtail --chunk_steps 16 32 64 --repeats 2":
+        (Twin("bench_rollout_longtail"),),
+    _ROLLOUT_BENCH + "--workload longtail --static_batch 8 --chunk_steps 16 --repeats 2":
+        (Twin("bench_rollout_longtail"),),
 }
 COMMANDS = {normalize(k): v for k, v in _REGISTRY.items()}
 assert len(COMMANDS) == len(_REGISTRY), "two registry keys normalize to the same command"
@@ -609,6 +614,26 @@ def test_twin_bench_rollout(capsys):
     # budget 48 and the schedule, each against dense; the docs' `--dense_layers 0,1 none` (a
     # second sparse set, twice the compiles) is only parsed, by test_sparrow_command_parses
     assert len(records) == 2 and all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in records)
+
+
+def test_twin_bench_rollout_longtail(capsys):
+    """The longtail workload at toy size: both engines, dense and sparse, the same samples, the
+    paged pool exactly the static engine's KV bytes."""
+    from sparrow_jax import cli
+    argv = ["bench", "rollout", "--", "--json", "--workload", "longtail", "--layers", "3",
+            "--hidden", "32", "--heads", "4", "--kv_heads", "2", "--head_dim", "16", "--vocab",
+            "64", "--samples", "8", "--group", "2", "--static_batch", "4", "--prompt_len", "32",
+            "--new_tokens", "96", "--mean_len", "24", "--budget", "48", "--chunk_steps", "16",
+            "--repeats", "1", "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    records = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [(r["mode"], r["engine"]) for r in records] == [
+        (m, e) for m in ("dense", "sparse") for e in ("static", "paged/chunk16")]
+    assert all(r["same_samples"] and r["tok_s"] > 0 for r in records)
+    static, paged = records[0], records[1]
+    assert paged["kv_alloc_bytes"] <= static["kv_alloc_bytes"] and paged["kv_peak_bytes"] > 0
+    assert "response lengths: mean" in out
 
 
 def test_twin_bench_kernel(capsys):

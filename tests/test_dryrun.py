@@ -207,6 +207,10 @@ def test_shipped_configs_fit(shipped_results, config):
     verdict = [line for line in out.splitlines() if "FIT" in line]
     print(out[-8000:])
     assert code == 0 and verdict and verdict[-1].startswith("FITS"), out[-6000:]
+    if config == "qwen3_1p7b_gpu.gin":
+        # The whole step's 512 rollouts in one paged rollout, its pool reported.
+        assert "512 rollouts/step in 1 call(s)" in out and "on the paged engine" in out, out
+        assert "paged KV pool per device:" in out and "rollout.paged_prefill[resume]" in out, out
 
 
 def test_every_real_config_names_its_target():

@@ -10,7 +10,7 @@ import pytest
 
 from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import load_hf
-from sparrow_jax.rollout import RolloutConfig, generate, paged, scheduler
+from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted
 from sparrow_jax.shapes import COMPILES
 
@@ -56,7 +56,7 @@ def _assert_same(a, b):
 
 
 def _page_bytes(model):
-    return paged.page_bytes(model.config, model.dtype, 16)
+    return page_pool.page_bytes(model.config, model.dtype, 16)
 
 
 def test_page_pool_refcounts_and_leak_check():

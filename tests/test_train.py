@@ -103,3 +103,17 @@ def test_missing_model_path(setup):
     # Bad input is one clear line and exit status 1, not a traceback (sparrow_jax.faults).
     with pytest.raises(SystemExit, match="FileNotFoundError: .*does not exist"):
         _run(argv)
+
+
+def test_paged_engine_trains_like_the_static_one(setup):
+    """`RolloutConfig.engine = "paged"` in training: the same samples as the static engine, so
+    the same rewards, lengths and update."""
+    rows = {}
+    for engine in ("static", "paged"):
+        extra = ["--gin_param", f"RolloutConfig.engine = '{engine}'",
+                 "--gin_param", "TrainConfig.eval_data = ''",
+                 "--gin_param", "RolloutConfig.chunk_steps = 16"]
+        assert _run(_params(setup, f"engine_{engine}", 1, extra)) == 0
+        rows[engine] = [r for r in read_jsonl(setup / f"engine_{engine}") if r["step"] == 1][0]
+    for key in ("reward/mean", "response/length_mean", "loss/policy", "alpha/alpha_mean"):
+        assert rows["paged"][key] == pytest.approx(rows["static"][key], rel=1e-5, abs=1e-6), key

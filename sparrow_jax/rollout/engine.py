@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import logging
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,102 +20,15 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from sparrow_jax import multihost, selection
 from sparrow_jax.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
-from sparrow_jax.model.attention import _MASK_VALUE
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout.sampling import SamplingParams, sample_rows, topk_logprobs
-from sparrow_jax.shapes import COMPILES, bucket_length, default_buckets
+# RolloutConfig and padded_length live in config.py; imported from here by most callers.
+from sparrow_jax.rollout.config import RolloutConfig, padded_length  # noqa: F401
+from sparrow_jax.rollout.prefill import prefill
+from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
+from sparrow_jax.shapes import COMPILES
 from sparrow_jax.sharding import ShardingSpec
 
 log = logging.getLogger(__name__)
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """Static settings of the rollout program (changing one recompiles)."""
-    max_new_tokens: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    mode: str = "sparse"                 # "sparse" | "dense" | "compress" (Sparse-RL's KV eviction)
-    dense_layers: tuple[int, ...] = (0, 1)
-    block_size: int = 16
-    max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
-    record_topk: int = 20
-    prefill_chunk: int = 2048
-    backend: str = "auto"                # kernel backend, see pallas_kernels.block_sparse_decode
-    stop_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    scorer: str = "centroid"
-    # Prompt widths are padded up to one of these (static shapes: one prefill/decode program per
-    # bucket touched); () = two buckets per octave from 64 tokens (sparrow_jax.shapes).
-    prompt_buckets: tuple[int, ...] = ()
-    # mode = "compress" (sparrow_jax.rollout.compress, docs/compression.md): every
-    # `compress_every` steps a row holding more than `kv_budget` tokens keeps `kv_budget` of them
-    # (the last `window` always) by `compress_scorer` ("rkv" | "snapkv"); R-KV mixes with lambda.
-    kv_budget: int = 512
-    compress_every: int = 128
-    window: int = 8
-    compress_scorer: str = "rkv"
-    rkv_lambda: float = 0.1
-    # engine = "paged" (sparrow_jax.rollout.scheduler, docs/rollout.md): KV in pages of block_size
-    # tokens, continuous batching in compiled decode chunks of `chunk_steps` steps, GRPO groups
-    # share their prompt's pages, preemption when the pool runs out. "static": one cache row per
-    # sample sized for the longest possible row, one while_loop until the slowest row ends.
-    engine: str = "static"
-    max_slots: int = 0           # samples decoded at once (0 = all); a multiple of the data axis
-    chunk_steps: int = 32
-    pool_bytes: int = 0          # page pool bytes per device (0 and pool_fraction 0: enough for
-    pool_fraction: float = 0.0   # every row at full length); or a fraction of device memory
-
-    def __post_init__(self):
-        if self.mode not in ("sparse", "dense", "compress"):
-            raise ValueError(f"RolloutConfig.mode must be 'sparse', 'dense' or 'compress', got "
-                             f"{self.mode!r}")
-        if self.mode == "compress":
-            from sparrow_jax.rollout.compress import check_config
-            check_config(self)
-        if self.engine not in ("static", "paged"):
-            raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
-                             f"{self.engine!r}")
-        if self.engine == "paged" and self.mode == "compress":
-            raise ValueError("mode='compress' (KV eviction) runs on the static engine only; "
-                             "set engine='static'")
-        if self.chunk_steps <= 0 or self.max_slots < 0 or self.pool_bytes < 0 or not (
-                0 <= self.pool_fraction < 1):
-            raise ValueError(f"bad paged-engine settings chunk_steps={self.chunk_steps} "
-                             f"max_slots={self.max_slots} pool_bytes={self.pool_bytes} "
-                             f"pool_fraction={self.pool_fraction}")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.max_budget % self.block_size or self.max_budget < 3 * self.block_size:
-            raise ValueError(f"max_budget={self.max_budget} must be a multiple of block_size="
-                             f"{self.block_size} and >= 3 blocks (sink + 2 local)")
-        SamplingParams(self.temperature, self.top_k, self.top_p)   # validates
-        if any(b <= 0 or b % self.block_size for b in self.prompt_buckets):
-            raise ValueError(f"RolloutConfig.prompt_buckets {self.prompt_buckets} must be positive "
-                             f"multiples of block_size={self.block_size}")
-        if self.scorer != "centroid":
-            raise ValueError(f"rollout scorer {self.scorer!r} not supported (the cache keeps "
-                             "centroids only); use scorer='centroid'")
-
-    @property
-    def sampling(self) -> SamplingParams:
-        """The sampled distribution; the learner takes it from here (one source of truth)."""
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
-
-    def cache_slots(self, prompt_width: int) -> int:
-        """KV slots per row: prompt + generation; compress mode: its bound (see compress.py)."""
-        dense = padded_length(prompt_width + self.max_new_tokens, self.block_size)
-        if self.mode != "compress":
-            return dense
-        bound = max(prompt_width, self.kv_budget) + self.compress_every
-        return min(padded_length(bound, self.block_size), dense)
-
-    def prompt_width(self, width: int) -> int:
-        """The static prompt width (a bucket) for prompts of up to `width` tokens."""
-        buckets = self.prompt_buckets or default_buckets(1 << 17, multiple=self.block_size)
-        return bucket_length(width, buckets, multiple=self.block_size)
 
 
 @jax.tree_util.register_dataclass
@@ -139,82 +51,10 @@ class Trajectories:
     evicted_at: jax.Array | None = None
 
 
-def padded_length(n: int, block_size: int) -> int:
-    return -(-n // block_size) * block_size
-
-
 def budget_for_lengths(budgets: jax.Array, lengths: jax.Array, bin_size: int) -> jax.Array:
     """budgets [num_bins] tokens, lengths [B] -> [B]: the budget of each row's length bin."""
     bins = jnp.minimum(lengths // bin_size, budgets.shape[0] - 1)
     return budgets[bins]
-
-
-# -- prefill ----------------------------------------------------------------------------------
-def _chunk_attention(q, k_cache, v_cache, start, lengths):
-    """Queries of one prompt chunk against the cache prefix. q [B, C, Hq, D], k/v [B, Hkv, S, D].
-    start: a Python int (keys sliced to the chunk's end) or traced (a scanned chunk: every key,
-    the causal mask hides those past the chunk)."""
-    b, c, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    stop = start + c if isinstance(start, int) else k_cache.shape[2]
-    k, v = k_cache[:, :, :stop], v_cache[:, :, :stop]
-    qg = q.reshape(b, c, hkv, hq // hkv, d)
-    s = jnp.einsum("bckgd,bksd->bkgcs", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
-    key_idx = jnp.arange(stop)
-    visible = (key_idx[None, :] <= (start + jnp.arange(c))[:, None])[None] & (
-        key_idx[None, None, :] < lengths[:, None, None])
-    s = jnp.where(visible[:, None, None], s, _MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgcs,bksd->bckgd", p, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, c, hq, d).astype(q.dtype)
-
-
-def prefill(model: Qwen3ForCausalLM, prompt_tokens: jax.Array, prompt_lengths: jax.Array, *,
-            chunk: int) -> tuple[list, list, jax.Array]:
-    """Dense prefill in chunks. prompt_tokens [Bp, P] (P a multiple of the block size).
-
-    Returns per-layer K/V `[Bp, Hkv, P, D]` and the last prompt token's logits `[Bp, V]`.
-    Several chunks of equal size run as a `lax.scan` (one compiled chunk, whatever P: the paged
-    engine prefills resumed 32K-token samples); otherwise chunks are unrolled, each attending
-    only to the keys before its end.
-    """
-    cfg = model.config
-    bp, plen = prompt_tokens.shape
-    ks = [jnp.zeros((bp, cfg.num_key_value_heads, plen, cfg.head_dim), model.dtype)
-          for _ in range(cfg.num_hidden_layers)]
-    vs = [jnp.zeros_like(k) for k in ks]
-
-    def run_chunk(ks, vs, start, tokens):
-        """One chunk at `start` through every layer; writes its K/V. Returns hidden [Bp, C, H]."""
-        positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
-
-        def attend(i, q, k, v):
-            ks[i] = jax.lax.dynamic_update_slice(ks[i], k.transpose(0, 2, 1, 3), (0, 0, start, 0))
-            vs[i] = jax.lax.dynamic_update_slice(vs[i], v.transpose(0, 2, 1, 3), (0, 0, start, 0))
-            return _chunk_attention(q, ks[i], vs[i], start, prompt_lengths)
-
-        return model.run_layers(model.embed(tokens), positions, attend)
-
-    n_chunks = -(-plen // chunk)
-    if n_chunks > 1 and plen % chunk == 0:
-        def body(carry, start):
-            ks_c, vs_c, last = list(carry[0]), list(carry[1]), carry[2]
-            tokens = jax.lax.dynamic_slice_in_dim(prompt_tokens, start, chunk, axis=1)
-            hidden = run_chunk(ks_c, vs_c, start, tokens)
-            idx = prompt_lengths - 1 - start               # the last prompt token, if in here
-            here = (idx >= 0) & (idx < chunk)
-            h = jnp.take_along_axis(hidden, jnp.clip(idx, 0, chunk - 1)[:, None, None], axis=1)
-            return (tuple(ks_c), tuple(vs_c), jnp.where(here[:, None], h[:, 0], last)), None
-
-        last0 = jnp.zeros((bp, cfg.hidden_size), model.dtype)
-        starts = jnp.arange(n_chunks, dtype=jnp.int32) * chunk
-        (ks, vs, last), _ = jax.lax.scan(body, (tuple(ks), tuple(vs), last0), starts)
-        return list(ks), list(vs), model.logits(last)
-    hiddens = [run_chunk(ks, vs, start, prompt_tokens[:, start:min(start + chunk, plen)])
-               for start in range(0, plen, chunk)]
-    hidden = jnp.concatenate(hiddens, axis=1)
-    last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    return ks, vs, model.logits(last)
 
 
 # -- decode -----------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ from pallas_kernels.reference import all_blocks_selection
 from sparrow_jax import selection
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout.engine import RolloutConfig, budget_for_lengths, prefill
-from sparrow_jax.rollout.page_pool import page_bytes  # noqa: F401  (re-exported)
+from sparrow_jax.model.attention import masked_gqa_attention
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.engine import budget_for_lengths
+from sparrow_jax.rollout.prefill import prefill, prefill_attention
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.sharding import ShardingSpec
 
@@ -106,10 +108,36 @@ def _sharded_write(spec: ShardingSpec | None, num_kv_heads: int, block_size: int
                          out_specs=(pool, pool, cent), check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "spec"),
+def _replay_attention(layer, q, k_cache, v_cache, start, lengths, *, prompt_lengths, budgets,
+                      bin_size: int, cfg: RolloutConfig):
+    """A prefill chunk's attention that reproduces decode-time block selection for positions past
+    the prompt in sparse layers (the teacher-forced replay's rule), so a preempted sample's
+    recomputed KV is the KV its sparse decoding wrote. q [B, C, Hq, D], k/v [B, Hkv, S, D]."""
+    if layer in cfg.dense_layers:
+        return prefill_attention(q, k_cache, v_cache, start, lengths)
+    b, c = q.shape[:2]
+    bs = cfg.block_size
+    stop = start + c if isinstance(start, int) else k_cache.shape[2]
+    k, v = k_cache[:, :, :stop], v_cache[:, :, :stop]
+    pos = jnp.broadcast_to(start + jnp.arange(c), (b, c))
+    scores = selection.centroid_scores(q, selection.block_centroids(k, bs)[:, None])
+    max_selected = cfg.max_budget // bs
+    budget_blocks = jnp.minimum(budget_for_lengths(budgets, pos + 1, bin_size) // bs,
+                                max_selected)
+    chosen = selection.selected_keys(scores, pos, budget_blocks, max_selected=max_selected,
+                                     block_size=bs)                       # [B, C, Hkv, S']
+    keys = jnp.arange(stop)
+    seen = (keys[None, None, :] <= pos[..., None]) & (keys[None, None, :] < lengths[:, None, None])
+    is_decode = (pos >= prompt_lengths[:, None])[..., None, None]
+    visible = seen[:, :, None, :] & jnp.where(is_decode, chosen, True)
+    return masked_gqa_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), visible.swapaxes(1, 2))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "spec", "bin_size", "replay"),
                    donate_argnames=("kv",))
 def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, write_pages, sample_ids,
-                    index, rng, *, cfg: RolloutConfig, spec: ShardingSpec | None):
+                    index, rng, prompt_lengths, budgets, *, cfg: RolloutConfig,
+                    spec: ShardingSpec | None, bin_size: int = 2000, replay: bool = False):
     """Dense prefill of R sequences into pages, fanned out to n samples each.
 
     tokens [R, W] (W a multiple of bs), lengths [R]; rows are laid out by pool (R / G rows per
@@ -117,12 +145,19 @@ def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, write_pages,
     the row's blocks goes to for each of its n samples: full prompt pages the same shared page
     for all n, the partly filled last page a private page per sample, unused N (dropped).
     sample_ids/index [R, n]: the sampling key of each sample's next token.
+    replay (sparse mode, resumed samples): positions from prompt_lengths [R] on attend as their
+    sparse decoding did (budgets [num_bins], bin_size), see `_replay_attention`.
     Returns (kv, tokens/logprobs [R, n], top-k values/ids [R, n, k]).
     """
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
     r = tokens.shape[0]
     n = write_pages.shape[1]
-    ks, vs, last_logits = prefill(model, tokens, lengths, chunk=cfg.prefill_chunk)
+    attention = None
+    if replay:
+        attention = functools.partial(_replay_attention, prompt_lengths=prompt_lengths,
+                                      budgets=budgets, bin_size=bin_size, cfg=cfg)
+    ks, vs, last_logits = prefill(model, tokens, lengths, chunk=cfg.prefill_chunk,
+                                  attention=attention)
     write = _sharded_write(spec, model.config.num_key_value_heads, cfg.block_size)
     out = [write(k, v, c, kx, vx, write_pages)
            for k, v, c, kx, vx in zip(kv.k, kv.v, kv.centroids, ks, vs)]

@@ -239,6 +239,7 @@ class _Rollout:
         rows = per_pool * self.pools
         tokens = np.full((rows, width), cfg.pad_token_id, np.int32)
         lengths = np.ones((rows,), np.int32)
+        prompt_lengths = np.ones((rows,), np.int32)
         write = np.full((rows, n, width // bs), self.pages_per_pool, np.int32)
         sample_ids = np.zeros((rows, n), np.int32)
         index = np.zeros((rows, n), np.int32)
@@ -254,17 +255,22 @@ class _Rollout:
             if kind == "resume" and s0.generated > 1:
                 seq = np.concatenate([seq, self.tokens[s0.index, :s0.generated - 1]])
             tokens[r, :length] = seq
-            lengths[r] = length
+            lengths[r], prompt_lengths[r] = length, plen
             used = pages_for(length, bs)
             for j, s in enumerate(group):
                 write[r, j, :used] = s.pages[:used]
                 sample_ids[r, j] = self.first_sample + s.index
                 index[r, j] = s.generated
+        # A resumed sample's generated tokens replay their sparse attention (sparse mode).
+        replay = cfg.mode == "sparse" and units[0][0] == "resume"
         COMPILES.note("rollout/paged_prefill", rows=rows, width=width, group_size=n,
-                      pages=self.pages_per_pool, dtype=jnp.dtype(self.model.dtype).name)
+                      pages=self.pages_per_pool, replay=replay,
+                      dtype=jnp.dtype(self.model.dtype).name)
         args = [self._rows(x) for x in (tokens, lengths, write, sample_ids, index)]
         out = paged.prefill_program(self.graphdef, self.params, self.kv, *args, self.rng,
-                                    cfg=self.program_cfg, spec=self.spec)
+                                    self._rows(prompt_lengths), self.budget_table,
+                                    cfg=self.program_cfg, spec=self.spec,
+                                    bin_size=self.bin_size, replay=replay)
         self.kv = out[0]
         tok, lp, top_v, top_i = (np.asarray(x) for x in out[1:])
         self.stats.prefills += 1
@@ -321,6 +327,7 @@ class _Rollout:
 
     def run(self, budgets, bin_size: int) -> None:
         self.bin_size = bin_size
+        self.budget_table = jnp.asarray(budgets, jnp.int32)
         while self.queue or any(self.running):
             self.grow()
             units = self.admit()

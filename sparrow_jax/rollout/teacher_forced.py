@@ -70,20 +70,13 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
             q_c [B, C, Hq, D], pos_c [B, C] -> [B, C, Hq, D]."""
             key_end = min(-(-key_end // block_size) * block_size, t)   # whole blocks
             nb = key_end // block_size
-            c, hkv = q_c.shape[1], k.shape[2]
+            c = q_c.shape[1]
             scores = selection.centroid_scores(q_c, centroids[:, None, :, :nb])   # [B, C, Hkv, NB]
-            lengths = jnp.broadcast_to((pos_c + 1)[..., None], (b, c, hkv))
-            budget_blocks = budget_for_lengths(budgets, pos_c + 1, bin_size) // block_size
-            budget_blocks = jnp.broadcast_to(jnp.minimum(budget_blocks, max_selected)[..., None],
-                                             (b, c, hkv)).astype(jnp.int32)
-            idx, _ = selection.select_from_scores(scores, lengths, budget_blocks,
-                                                  max_selected=max_selected,
-                                                  block_size=block_size)
-            # Padding repeats the last valid id, so scattering every entry marks exactly the
-            # selection.
-            chosen = jnp.put_along_axis(jnp.zeros((b, c, hkv, nb), bool), idx, True, axis=-1,
-                                        inplace=False)
-            chosen = jnp.repeat(chosen, block_size, axis=-1)                 # [B, C, Hkv, S']
+            budget_blocks = jnp.minimum(
+                budget_for_lengths(budgets, pos_c + 1, bin_size) // block_size, max_selected)
+            chosen = selection.selected_keys(scores, pos_c, budget_blocks,
+                                             max_selected=max_selected,
+                                             block_size=block_size)       # [B, C, Hkv, S']
             causal = jnp.arange(key_end)[None, :] <= (offset + jnp.arange(c))[:, None]  # [C, S']
             is_decode = pos_c >= prompt_lengths[:, None]                         # [B, C]
             visible = causal[None, :, None, :] & jnp.where(is_decode[..., None, None], chosen,

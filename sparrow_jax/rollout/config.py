@@ -1,0 +1,103 @@
+"""`RolloutConfig`: the static settings of a rollout (engine, mode, sampling, kernels, pool)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+
+from sparrow_jax.rollout.sampling import SamplingParams
+from sparrow_jax.shapes import bucket_length, default_buckets
+
+
+def padded_length(n: int, block_size: int) -> int:
+    return -(-n // block_size) * block_size
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Static settings of the rollout program (changing one recompiles)."""
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    mode: str = "sparse"                 # "sparse" | "dense" | "compress" (Sparse-RL's KV eviction)
+    dense_layers: tuple[int, ...] = (0, 1)
+    block_size: int = 16
+    max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
+    record_topk: int = 20
+    prefill_chunk: int = 2048
+    backend: str = "auto"                # kernel backend, see pallas_kernels.block_sparse_decode
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    scorer: str = "centroid"
+    # Prompt widths are padded up to one of these (static shapes: one prefill/decode program per
+    # bucket touched); () = two buckets per octave from 64 tokens (sparrow_jax.shapes).
+    prompt_buckets: tuple[int, ...] = ()
+    # mode = "compress" (sparrow_jax.rollout.compress, docs/compression.md): every
+    # `compress_every` steps a row holding more than `kv_budget` tokens keeps `kv_budget` of them
+    # (the last `window` always) by `compress_scorer` ("rkv" | "snapkv"); R-KV mixes with lambda.
+    kv_budget: int = 512
+    compress_every: int = 128
+    window: int = 8
+    compress_scorer: str = "rkv"
+    rkv_lambda: float = 0.1
+    # engine = "paged" (sparrow_jax.rollout.scheduler, docs/rollout.md): KV in pages of block_size
+    # tokens, continuous batching in compiled decode chunks of `chunk_steps` steps, GRPO groups
+    # share their prompt's pages, preemption when the pool runs out. "static": one cache row per
+    # sample sized for the longest possible row, one while_loop until the slowest row ends.
+    engine: str = "static"
+    max_slots: int = 0           # samples decoded at once (0 = all); a multiple of the data axis
+    chunk_steps: int = 32
+    pool_bytes: int = 0          # page pool bytes per device (0 and pool_fraction 0: enough for
+    pool_fraction: float = 0.0   # every row at full length); or a fraction of device memory
+
+    def __post_init__(self):
+        if self.mode not in ("sparse", "dense", "compress"):
+            raise ValueError(f"RolloutConfig.mode must be 'sparse', 'dense' or 'compress', got "
+                             f"{self.mode!r}")
+        if self.mode == "compress":
+            from sparrow_jax.rollout.compress import check_config
+            check_config(self)
+        if self.engine not in ("static", "paged"):
+            raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
+                             f"{self.engine!r}")
+        if self.engine == "paged" and self.mode == "compress":
+            raise ValueError("mode='compress' (KV eviction) runs on the static engine only; "
+                             "set engine='static'")
+        if self.chunk_steps <= 0 or self.max_slots < 0 or self.pool_bytes < 0 or not (
+                0 <= self.pool_fraction < 1):
+            raise ValueError(f"bad paged-engine settings chunk_steps={self.chunk_steps} "
+                             f"max_slots={self.max_slots} pool_bytes={self.pool_bytes} "
+                             f"pool_fraction={self.pool_fraction}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.max_budget % self.block_size or self.max_budget < 3 * self.block_size:
+            raise ValueError(f"max_budget={self.max_budget} must be a multiple of block_size="
+                             f"{self.block_size} and >= 3 blocks (sink + 2 local)")
+        SamplingParams(self.temperature, self.top_k, self.top_p)   # validates
+        if any(b <= 0 or b % self.block_size for b in self.prompt_buckets):
+            raise ValueError(f"RolloutConfig.prompt_buckets {self.prompt_buckets} must be positive "
+                             f"multiples of block_size={self.block_size}")
+        if self.scorer != "centroid":
+            raise ValueError(f"rollout scorer {self.scorer!r} not supported (the cache keeps "
+                             "centroids only); use scorer='centroid'")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The sampled distribution; the learner takes it from here (one source of truth)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    def cache_slots(self, prompt_width: int) -> int:
+        """KV slots per row: prompt + generation; compress mode: its bound (see compress.py)."""
+        dense = padded_length(prompt_width + self.max_new_tokens, self.block_size)
+        if self.mode != "compress":
+            return dense
+        bound = max(prompt_width, self.kv_budget) + self.compress_every
+        return min(padded_length(bound, self.block_size), dense)
+
+    def prompt_width(self, width: int) -> int:
+        """The static prompt width (a bucket) for prompts of up to `width` tokens."""
+        buckets = self.prompt_buckets or default_buckets(1 << 17, multiple=self.block_size)
+        return bucket_length(width, buckets, multiple=self.block_size)
