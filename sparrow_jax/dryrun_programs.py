@@ -196,9 +196,11 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
                        ("static", "state", "local") + ("local",) * 8,
                        dict(cfg=cfg, spec=spec, bin_size=shape.bin_size, replay=replay))
 
-    groups_per_pool = max(1, layout.slots_per_pool // n)
-    widest = scheduler.prefill_width(rc, shape.prompt_len + rc.max_new_tokens - 1,
-                                     layout.max_pages)
+    # The scheduler's largest prefills: every slot's group at once (rows per pool a power of
+    # two), and one resumed sample per pool of prompt + all but one new token.
+    groups_per_pool = scheduler.pow2_bucket(max(1, layout.slots_per_pool // n),
+                                            layout.slots_per_pool)
+    widest = scheduler.prefill_width(rc, shape.prompt_len + rc.max_new_tokens - 1)
     s = layout.slots_per_pool * data
     slots = paged.Slots(sds((s,), i32, spec), sds((s,), i32, spec), sds((s,), i32, spec),
                         sds((s,), jnp.bool_, spec), sds((s,), i32, spec),
@@ -208,7 +210,7 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
                      ("static", "state", "local", "local", "local", "local"),
                      dict(cfg=cfg, steps=rc.chunk_steps, bin_size=shape.bin_size, spec=spec))
     return [prefill("rollout.paged_prefill", groups_per_pool, shape.prompt_len, n, False),
-            prefill("rollout.paged_prefill[resume]", 1, widest, n, rc.mode == "sparse"),
+            prefill("rollout.paged_prefill[resume]", 1, widest, 1, rc.mode == "sparse"),
             decode], layout
 
 

@@ -99,9 +99,9 @@ def test_paged_equals_static_with_stop_tokens_groups_and_preemption(tiny, mode):
     assert roomy.preemptions == 0 and roomy.shared_prompt_pages == 1 + 2 + 2
     # Samples move between slots, wait in the queue, are preempted and recomputed: their
     # tokens stay those of the static engine (keys per sample and token index).
-    _assert_same(static, _run(model, cfg, toks, lens, rng=rng, pool_bytes=24 * _page_bytes(model)))
+    _assert_same(static, _run(model, cfg, toks, lens, rng=rng, pool_bytes=12 * _page_bytes(model)))
     tight = scheduler.LAST_STATS
-    assert tight.preemptions > 0 and tight.peak_pages <= 24
+    assert tight.preemptions > 0 and tight.peak_pages <= 12
     if mode == "sparse":
         _assert_same(static, _run(model, cfg, toks, lens, rng=rng, max_slots=2))
 

@@ -77,6 +77,9 @@ class RolloutConfig:
             raise ValueError(f"max_budget={self.max_budget} must be a multiple of block_size="
                              f"{self.block_size} and >= 3 blocks (sink + 2 local)")
         SamplingParams(self.temperature, self.top_k, self.top_p)   # validates
+        if self.prefill_chunk <= 0 or self.prefill_chunk % self.block_size:
+            raise ValueError(f"RolloutConfig.prefill_chunk={self.prefill_chunk} must be a positive "
+                             f"multiple of block_size={self.block_size}")
         if any(b <= 0 or b % self.block_size for b in self.prompt_buckets):
             raise ValueError(f"RolloutConfig.prompt_buckets {self.prompt_buckets} must be positive "
                              f"multiples of block_size={self.block_size}")

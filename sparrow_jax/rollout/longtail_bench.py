@@ -73,8 +73,9 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
     budget = args.budget[0] if args.budget else 256
     budgets = np.full(20, budget, np.int32)
     width = base_cfg.prompt_width(args.prompt_len)
-    static_bytes = cache_bytes(mcfg, args.static_batch, -(-(width + t) // 16) * 16, model.dtype,
-                               base_cfg.block_size)
+    bs = base_cfg.block_size
+    static_bytes = cache_bytes(mcfg, args.static_batch, -(-(width + t) // bs) * bs, model.dtype,
+                               bs)
     print(f"# longtail: {args.samples} samples ({args.group} per prompt), prompts "
           f"{args.prompt_len // 2}-{args.prompt_len} tokens, new_tokens cap {t}, "
           f"{len(stop_ids)} stop ids of {mcfg.vocab_size} (geometric lengths, mean ~"

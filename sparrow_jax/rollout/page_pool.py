@@ -145,8 +145,11 @@ def pool_layout(mcfg: Qwen3Config, cfg, dtype, *, rows: int, prompt_width: int, 
     bs = cfg.block_size
     slots = cfg.max_slots or rows
     if slots % data or slots // data < group_size:
-        raise ValueError(f"RolloutConfig.max_slots={slots} must be a multiple of the data axis "
-                         f"({data}) with at least group_size={group_size} slots per data shard")
+        what = (f"RolloutConfig.max_slots={slots}" if cfg.max_slots else
+                f"the rollout's {rows} samples (RolloutConfig.max_slots=0: one slot each)")
+        raise ValueError(f"{what} must be a multiple of the data axis ({data}) with at least "
+                         f"group_size={group_size} slots per data shard: set max_slots to a "
+                         f"multiple of {data} that is >= {data * group_size}")
     # The last sampled token is never fed, so never written.
     max_pages = pages_for(prompt_width + cfg.max_new_tokens - 1, bs)
     heads_split = model if mcfg.num_key_value_heads % model == 0 else 1
@@ -161,11 +164,11 @@ def pool_layout(mcfg: Qwen3Config, cfg, dtype, *, rows: int, prompt_width: int, 
         raise ValueError(
             f"the page pool ({pages} pages of {bs} tokens per data shard, from {source}) cannot "
             f"hold one sample of {prompt_width} prompt + {cfg.max_new_tokens} new tokens or one "
-            f"group's prompt ({need} pages); raise RolloutConfig.pool_bytes")
+            f"group's prompt ({need} pages); raise RolloutConfig.pool_bytes or pool_fraction")
     layout = PoolLayout(data, pages, slots // data, max_pages, full, full // heads_split, source)
     limit = memory_limit or device_memory_limit()
     if limit is not None and layout.bytes_per_device > 0.9 * limit:
         raise MemoryError(f"the page pool needs {layout.bytes_per_device / 2**30:.2f} GiB per "
-                          f"device ({source}) but the device has {limit / 2**30:.2f} GiB; lower "
-                          "RolloutConfig.pool_bytes / pool_fraction")
+                          f"device ({source}) but the device has {limit / 2**30:.2f} GiB; set "
+                          "a smaller RolloutConfig.pool_bytes or pool_fraction")
     return layout

@@ -100,7 +100,7 @@ def _sharded_write(spec: ShardingSpec | None, num_kv_heads: int, block_size: int
     fn = functools.partial(_write_pages, block_size=block_size)
     if spec is None:
         return fn
-    data, heads = _axes(spec, num_kv_heads)
+    data, heads = mesh_axes(spec, num_kv_heads)
     pool, cent = P(data, heads, None, None, None), P(data, heads, None, None)
     rows = P(data, heads, None, None)
     return jax.shard_map(fn, mesh=spec.mesh,
@@ -208,7 +208,7 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     return out, k_pool, v_pool, c_pool
 
 
-def _axes(spec: ShardingSpec, num_kv_heads: int) -> tuple[str | None, str | None]:
+def mesh_axes(spec: ShardingSpec, num_kv_heads: int) -> tuple[str | None, str | None]:
     """Mesh axes of pools/slots (data) and KV heads (model, unless the heads do not divide it:
     then replicated, as the static engine's cache)."""
     model_size = spec.mesh.shape.get("model", 1)
@@ -219,7 +219,7 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
     """Per-layer attention under shard_map: slots and pools over data, KV heads over model."""
     if spec is None:
         return fn
-    data, heads = _axes(spec, num_kv_heads)
+    data, heads = mesh_axes(spec, num_kv_heads)
     tok, pool, cent, row = P(data, heads, None), P(data, heads, None, None, None), \
         P(data, heads, None, None), P(data)
     return jax.shard_map(fn, mesh=spec.mesh,

@@ -49,12 +49,13 @@ def page_bucket(n: int, cap: int) -> int:
     return min(b, cap)
 
 
-def prefill_width(cfg: RolloutConfig, length: int, max_pages: int) -> int:
+def prefill_width(cfg: RolloutConfig, length: int) -> int:
     """Static width of a prefill of sequences up to `length` tokens: a prompt bucket, or for a
-    resumed sample's long prompt + generated tokens a multiple of the prefill chunk (at most
-    the widest sample: a 32K-token resume is prefilled at 34816 tokens, not the 49152 bucket)."""
+    resumed sample's long prompt + generated tokens a multiple of the prefill chunk, whichever is
+    narrower (a 34.8K-token resume is prefilled at 36864 = 18 scanned chunks, not the 49152
+    bucket)."""
     chunked = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
-    return min(cfg.prompt_width(length), chunked, max_pages * cfg.block_size)
+    return min(cfg.prompt_width(length), chunked)
 
 
 @dataclasses.dataclass
@@ -99,10 +100,13 @@ class _Rollout:
         bp, self.width = prompt_tokens.shape
         self.rows = bp * group_size
         self.bs, self.t = cfg.block_size, cfg.max_new_tokens
-        data = 1 if spec is None else spec.mesh.shape[spec.rules.get("batch") or "data"]
+        data = model_size = 1
+        if spec is not None:        # one pool per shard of the axis rows are sharded over
+            data_axis, heads_axis = paged.mesh_axes(spec, mcfg.num_key_value_heads)
+            data = spec.mesh.shape[data_axis] if data_axis else 1
+            model_size = spec.mesh.shape[heads_axis] if heads_axis else 1
         layout = pool_layout(mcfg, cfg, model.dtype, rows=self.rows, prompt_width=self.width,
-                             group_size=group_size, data=data,
-                             model=1 if spec is None else spec.mesh.shape.get("model", 1))
+                             group_size=group_size, data=data, model=model_size)
         self.layout = layout
         self.pools, self.pages_per_pool = layout.pools, layout.pages_per_pool
         self.slots_per_pool, self.max_pages = layout.slots_per_pool, layout.max_pages
@@ -189,7 +193,8 @@ class _Rollout:
     def admit(self) -> list[tuple]:
         """Takes queued work while slots and pages allow; returns prefill units
         (kind, samples, pool, shared_pages, private_pages per sample)."""
-        units = []
+        units, resumed = [], set()
+        grow = pages_for(self.cfg.chunk_steps, self.bs)
         while self.queue:
             kind, i = self.queue[0]
             group = ([self.samples[i * self.n + j] for j in range(self.n)] if kind == "group"
@@ -199,11 +204,19 @@ class _Rollout:
             shared = length // self.bs if kind == "group" else 0
             private = [self._pages_wanted_at(length, group[0]) - shared for _ in group]
             need = shared + sum(private)
-            free = [(a.free_pages, p) for p, a in enumerate(self.alloc)
-                    if self.slots_per_pool - len(self.running[p]) >= len(group)]
+            # Free pages beyond what the pool's running samples take at the next chunks (a
+            # watermark: admitting into them would only get the newcomers preempted), in pools
+            # with free slots; at most one resume per pool and prefill call (a resume's prefill
+            # is a whole sample long: the dryrun compiles exactly that).
+            free = [(a.free_pages - grow * len(self.running[p]), p)
+                    for p, a in enumerate(self.alloc)
+                    if self.slots_per_pool - len(self.running[p]) >= len(group)
+                    and not (kind == "resume" and p in resumed)]
             if not free or max(free)[0] < need:
                 break
             pool = max(free)[1]
+            if kind == "resume":
+                resumed.add(pool)
             self.queue.popleft()
             shared_pages = self.alloc[pool].alloc(shared)
             for s, n_priv in zip(group, private):
@@ -232,8 +245,9 @@ class _Rollout:
                 self._prefill(batch)
 
     def _prefill(self, units: list[tuple]) -> None:
-        cfg, bs, n = self.cfg, self.bs, self.n
-        width = prefill_width(cfg, max(u[3] for u in units), self.max_pages)
+        cfg, bs = self.cfg, self.bs
+        n = self.n if units[0][0] == "group" else 1       # samples per prefill row
+        width = prefill_width(cfg, max(u[3] for u in units))
         per_pool = pow2_bucket(max(sum(u[2] == p for u in units) for p in range(self.pools)),
                                self.slots_per_pool)
         rows = per_pool * self.pools
