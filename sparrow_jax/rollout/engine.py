@@ -241,7 +241,7 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     Row b's tokens are drawn with sampling key (rng, first_sample + b, token index), so a batch
     split over several calls (first_sample = rows before it) draws the same samples as one call.
     """
-    _check_budgets(cfg, budgets)          # before the (long) prefill
+    check_budgets(cfg, budgets)          # before the (long) prefill
     if cfg.engine == "paged":
         from sparrow_jax.rollout import scheduler
         return scheduler.generate(model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
@@ -252,7 +252,7 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     return decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
 
 
-def _check_budgets(cfg: RolloutConfig, budgets) -> np.ndarray:
+def check_budgets(cfg: RolloutConfig, budgets) -> np.ndarray:
     budgets = np.asarray(budgets, np.int32)
     if budgets.ndim != 1 or budgets.size == 0:
         raise ValueError(f"budgets must be a non-empty [num_bins] array, got shape {budgets.shape}")
@@ -324,7 +324,7 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
            bin_size: int = 2000, spec: ShardingSpec | None = None) -> Trajectories:
     """The decode program: runs `state` (from `start`, consumed: its buffers are donated) until
     every row stopped or reached cfg.max_new_tokens. budgets [num_bins] int32 as in `generate`."""
-    budgets = _check_budgets(cfg, budgets)
+    budgets = check_budgets(cfg, budgets)
     if cfg.mode == "compress":
         from sparrow_jax.rollout import compress
         return compress.decode(model, state, cfg=cfg, spec=spec)

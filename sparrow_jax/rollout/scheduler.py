@@ -27,7 +27,7 @@ from flax import nnx
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import paged
-from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, _check_budgets, prepare_prompts
+from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, check_budgets, prepare_prompts
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
 from sparrow_jax.shapes import COMPILES
 from sparrow_jax.sharding import ShardingSpec
@@ -71,7 +71,7 @@ class _Sample:
 
 @dataclasses.dataclass
 class PagedStats:
-    """What the last paged rollout did (read by benchmarks and the dryrun report)."""
+    """What the last paged rollout did (`LAST_STATS`; logged, read by benchmarks and tests)."""
     pages_per_pool: int = 0
     pools: int = 1
     page_bytes: int = 0
@@ -143,7 +143,7 @@ class _Rollout:
         return int(self.prompt_lengths[s.prompt]) + s.generated - 1
 
     def _pages_wanted(self, s: _Sample) -> int:
-        return min(pages_for(self._length(s) + self.cfg.chunk_steps, self.bs), self.max_pages)
+        return self._pages_at(self._length(s))
 
     def _record(self, s: _Sample, toks, lps, buds, top_v, top_i) -> bool:
         """Appends recorded tokens to sample s; True if it finished."""
@@ -202,7 +202,7 @@ class _Rollout:
             length = (int(self.prompt_lengths[i]) if kind == "group"
                       else self._length(group[0]))
             shared = length // self.bs if kind == "group" else 0
-            private = [self._pages_wanted_at(length, group[0]) - shared for _ in group]
+            private = [self._pages_at(length) - shared for _ in group]
             need = shared + sum(private)
             # Free pages beyond what the pool's running samples take at the next chunks (a
             # watermark: admitting into them would only get the newcomers preempted), in pools
@@ -233,7 +233,8 @@ class _Rollout:
         self._note_peak()
         return units
 
-    def _pages_wanted_at(self, cache_length: int, s: _Sample) -> int:
+    def _pages_at(self, cache_length: int) -> int:
+        """Pages a sample with `cache_length` tokens cached needs for its next chunk."""
         return min(pages_for(cache_length + self.cfg.chunk_steps, self.bs), self.max_pages)
 
     def prefill(self, units: list[tuple]) -> None:
@@ -370,13 +371,17 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     if jax.process_count() > 1:
         raise ValueError("RolloutConfig.engine='paged' runs in one process only for now; use "
                          "engine='static' for multi-process rollouts")
-    budgets = _check_budgets(cfg, budgets)
+    budgets = check_budgets(cfg, budgets)
     prompt_tokens, prompt_lengths = prepare_prompts(prompt_tokens, prompt_lengths, cfg=cfg,
                                                     group_size=group_size, spec=spec)
     ro = _Rollout(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
                   spec=spec, first_sample=first_sample)
     ro.run(budgets, bin_size)
-    LAST_STATS = ro.stats
+    LAST_STATS = st = ro.stats
+    log.info("paged rollout: %d samples in %d decode chunks and %d prefills, %d preemptions, "
+             "peak %d of %d pages (%.1f MiB), %d prompt pages shared", ro.rows, st.chunks,
+             st.prefills, st.preemptions, st.peak_pages, st.pages_per_pool * st.pools,
+             st.peak_bytes / 2**20, st.shared_prompt_pages)
     rows_lengths = np.array([s.generated for s in ro.samples], np.int32)
     def rep(x):
         return np.repeat(x, group_size, axis=0)
