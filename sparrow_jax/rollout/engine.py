@@ -108,13 +108,20 @@ def _constrain(x, axes, spec: ShardingSpec | None):
     return x if spec is None else jax.lax.with_sharding_constraint(x, spec.sharding(axes, x.shape))
 
 
+def sample_tokens(rng, logits, sample_ids, index, cfg: RolloutConfig):
+    """What both engines record per token: logits [R, V], sample_ids/index [R] -> (tokens [R],
+    logprobs [R], top-k values/ids [R, k]); keys per (sample, index), see `sample_rows`."""
+    tok, lp = sample_rows(rng, logits, sample_ids, index, temperature=cfg.temperature,
+                          top_k=cfg.top_k, top_p=cfg.top_p)
+    top_v, top_i = topk_logprobs(logits, cfg.record_topk, temperature=cfg.temperature)
+    return tok, lp, top_v, top_i
+
+
 def _record(state: DecodeState, logits, cfg: RolloutConfig, active) -> DecodeState:
     """Samples the next token from logits [B, V] and records it at position state.step."""
     step = state.step
-    tok, lp = sample_rows(state.rng, logits, state.sample_ids,
-                          jnp.full_like(state.sample_ids, step),
-                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    top_v, top_i = topk_logprobs(logits, cfg.record_topk, temperature=cfg.temperature)
+    tok, lp, top_v, top_i = sample_tokens(state.rng, logits, state.sample_ids,
+                                          jnp.full_like(state.sample_ids, step), cfg)
     tok = jnp.where(active, tok, cfg.pad_token_id)
     return dataclasses.replace(
         state, token=tok, tokens=state.tokens.at[:, step].set(tok),

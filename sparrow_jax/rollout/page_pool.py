@@ -68,12 +68,9 @@ class PagePool:
             if self._refs[p] == 0:
                 self._free.append(p)
 
-    def refcount(self, page: int) -> int:
-        return int(self._refs[page])
-
     def check_all_free(self) -> None:
         """Raises if any page is still held (a leak: every sample releases its pages)."""
-        if self._free and len(self._free) == self.num_pages:
+        if len(self._free) == self.num_pages:
             return
         held = np.flatnonzero(self._refs).tolist()
         raise RuntimeError(f"page leak: {len(held)} of {self.num_pages} pages still held "

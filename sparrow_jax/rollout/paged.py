@@ -28,7 +28,7 @@ from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.model.attention import masked_gqa_attention
 from sparrow_jax.rollout.config import RolloutConfig
-from sparrow_jax.rollout.engine import budget_for_lengths
+from sparrow_jax.rollout.engine import budget_for_lengths, sample_tokens
 from sparrow_jax.rollout.prefill import prefill, prefill_attention
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.sharding import ShardingSpec
@@ -64,14 +64,6 @@ def init_pages(cfg: Qwen3Config, pools: int, pages: int, block_size: int, dtype,
     return PagedKV(k=tuple(zeros(kv_shape, POOL_AXES) for _ in layers),
                    v=tuple(zeros(kv_shape, POOL_AXES) for _ in layers),
                    centroids=tuple(zeros(c_shape, CENTROID_AXES) for _ in layers))
-
-
-def _sample_rows(rng, logits, sample_ids, index, cfg: RolloutConfig):
-    """logits [R, V] -> (tokens [R], logprobs [R], top-k values/ids [R, k]); see sample_rows."""
-    tok, lp = sample_rows(rng, logits, sample_ids, index, temperature=cfg.temperature,
-                          top_k=cfg.top_k, top_p=cfg.top_p)
-    top_v, top_i = topk_logprobs(logits, cfg.record_topk, temperature=cfg.temperature)
-    return tok, lp, top_v, top_i
 
 
 # -- prefill ----------------------------------------------------------------------------------
@@ -162,12 +154,13 @@ def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, write_pages,
     out = [write(k, v, c, kx, vx, write_pages)
            for k, v, c, kx, vx in zip(kv.k, kv.v, kv.centroids, ks, vs)]
     kv = PagedKV(*(tuple(o[i] for o in out) for i in range(3)))
-    logits = jnp.repeat(last_logits, n, axis=0)
-    tok, lp, top_v, top_i = _sample_rows(rng, logits, sample_ids.reshape(-1), index.reshape(-1),
-                                         cfg)
-    k = cfg.record_topk
-    return (kv, tok.reshape(r, n), lp.reshape(r, n), top_v.reshape(r, n, k),
-            top_i.reshape(r, n, k))
+    # Each of a row's n samples draws its own token; the recorded top-k is the row's, shared.
+    tok, lp = sample_rows(rng, jnp.repeat(last_logits, n, axis=0), sample_ids.reshape(-1),
+                          index.reshape(-1), temperature=cfg.temperature, top_k=cfg.top_k,
+                          top_p=cfg.top_p)
+    top_v, top_i = topk_logprobs(last_logits, cfg.record_topk, temperature=cfg.temperature)
+    fan = functools.partial(jnp.repeat, repeats=n, axis=1)
+    return (kv, tok.reshape(r, n), lp.reshape(r, n), fan(top_v[:, None]), fan(top_i[:, None]))
 
 
 # -- decode -----------------------------------------------------------------------------------
@@ -279,8 +272,8 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
             return out[:, None]
 
         hidden = model.run_layers(model.embed(sl.token[:, None]), sl.length[:, None], attend)
-        tok, lp, top_v, top_i = _sample_rows(rng, model.logits(hidden[:, 0]), sl.sample_id,
-                                             sl.generated, cfg)
+        tok, lp, top_v, top_i = sample_tokens(rng, model.logits(hidden[:, 0]), sl.sample_id,
+                                              sl.generated, cfg)
         act = sl.active
         used = budget if cfg.mode == "sparse" else jnp.zeros_like(budget)
         rec = (rec[0].at[:, j].set(jnp.where(act, tok, cfg.pad_token_id)),

@@ -66,7 +66,6 @@ class _Sample:
     pages: list = dataclasses.field(default_factory=list)   # logical block -> physical page
     pool: int = -1
     order: int = 0               # admission counter (the newest is preempted first)
-    preemptions: int = 0
 
 
 @dataclasses.dataclass
@@ -164,7 +163,6 @@ class _Rollout:
     def _preempt(self, s: _Sample) -> None:
         self.running[s.pool].remove(s)
         self._finish(s)
-        s.preemptions += 1
         self.stats.preemptions += 1
         self.queue.appendleft(("resume", s.index))
         log.info("paged rollout: preempted sample %d at %d tokens (pool %d full)", s.index,
