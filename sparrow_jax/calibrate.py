@@ -35,10 +35,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from sparrow_jax import calibration, cost_model, mismatch
 from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
-from sparrow_jax.rollout.engine import RolloutConfig, generate, padded_length
-from sparrow_jax.schedule import Schedule
+from sparrow_jax.rollout import RolloutConfig, generate
+from sparrow_jax.rollout.config import padded_length
+from sparrow_jax.sparsity import calibration, cost_model, mismatch
+from sparrow_jax.sparsity.schedule import Schedule
 
 log = logging.getLogger(__name__)
 THRESHOLDS = (0.5, 0.8, 0.9, 0.99)
@@ -298,7 +299,7 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
                                temperature=cfg.temperature, stop_token_ids=tuple(map(int, stop)),
                                pad_token_id=int(pad))
     # Same static selection width as the engine's decode loop, so the replay selects the same
-    # blocks (see engine._decode_program).
+    # blocks (see engine.decode_program).
     s_max = padded_length(batches[0][0].shape[1] + rcfg.max_new_tokens, rcfg.block_size)
     replay = SparseReplay(bin_size=cfg.bin_size, block_size=rcfg.block_size,
                           max_selected=min(rcfg.max_budget, s_max) // rcfg.block_size,

@@ -20,15 +20,15 @@ from tqdm import tqdm
 COMMANDS = {
     "train": ("sparrow_jax.train", "main", "sparse-rollout GRPO training (the main job)"),
     "sft": ("sparrow_jax.sft", "main", "supervised warm-up of the synthetic demo model"),
-    "rollout": ("sparrow_jax.rollout.run", "main", "generate completions for a JSONL prompt file"),
+    "rollout": ("sparrow_jax.generate", "main", "generate completions for a JSONL prompt file"),
     "calibrate": ("sparrow_jax.calibrate", "main", "offline per-bin budget sweep -> schedule"),
-    "dryrun": ("sparrow_jax.dryrun", "main", "compile one RL step for a TPU slice / GPU node: fits?"),
+    "dryrun": ("sparrow_jax.dryrun.run", "main", "compile one RL step for a TPU slice / GPU node: fits?"),
     "export": ("sparrow_jax.export", "main", "a training checkpoint -> Hugging Face directory"),
     "experiment": ("sparrow_jax.experiment", "main", "training arms side by side -> comparison"),
 }
 BENCHES = {
-    "kernel": ("pallas_kernels.bench", "main", "dense vs block-sparse decode attention"),
-    "rollout": ("sparrow_jax.rollout.bench", "main", "dense vs sparse rollout tokens/s"),
+    "kernel": ("sparrow_jax.bench.kernels", "main", "dense vs block-sparse decode attention"),
+    "rollout": ("sparrow_jax.bench.rollout", "main", "dense vs sparse rollout tokens/s"),
 }
 
 
@@ -86,9 +86,9 @@ def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
         if not os.path.exists(f):
             raise SystemExit(f"sparrow: gin file {f!r} does not exist")
     # Configurables must be registered before parsing: import every module that declares them.
-    for module in ("sparrow_jax.train", "sparrow_jax.sft", "sparrow_jax.rollout.engine",
-                   "sparrow_jax.rl.learner", "sparrow_jax.rl.grpo", "sparrow_jax.schedule",
-                   "sparrow_jax.data.prompts", "sparrow_jax.rl.rewards", "sparrow_jax.sharding",
+    for module in ("sparrow_jax.train", "sparrow_jax.sft", "sparrow_jax.rollout.config",
+                   "sparrow_jax.rl.learner", "sparrow_jax.rl.grpo", "sparrow_jax.sparsity.schedule",
+                   "sparrow_jax.data.prompts", "sparrow_jax.rl.rewards", "sparrow_jax.runtime.sharding",
                    "sparrow_jax.model.config", "sparrow_jax.calibrate"):
         importlib.import_module(module)
     gin.clear_config()  # a fresh configuration per command, also when called twice in-process

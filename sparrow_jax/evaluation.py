@@ -10,10 +10,10 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from sparrow_jax import multihost
 from sparrow_jax.rl.rewards import RewardPool
-from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, generate
-from sparrow_jax.sharding import ShardingSpec
+from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
+from sparrow_jax.runtime import multihost
+from sparrow_jax.runtime.sharding import ShardingSpec
 
 
 def decode_responses(tokenizer, traj: Trajectories) -> list[str]:

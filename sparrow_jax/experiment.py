@@ -185,7 +185,7 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
                    ) -> dict[str, Any]:
     """Runs (or resumes) each arm, then writes the comparison. Returns paths and final values."""
     from sparrow_jax import cli, train
-    from sparrow_jax.metrics import read_jsonl
+    from sparrow_jax.runtime.metrics import read_jsonl
 
     cfg = ExperimentConfig()
     names = list(cfg.arms) if arms is None else list(arms)

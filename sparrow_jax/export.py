@@ -41,9 +41,9 @@ import numpy as np
 from flax import nnx
 from gin import config_parser
 
-from sparrow_jax import checkpoint as ckpt
 from sparrow_jax.model import (Qwen3ForCausalLM, load_tokenizer, read_config, save_hf,
                                stop_token_ids)
+from sparrow_jax.runtime import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 

@@ -25,21 +25,23 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from sparrow_jax import checkpoint as ckpt
-from sparrow_jax import config_check, evaluation, faults, mismatch, multihost
-from sparrow_jax.controller import ControllerConfig, ScheduleController
+from sparrow_jax import evaluation
 from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
 from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
-from sparrow_jax.metrics import MetricsWriter, StepTimer, gin_config_markdown
 from sparrow_jax.model import compute_copy, load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.rl.distill import DistillConfig, Distiller
 from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
-from sparrow_jax.rollout.engine import RolloutConfig
-from sparrow_jax.shapes import default_buckets
-from sparrow_jax.schedule import make_schedule
-from sparrow_jax.sharding import ShardingSpec, make_mesh
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.runtime import checkpoint as ckpt
+from sparrow_jax.runtime import config_check, faults, multihost
+from sparrow_jax.runtime.metrics import MetricsWriter, StepTimer, gin_config_markdown
+from sparrow_jax.runtime.shapes import default_buckets
+from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
+from sparrow_jax.sparsity import mismatch
+from sparrow_jax.sparsity.controller import ControllerConfig, ScheduleController
+from sparrow_jax.sparsity.schedule import make_schedule
 from sparrow_jax.train_config import TrainConfig, gin_value
 
 __all__ = ["TrainConfig", "Trainer", "train", "main"]
@@ -189,7 +191,7 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         # The newest step that restores and matches its fingerprints; damaged newer steps are
-        # reported and set aside (sparrow_jax.faults).
+        # reported and set aside (sparrow_jax.runtime.faults).
         found = faults.restore_newest_good(self.ckpt, self._restore_step)
         if found is None:
             self.writer.truncate_after(None)  # no checkpoint: whatever was logged is redone
@@ -399,7 +401,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     del parser  # everything is configured through gin
 
 
-# Bad input and run-stopping faults (sparrow_jax.faults): one line `sparrow train: ...`, exit
+# Bad input and run-stopping faults (sparrow_jax.runtime.faults): one line `sparrow train: ...`, exit
 # status 1, no traceback; `--log_level DEBUG` logs the traceback (a bug raising one of these
 # types is shown the same way). Other exception types keep their traceback.
 USER_ERRORS = (faults.RunError, ValueError, TypeError, KeyError, OSError, MemoryError)

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from hf_fixtures import make_tiny_qwen3  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
 from sparrow_jax.rollout import RolloutConfig, generate  # noqa: E402
-from sparrow_jax.sharding import ShardingSpec, make_mesh  # noqa: E402
+from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh  # noqa: E402
 
 CASES = (("kv4_sharded_heads", 8, 4), ("kv2_replicated_heads", 4, 2))
 

@@ -19,10 +19,10 @@ def generate(root: Path, pid: int, nproc: int, port: int) -> None:
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
-    from sparrow_jax import multihost
+    from sparrow_jax.runtime import multihost
     from sparrow_jax.model import load_hf
     from sparrow_jax.rollout import RolloutConfig, generate as run
-    from sparrow_jax.sharding import ShardingSpec, make_mesh
+    from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 
     spec = ShardingSpec.create(make_mesh(model=2))
     model = load_hf(root / "model", mesh=spec.mesh)

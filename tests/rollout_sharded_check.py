@@ -30,7 +30,7 @@ from sparrow_jax.rl import learner_programs  # noqa: E402
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig  # noqa: E402
 from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler  # noqa: E402
 from sparrow_jax.rollout.teacher_forced import build_sequences  # noqa: E402
-from sparrow_jax.sharding import RESIDUAL_AXES, ShardingSpec, make_mesh  # noqa: E402
+from sparrow_jax.runtime.sharding import RESIDUAL_AXES, ShardingSpec, make_mesh  # noqa: E402
 
 # (name, query heads, kv heads): 4 KV heads shard over model=4; 2 KV heads cannot, so the
 # cache and the decode attention replicate heads while batch still shards over data.

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax import cli
-from sparrow_jax.schedule import load_schedule
+from sparrow_jax.sparsity.schedule import load_schedule
 
 GRID = (48, 64, 128)
 TARGET = 0.995  # high enough that a random model needs different budgets in different bins

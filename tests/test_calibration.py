@@ -1,10 +1,10 @@
-"""sparrow_jax.calibration: schedule picking from a tail table, heatmap output."""
+"""sparrow_jax.sparsity.calibration: schedule picking from a tail table, heatmap output."""
 
 import numpy as np
 import pytest
 
-from sparrow_jax.calibration import pick_schedule, write_heatmap
-from sparrow_jax.schedule import DENSE_BUDGET, Schedule
+from sparrow_jax.sparsity.calibration import pick_schedule, write_heatmap
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
 
 BUDGETS = np.array([256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192])
 C = np.linspace(50.0, 700.0, 20)

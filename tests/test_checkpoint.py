@@ -1,4 +1,4 @@
-"""Tests for sparrow_jax.checkpoint: round trips, retention, crash safety, resharding, preemption."""
+"""Tests for sparrow_jax.runtime.checkpoint: round trips, retention, crash safety, resharding, preemption."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from sparrow_jax.checkpoint import (
+from sparrow_jax.runtime.checkpoint import (
     CheckpointManager,
     abstract_like,
     abstract_with_shardings,
@@ -156,7 +156,7 @@ def test_resume_after_real_crash_mid_save(tmp_path):
     code = f"""
         import os
         import jax.numpy as jnp
-        from sparrow_jax import checkpoint as ck
+        from sparrow_jax.runtime import checkpoint as ck
         params, opt = {{"w": jnp.arange(6.0)}}, {{"m": jnp.zeros(6)}}
         mngr = ck.CheckpointManager({str(tmp_path)!r}, max_to_keep=1)
         for s in (1, 2):
@@ -191,7 +191,7 @@ def test_restore_onto_2x4_mesh_of_8_devices(tmp_path):
         import numpy as np, jax, optax
         from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
         from flax import nnx
-        from sparrow_jax.checkpoint import CheckpointManager, abstract_like, abstract_with_shardings
+        from sparrow_jax.runtime.checkpoint import CheckpointManager, abstract_like, abstract_with_shardings
         assert jax.device_count() == 8
         mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
         spec = {{2: P("data", "model"), 1: P("model"), 0: P()}}

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from hf_fixtures import make_tiny_qwen3
-from sparrow_jax import compression
 from sparrow_jax.model import load_hf
 from sparrow_jax.rollout import RolloutConfig, generate, start
 from sparrow_jax.rollout import compress
+from sparrow_jax.sparsity import compression
 
 BIG = np.full(20, 4096, np.int32)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -224,9 +224,9 @@ def test_sharded_equals_unsharded(tmp_path):
 
 
 def test_bench_command_prints_table(capsys):
-    """CPU twin of docs/compression.md's `python -m sparrow_jax.rollout.compress_bench` (the
+    """CPU twin of docs/compression.md's `python -m sparrow_jax.bench.compress` (the
     demo checkpoint and prompts; 2 prompts, 48 new tokens, budget 64, compressing every 16)."""
-    from sparrow_jax.rollout import compress_bench
+    from sparrow_jax.bench import compress as compress_bench
     repo = os.path.dirname(HERE)
     compress_bench.main(["--model", os.path.join(repo, "checkpoints/demo_sft"),
                          "--prompts", os.path.join(repo, "data/demo/eval.jsonl"),
@@ -251,7 +251,7 @@ def test_train_with_compressed_rollout(tmp_path):
     from hf_fixtures import make_tiny_synthetic_model
     from sparrow_jax import cli
     from sparrow_jax.data import synthetic
-    from sparrow_jax.metrics import read_jsonl
+    from sparrow_jax.runtime.metrics import read_jsonl
 
     make_tiny_synthetic_model(tmp_path / "model")
     synthetic.write_jsonl(str(tmp_path / "train.jsonl"), 8, seed=0, k_range=(1, 1), num_letters=4)

@@ -1,13 +1,13 @@
-"""sparrow_jax.cost_model: eFLOPs accounting, monotonicity, speedup limits."""
+"""sparrow_jax.sparsity.cost_model: eFLOPs accounting, monotonicity, speedup limits."""
 
 import numpy as np
 import pytest
 
-from sparrow_jax.cost_model import (
+from sparrow_jax.sparsity.cost_model import (
     HARDWARE, MODEL_SHAPES, ModelShape, choose_block_size, decode_token_cost, get_hardware,
     predict_speedup, rollout_cost,
 )
-from sparrow_jax.schedule import Schedule
+from sparrow_jax.sparsity.schedule import Schedule
 
 M = MODEL_SHAPES["qwen3-1.7b"]
 

@@ -10,17 +10,17 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import make_tiny_qwen3, make_tiny_synthetic_model
-from sparrow_jax import checkpoint as ckpt
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
 from sparrow_jax.export import export
-from sparrow_jax.metrics import read_jsonl
 from sparrow_jax.model import load_hf
 from sparrow_jax.rl import distill
 from sparrow_jax.rl.distill import DistillConfig, Distiller, merge_lora, merge_lora_model
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig, SparseReplay
 from sparrow_jax.rollout import RolloutConfig, generate
 from sparrow_jax.rollout.teacher_forced import replay_logprobs
+from sparrow_jax.runtime import checkpoint as ckpt
+from sparrow_jax.runtime.metrics import read_jsonl
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
 BUDGETS = np.full(20, 48)                       # 3 blocks of 16: sink + last 2 (sparse)

@@ -220,7 +220,7 @@ _REGISTRY = {
     "--gin_param 'DistillConfig.rank = 8' --gin_param 'DistillConfig.use_schedule = True'":
         (Twin("demo"), _DISTILL_TRAIN),
     # docs/compression.md
-    "python -m sparrow_jax.rollout.compress_bench":
+    "python -m sparrow_jax.bench.compress":
         (ByTest("tests/test_compression.py::test_bench_command_prints_table"),),
     # docs/export.md (written with `sparrow export`; its tests are tests/test_export.py)
     "sparrow export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16] [--model_path BASE] "
@@ -243,7 +243,7 @@ _REGISTRY = {
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin":
         (ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume"),
          ByTest("tests/test_experiment.py::test_demo_experiment_config_parses_every_arm")),
-    "python -m pallas_kernels.bench": (Twin("bench_kernel"),),
+    "python -m sparrow_jax.bench.kernels": (Twin("bench_kernel"),),
     _ROLLOUT_BENCH + "--context 8192 16384 --budget 1024 --dense_layers 0,1 none --batch 16 "
     "--new_tokens 256 --repeats 3": (Twin("bench_rollout"),),
     _ROLLOUT_BENCH + "--layers 28 --context 8192 16384 --budget 1024 --dense_layers 0,1 none "
@@ -418,16 +418,16 @@ def test_usage_line_names_real_flags(text):
 @pytest.mark.parametrize("text", SPARROW_COMMANDS)
 def test_sparrow_command_parses(text, monkeypatch):
     from sparrow_jax import cli
-    from sparrow_jax.schedule import load_schedule
+    from sparrow_jax.sparsity.schedule import load_schedule
 
     monkeypatch.chdir(REPO)  # config paths in the docs are relative to the repo root
     argv = as_sparrow_argv(text)
     try:
         if argv[:2] == ["bench", "rollout"]:
-            from sparrow_jax.rollout import bench
+            from sparrow_jax.bench import rollout as bench
             args = bench.build_parser().parse_args(argv[3:] if argv[2:3] == ["--"] else argv[2:])
         elif argv[:2] == ["bench", "kernel"]:
-            from pallas_kernels import bench
+            from sparrow_jax.bench import kernels as bench
             args = bench.parse_args(argv[3:] if argv[2:3] == ["--"] else argv[2:])
         else:
             command = next(a for a in argv if a in cli.COMMANDS)
@@ -637,7 +637,7 @@ def test_twin_bench_rollout_longtail(capsys):
 
 
 def test_twin_bench_kernel(capsys):
-    from pallas_kernels import bench
+    from sparrow_jax.bench import kernels as bench
     assert bench.main(["--contexts", "256", "--budgets", "64", "--models", "1.7b", "--iters", "1"]) == 0
     assert "copy bandwidth" in capsys.readouterr().out
 

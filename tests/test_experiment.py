@@ -9,7 +9,7 @@ from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
 from sparrow_jax.experiment import budget_mean, final_values
-from sparrow_jax.metrics import read_jsonl
+from sparrow_jax.runtime.metrics import read_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,12 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import make_tiny_synthetic_model
-from sparrow_jax import checkpoint as ckpt
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
 from sparrow_jax.export import ExportError, export, gin_binding
 from sparrow_jax.model import Qwen3ForCausalLM, load_hf, read_config
 from sparrow_jax.rl.rewards import register_reward
+from sparrow_jax.runtime import checkpoint as ckpt
 
 
 @register_reward("export_test_length")

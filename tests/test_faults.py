@@ -445,7 +445,7 @@ def jax_leaves(tree):
 def test_checksums_catch_one_flipped_bit_and_agree_across_layouts():
     import jax.numpy as jnp
 
-    from sparrow_jax import faults
+    from sparrow_jax.runtime import faults
 
     x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     tree = {"a": jnp.asarray(x), "b": jnp.asarray(x[:2]).astype(jnp.bfloat16),
@@ -470,7 +470,7 @@ def jax_tree_copy(tree):
 
 
 def test_metrics_truncate_after_drops_later_and_torn_lines(tmp_path):
-    from sparrow_jax.metrics import MetricsWriter, read_jsonl, read_scalars
+    from sparrow_jax.runtime.metrics import MetricsWriter, read_jsonl, read_scalars
 
     with MetricsWriter(tmp_path) as w:
         for step in (1, 2, 3):
@@ -496,7 +496,8 @@ def test_reward_results_must_be_numbers():
 
 
 def test_config_check_types():
-    from sparrow_jax import cli, config_check
+    from sparrow_jax import cli
+    from sparrow_jax.runtime import config_check
 
     cli.parse_gin([], ["TrainConfig.total_steps = 3", "LearnerConfig.learning_rate = 1",
                        "LearnerConfig.length_buckets = [16, 32]",

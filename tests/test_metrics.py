@@ -1,4 +1,4 @@
-"""Tests for sparrow_jax.metrics: event files readable by TensorBoard, JSONL mirror, timers."""
+"""Tests for sparrow_jax.runtime.metrics: event files readable by TensorBoard, JSONL mirror, timers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.metrics import (
+from sparrow_jax.runtime.metrics import (
     MetricsWriter,
     StepTimer,
     gin_config_markdown,

@@ -12,12 +12,12 @@ import pytest
 from hf_fixtures import make_tiny_qwen3, make_tiny_synthetic_model
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
-from sparrow_jax.metrics import read_jsonl
 from sparrow_jax.model import load_hf
 from sparrow_jax.rl import learner_programs
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig, SparseReplay
 from sparrow_jax.rollout import RolloutConfig, generate
-from sparrow_jax.shapes import COMPILES, bucket_length, default_buckets
+from sparrow_jax.runtime.metrics import read_jsonl
+from sparrow_jax.runtime.shapes import COMPILES, bucket_length, default_buckets
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
 
@@ -182,8 +182,8 @@ def test_varying_lengths_compile_one_program_per_bucket(varied_run):
     assert widths <= set(prompt_buckets) and responses <= set(length_buckets)
     assert len(widths) >= 2, "the data should touch several prompt buckets"
     # At most one compiled program per bucket touched (new shapes only where noted).
-    assert compiled.count("_prefill_program") <= len(widths)
-    assert compiled.count("_decode_program") <= len(widths)
+    assert compiled.count("prefill_program") <= len(widths)
+    assert compiled.count("decode_program") <= len(widths)
     # The learner's programs are per (prompt bucket, response bucket) pair touched.
     pairs = {(s["prompt_width"], s["response"]) for s in grads_shapes}
     assert len(pairs) == len(grads_shapes) <= len(widths) * len(responses)

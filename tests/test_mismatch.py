@@ -1,11 +1,11 @@
-"""sparrow_jax.mismatch against NumPy float64 references."""
+"""sparrow_jax.sparsity.mismatch against NumPy float64 references."""
 
 import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax import mismatch
+from sparrow_jax.sparsity import mismatch
 
 
 def np_softmax(x, t=1.0):

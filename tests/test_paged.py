@@ -12,7 +12,7 @@ from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import load_hf
 from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted
-from sparrow_jax.shapes import COMPILES
+from sparrow_jax.runtime.shapes import COMPILES
 
 # Budgets of 4 then 6 blocks (48-token bins) against contexts up to ~157 tokens: sparse
 # selection really drops blocks.

@@ -179,10 +179,10 @@ def test_train_with_bf16_compute_keeps_and_moves_f32_masters(tmp_path):
     the checkpoint holds f32 parameters that moved, and the operative config records both."""
     import gin
     from hf_fixtures import make_tiny_synthetic_model
-    from sparrow_jax import checkpoint as ckpt
+    from sparrow_jax.runtime import checkpoint as ckpt
     from sparrow_jax import cli
     from sparrow_jax.data import synthetic
-    from sparrow_jax.metrics import read_jsonl
+    from sparrow_jax.runtime.metrics import read_jsonl
 
     make_tiny_synthetic_model(tmp_path / "model")
     synthetic.write_jsonl(str(tmp_path / "train.jsonl"), 8, seed=0, k_range=(1, 1), num_letters=4)

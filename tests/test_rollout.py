@@ -148,7 +148,7 @@ def test_prefill_state_serves_both_modes_and_decode_updates_cache_in_place(tiny)
     """`start` is mode-independent: dense and sparse decode from copies of one prefill equal
     `generate`; the decode program aliases the donated cache to its output (no second copy)."""
     from flax import nnx
-    from sparrow_jax.kv_cache import cache_bytes
+    from sparrow_jax.rollout.kv_cache import cache_bytes
     _, model = tiny
     toks, lens = _prompts(np.random.default_rng(9), [30, 12])
     cfgs = {m: RolloutConfig(max_new_tokens=40, mode=m, backend="xla", max_budget=48)
@@ -166,7 +166,7 @@ def test_prefill_state_serves_both_modes_and_decode_updates_cache_in_place(tiny)
         assert fresh.cache.k[0].is_deleted()        # donated
     assert (np.asarray(got.budgets)[np.asarray(got.mask)] == 48).any()   # sparse bound hit
     graphdef, params = nnx.split(model)
-    compiled = engine._decode_program.lower(
+    compiled = engine.decode_program.lower(
         graphdef, params, state, jnp.asarray(budgets, jnp.int32), cfg=cfgs["sparse"], bin_size=16,
         spec=None).compile()
     stats = compiled.memory_analysis()

@@ -1,4 +1,4 @@
-"""sparrow_jax.schedule (paper tables, validation, JSON, lookups) and sparrow_jax.controller."""
+"""sparrow_jax.sparsity.schedule (paper tables, validation, JSON, lookups) and sparrow_jax.sparsity.controller."""
 
 import json
 
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.controller import (
+from sparrow_jax.sparsity.controller import (
     ControllerConfig, ControllerState, ScheduleController, controller_update,
 )
-from sparrow_jax.schedule import (
+from sparrow_jax.sparsity.schedule import (
     DENSE_BUDGET, Schedule, load_schedule, make_schedule,
 )
 

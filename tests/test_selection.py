@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax import selection as sel
+from sparrow_jax.sparsity import selection as sel
 
 BS = 16
 

@@ -16,9 +16,9 @@ from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import cli, evaluation
 from sparrow_jax.data import synthetic
 from sparrow_jax.data.prompts import PromptDataset
-from sparrow_jax.metrics import read_jsonl
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
-from sparrow_jax.rollout.engine import RolloutConfig, generate
+from sparrow_jax.rollout import RolloutConfig, generate
+from sparrow_jax.runtime.metrics import read_jsonl
 
 MAX_NEW = 24
 

@@ -8,7 +8,7 @@ import pytest
 from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
-from sparrow_jax.metrics import read_jsonl, read_scalars
+from sparrow_jax.runtime.metrics import read_jsonl, read_scalars
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_missing_model_path(setup):
     argv = [a for a in _params(setup, "bad2", 1)]
     i = argv.index(f"TrainConfig.model_path = '{setup / 'model'}'")
     argv[i] = f"TrainConfig.model_path = '{setup / 'nope'}'"
-    # Bad input is one clear line and exit status 1, not a traceback (sparrow_jax.faults).
+    # Bad input is one clear line and exit status 1, not a traceback (sparrow_jax.runtime.faults).
     with pytest.raises(SystemExit, match="FileNotFoundError: .*does not exist"):
         _run(argv)
 

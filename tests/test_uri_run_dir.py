@@ -16,10 +16,10 @@ from etils import epath
 from etils.epath import testing as epath_testing
 
 from hf_fixtures import make_tiny_synthetic_model
-from sparrow_jax import checkpoint as ckpt
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
-from sparrow_jax.metrics import MetricsWriter, read_jsonl, read_scalars
+from sparrow_jax.runtime import checkpoint as ckpt
+from sparrow_jax.runtime.metrics import MetricsWriter, read_jsonl, read_scalars
 
 URI = "gs://bucket/runs/r1"
 
@@ -83,7 +83,7 @@ def test_text_and_json_files_go_through_epath(fake_gcs):
 
 
 def test_metrics_writer_mirrors_and_uploads(fake_gcs, caplog):
-    caplog.set_level("INFO", logger="sparrow_jax.metrics")
+    caplog.set_level("INFO", logger="sparrow_jax.runtime.metrics")
     with MetricsWriter(URI) as mw:
         mw.scalars(1, {"reward/mean": 0.25})
         mw.text(0, "config/operative_gin", "    a = 1")

@@ -20,9 +20,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from sparrow_jax import sharding as shd
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.runtime import sharding as shd
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from flax import nnx
 from sparrow_jax.model.attention import (FullAttentionFn, dense_causal_attention,
                                          layer_splits_of)
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.sharding import RESIDUAL_AXES, ShardingSpec
+from sparrow_jax.runtime.sharding import RESIDUAL_AXES, ShardingSpec
 
 Array = jax.Array
 # attend(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]

@@ -34,7 +34,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparrow_jax.checkpoint import tree_path_names
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, compute_copy
 from sparrow_jax.rl import grpo
 from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, SparseReplay,
@@ -42,7 +41,8 @@ from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, Spars
                                              split_micro_batches)
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
                                                 trajectory_hidden)
-from sparrow_jax.shapes import COMPILES
+from sparrow_jax.runtime.checkpoint import tree_path_names
+from sparrow_jax.runtime.shapes import COMPILES
 
 # The adapted linear layers: name -> the sub-module of a decoder layer holding it.
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",

@@ -32,10 +32,10 @@ from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, Spars
                                              data_row_shards, fusable, grads_program,
                                              merge_micro_batches, opt_state_shardings,
                                              split_micro_batches)
-from sparrow_jax.rollout.engine import Trajectories
 from sparrow_jax.rollout.sampling import SamplingParams
-from sparrow_jax.shapes import COMPILES
-from sparrow_jax.sharding import ShardingSpec, residual_spec
+from sparrow_jax.rollout.state import Trajectories
+from sparrow_jax.runtime.shapes import COMPILES
+from sparrow_jax.runtime.sharding import ShardingSpec, residual_spec
 
 log = logging.getLogger(__name__)
 ALPHA_MODES = ("full", "topk", "none")
@@ -64,7 +64,7 @@ class LearnerConfig:
     remat: str = "none"            # per-layer remat of the gradient forward: none | full | dots
     length_buckets: tuple[int, ...] = ()   # response lengths the learner pads a batch to (the
                                    # longest response rounded up); () = two per octave up to
-                                   # RolloutConfig.max_new_tokens (sparrow_jax.shapes)
+                                   # RolloutConfig.max_new_tokens (sparrow_jax.runtime.shapes)
     alpha_mode: str = "full"       # "full": exact full-vocabulary alpha via a sparse replay
                                    # "topk": the paper's top-k lower bound (no extra forward)
                                    # "none": skip the mismatch statistic

@@ -20,15 +20,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from sparrow_jax import mismatch
 from sparrow_jax.model.attention import chunked_causal_attention
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rl import grpo
-from sparrow_jax.rollout.engine import Trajectories
 from sparrow_jax.rollout.sampling import SamplingParams
+from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
                                                 trajectory_hidden)
-from sparrow_jax.sharding import ShardingSpec
+from sparrow_jax.runtime.sharding import ShardingSpec
+from sparrow_jax.sparsity import mismatch
 
 
 @jax.tree_util.register_dataclass

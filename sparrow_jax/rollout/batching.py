@@ -5,7 +5,7 @@ one rollout program's KV cache, so the step runs `rollout_batch_prompts` prompts
 and joins the trajectories. The learner then works on the batch's longest sequence rounded up to
 a bucket, not on prompt + max_new_tokens.
 
-Row layout (see `sparrow_jax.multihost`): process p owns a contiguous block of rows. Each
+Row layout (see `sparrow_jax.runtime.multihost`): process p owns a contiguous block of rows. Each
 sub-batch is such a global array; `join_trajectories` keeps that true for the joined batch (block
 p = process p's rows of sub-batch 0, then of sub-batch 1, ...), the order in which each process
 lists its own prompts on the host.
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.rollout.engine import Trajectories
-from sparrow_jax.shapes import bucket_length
+from sparrow_jax.rollout.state import Trajectories
+from sparrow_jax.runtime.shapes import bucket_length
 
 
 def split_prompts(batch: dict[str, Any], per_call: int) -> list[dict[str, Any]]:

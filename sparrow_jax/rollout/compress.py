@@ -8,7 +8,7 @@ prompt + max_new_tokens. Each step writes the new token's K/V at the row's next 
 attends densely over the live slots. At decode steps that are multiples of `compress_every`, a
 row holding more than `kv_budget` tokens is compressed, per layer: the `window` most recent tokens
 are kept, the rest of the `kv_budget` is chosen among the older ones (the prompt included, from
-the first compression on) by R-KV or SnapKV scores (`sparrow_jax.compression`; one kept set per
+the first compression on) by R-KV or SnapKV scores (`sparrow_jax.sparsity.compression`; one kept set per
 row and layer, scores summed over KV heads), and the kept tokens are written to the front of the
 buffer in their original order. Keys are cached after RoPE, so a kept token keeps its position;
 a new token gets its true position (prompt length + tokens generated), not its slot index. So a
@@ -36,31 +36,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from sparrow_jax import compression
-from sparrow_jax.kv_cache import KVCache, write_token
 from sparrow_jax.model.attention import map_causal_query_chunks, masked_gqa_attention
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout.engine import (DecodeState, RolloutConfig, Trajectories, _constrain,
-                                        _record)
-from sparrow_jax.shapes import COMPILES
-from sparrow_jax.sharding import ShardingSpec
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.kv_cache import KVCache, write_token
+from sparrow_jax.rollout.state import DecodeState, Trajectories, constrain, record
+from sparrow_jax.rollout.teacher_forced import token_logprobs, trajectory_hidden
+from sparrow_jax.runtime.shapes import COMPILES
+from sparrow_jax.runtime.sharding import ShardingSpec
+from sparrow_jax.sparsity import compression
 
 NEVER = int(np.iinfo(np.int32).max)   # evicted_at of a key that is never evicted
-
-
-def check_config(cfg: RolloutConfig) -> None:
-    """Raises on compress-mode settings that cannot work (called by RolloutConfig)."""
-    if cfg.compress_scorer not in compression.SCORERS:
-        raise ValueError(f"RolloutConfig.compress_scorer must be one of {compression.SCORERS}, "
-                         f"got {cfg.compress_scorer!r}")
-    if cfg.window < 1 or cfg.kv_budget <= cfg.window:
-        raise ValueError(f"compress mode needs 1 <= window < kv_budget, got window={cfg.window}, "
-                         f"kv_budget={cfg.kv_budget}")
-    if cfg.compress_every < cfg.window:
-        raise ValueError(f"compress_every={cfg.compress_every} must be >= window={cfg.window} "
-                         "(the observation window's queries are the last decode steps')")
-    if not 0.0 <= cfg.rkv_lambda <= 1.0:
-        raise ValueError(f"rkv_lambda must be in [0, 1], got {cfg.rkv_lambda}")
 
 
 def _dense_attention(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_heads: int):
@@ -114,7 +100,7 @@ def _decode_program(graphdef, params, state: DecodeState, *, cfg: RolloutConfig,
     seq = state.prompt_tokens.shape[1] + t_new
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
     attn = _dense_attention(cfg, spec, mcfg.num_key_value_heads)
-    queries = tuple(_constrain(jnp.zeros((b, w, mcfg.num_attention_heads, mcfg.head_dim),
+    queries = tuple(constrain(jnp.zeros((b, w, mcfg.num_attention_heads, mcfg.head_dim),
                                          model.dtype), ("batch", None, "q_heads", None), spec)
                     for _ in range(n_layers))
     slot_pos = tuple(jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
@@ -143,7 +129,7 @@ def _decode_program(graphdef, params, state: DecodeState, *, cfg: RolloutConfig,
             return attn(q[:, 0], ks[i], vs[i], live)[:, None]
 
         hidden = model.run_layers(model.embed(st.token[:, None]), pos[:, None], attend)
-        st = _record(st, model.logits(hidden[:, 0]), cfg, active)
+        st = record(st, model.logits(hidden[:, 0]), cfg, active)
         # (a cache no larger than the budget never needs compressing: nothing to trace)
         need = active & (st.step % cfg.compress_every == 0) & (live > cfg.kv_budget) & (
             cfg.kv_budget < cap)
@@ -169,7 +155,7 @@ def _decode_program(graphdef, params, state: DecodeState, *, cfg: RolloutConfig,
         budgets=st.budgets, cached_lengths=st.prompt_lengths[:, None] + steps[None, :],
         mask=steps[None, :] < st.response_lengths[:, None], response_lengths=st.response_lengths,
         evicted_at=evicted)
-    traj = jax.tree.map(lambda x: _constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
+    traj = jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
     return traj, (st.cache, st.step, st.token, st.done, st.rng, st.sample_ids)
 
 
@@ -224,7 +210,6 @@ def replay_attention_fn(evicted_at: jax.Array, *, query_chunk: int = 0):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "block_size"))
 def _replay_program(graphdef, state, traj, *, temperature, block_size):
-    from sparrow_jax.rollout.teacher_forced import token_logprobs, trajectory_hidden
     model = nnx.merge(graphdef, state)
     hidden = trajectory_hidden(model, traj, attention_fn=replay_attention_fn(traj.evicted_at),
                                block_size=block_size)

@@ -7,7 +7,8 @@ import dataclasses
 import gin
 
 from sparrow_jax.rollout.sampling import SamplingParams
-from sparrow_jax.shapes import bucket_length, default_buckets
+from sparrow_jax.runtime.shapes import bucket_length, default_buckets
+from sparrow_jax.sparsity.compression import SCORERS
 
 
 def padded_length(n: int, block_size: int) -> int:
@@ -33,7 +34,7 @@ class RolloutConfig:
     pad_token_id: int = 0
     scorer: str = "centroid"
     # Prompt widths are padded up to one of these (static shapes: one prefill/decode program per
-    # bucket touched); () = two buckets per octave from 64 tokens (sparrow_jax.shapes).
+    # bucket touched); () = two buckets per octave from 64 tokens (sparrow_jax.runtime.shapes).
     prompt_buckets: tuple[int, ...] = ()
     # mode = "compress" (sparrow_jax.rollout.compress, docs/compression.md): every
     # `compress_every` steps a row holding more than `kv_budget` tokens keeps `kv_budget` of them
@@ -58,8 +59,7 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.mode must be 'sparse', 'dense' or 'compress', got "
                              f"{self.mode!r}")
         if self.mode == "compress":
-            from sparrow_jax.rollout.compress import check_config
-            check_config(self)
+            self._check_compress()
         if self.engine not in ("static", "paged"):
             raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
                              f"{self.engine!r}")
@@ -86,6 +86,20 @@ class RolloutConfig:
         if self.scorer != "centroid":
             raise ValueError(f"rollout scorer {self.scorer!r} not supported (the cache keeps "
                              "centroids only); use scorer='centroid'")
+
+    def _check_compress(self) -> None:
+        """Raises on compress-mode settings that cannot work (rollout/compress.py runs them)."""
+        if self.compress_scorer not in SCORERS:
+            raise ValueError(f"RolloutConfig.compress_scorer must be one of {SCORERS}, "
+                             f"got {self.compress_scorer!r}")
+        if self.window < 1 or self.kv_budget <= self.window:
+            raise ValueError(f"compress mode needs 1 <= window < kv_budget, got "
+                             f"window={self.window}, kv_budget={self.kv_budget}")
+        if self.compress_every < self.window:
+            raise ValueError(f"compress_every={self.compress_every} must be >= "
+                             f"window={self.window} (the observation window's queries are the last decode steps')")
+        if not 0.0 <= self.rkv_lambda <= 1.0:
+            raise ValueError(f"rkv_lambda must be in [0, 1], got {self.rkv_lambda}")
 
     @property
     def sampling(self) -> SamplingParams:

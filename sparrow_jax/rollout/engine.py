@@ -1,8 +1,10 @@
-"""Rollout: dense prefill of the prompts, then one jitted `lax.while_loop` of block-sparse decode.
+"""The static rollout engine: dense prefill of the prompts into a cache row per sample, then one
+jitted `lax.while_loop` of block-sparse decode.
 
 The whole generation is a single compiled program: no host round trip per token. Budgets arrive
 as a traced `[num_bins]` array, so the schedule controller can change them every RL step without
-a recompile; only `max_budget` (the selection width) is static.
+a recompile; only `max_budget` (the selection width) is static. Callers use
+`sparrow_jax.rollout.{start, decode, generate}` (rollout/api.py), which pick the engine.
 """
 
 from __future__ import annotations
@@ -13,48 +15,22 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from sparrow_jax import multihost, selection
-from sparrow_jax.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-# RolloutConfig and padded_length live in config.py; imported from here by most callers.
-from sparrow_jax.rollout.config import RolloutConfig, padded_length  # noqa: F401
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
 from sparrow_jax.rollout.prefill import prefill
-from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
-from sparrow_jax.shapes import COMPILES
-from sparrow_jax.sharding import ShardingSpec
+from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain,
+                                       prepare_prompts, record)
+from sparrow_jax.runtime import multihost
+from sparrow_jax.runtime.shapes import COMPILES
+from sparrow_jax.runtime.sharding import ShardingSpec
+from sparrow_jax.sparsity import selection
 
 log = logging.getLogger(__name__)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Trajectories:
-    """What the learner needs from a rollout. B rows = prompts x group size (consecutive groups)."""
-    prompt_tokens: jax.Array    # [B, P] int32, right-padded
-    prompt_lengths: jax.Array   # [B] int32
-    tokens: jax.Array           # [B, T] int32 generated ids (pad after the end)
-    logprobs: jax.Array         # [B, T] f32 sparse actor's logprob of each token (as sampled)
-    topk_logprobs: jax.Array    # [B, T, k] f32 sparse actor's top-k (temperature, untruncated)
-    topk_ids: jax.Array         # [B, T, k] int32
-    budgets: jax.Array          # [B, T] int32 token budget used (0 = dense: prefill or dense mode;
-                                # compress mode: the tokens the token's attention saw, kept + new)
-    cached_lengths: jax.Array   # [B, T] int32 total cached length when the token was produced
-    mask: jax.Array             # [B, T] bool: generated token (including the stop token)
-    response_lengths: jax.Array  # [B] int32
-    # compress mode only, [B, L, P + T] int32: per row, layer and sequence position, the first
-    # query position that no longer sees that key (evicted; int32 max = never); replay input.
-    evicted_at: jax.Array | None = None
-
-
-def budget_for_lengths(budgets: jax.Array, lengths: jax.Array, bin_size: int) -> jax.Array:
-    """budgets [num_bins] tokens, lengths [B] -> [B]: the budget of each row's length bin."""
-    bins = jnp.minimum(lengths // bin_size, budgets.shape[0] - 1)
-    return budgets[bins]
 
 
 # -- decode -----------------------------------------------------------------------------------
@@ -84,55 +60,8 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
                          out_specs=(q, kv), check_vma=False)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-    """Everything the decode loop carries; the prefill program's output. B = prompts x group."""
-    step: jax.Array              # [] int32 next position to record (1 after prefill)
-    cache: KVCache
-    token: jax.Array             # [B] int32 last sampled token (fed next)
-    tokens: jax.Array            # [B, T] int32 recorded buffers, as in Trajectories
-    logprobs: jax.Array          # [B, T] f32
-    topk_logprobs: jax.Array     # [B, T, k] f32
-    topk_ids: jax.Array          # [B, T, k] int32
-    budgets: jax.Array           # [B, T] int32
-    done: jax.Array              # [B] bool
-    response_lengths: jax.Array  # [B] int32
-    rng: jax.Array
-    prompt_tokens: jax.Array     # [B, P] int32 (repeated per sample)
-    prompt_lengths: jax.Array    # [B] int32
-    sample_ids: jax.Array        # [B] int32 sampling key of each row (see sampling.sample_rows)
-
-
-def _constrain(x, axes, spec: ShardingSpec | None):
-    return x if spec is None else jax.lax.with_sharding_constraint(x, spec.sharding(axes, x.shape))
-
-
-def sample_tokens(rng, logits, sample_ids, index, cfg: RolloutConfig):
-    """What both engines record per token: logits [R, V], sample_ids/index [R] -> (tokens [R],
-    logprobs [R], top-k values/ids [R, k]); keys per (sample, index), see `sample_rows`."""
-    tok, lp = sample_rows(rng, logits, sample_ids, index, temperature=cfg.temperature,
-                          top_k=cfg.top_k, top_p=cfg.top_p)
-    top_v, top_i = topk_logprobs(logits, cfg.record_topk, temperature=cfg.temperature)
-    return tok, lp, top_v, top_i
-
-
-def _record(state: DecodeState, logits, cfg: RolloutConfig, active) -> DecodeState:
-    """Samples the next token from logits [B, V] and records it at position state.step."""
-    step = state.step
-    tok, lp, top_v, top_i = sample_tokens(state.rng, logits, state.sample_ids,
-                                          jnp.full_like(state.sample_ids, step), cfg)
-    tok = jnp.where(active, tok, cfg.pad_token_id)
-    return dataclasses.replace(
-        state, token=tok, tokens=state.tokens.at[:, step].set(tok),
-        logprobs=state.logprobs.at[:, step].set(jnp.where(active, lp, 0.0)),
-        topk_logprobs=state.topk_logprobs.at[:, step].set(top_v),
-        topk_ids=state.topk_ids.at[:, step].set(top_i),
-        response_lengths=state.response_lengths + active)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "group_size", "spec"))
-def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first_sample=0, *,
+def prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first_sample=0, *,
                      cfg: RolloutConfig, group_size: int, spec: ShardingSpec | None
                      ) -> DecodeState:
     """Dense prefill, cache layout for `group_size` samples per prompt, first sampled token.
@@ -146,9 +75,9 @@ def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first
     # Group sampling: the n samples of a prompt share its prefill; copy the prompt cache n times.
     rep = functools.partial(jnp.repeat, repeats=group_size, axis=0)
     pad = ((0, 0), (0, 0), (0, s_max - plen), (0, 0))
-    k_layers = [_constrain(jnp.pad(rep(k), pad), CACHE_AXES, spec) for k in ks]
-    v_layers = [_constrain(jnp.pad(rep(v), pad), CACHE_AXES, spec) for v in vs]
-    cents = [_constrain(selection.block_centroids(k, cfg.block_size), CACHE_AXES, spec)
+    k_layers = [constrain(jnp.pad(rep(k), pad), CACHE_AXES, spec) for k in ks]
+    v_layers = [constrain(jnp.pad(rep(v), pad), CACHE_AXES, spec) for v in vs]
+    cents = [constrain(selection.block_centroids(k, cfg.block_size), CACHE_AXES, spec)
              if cfg.mode != "compress" else k[:, :, :0] for k in k_layers]  # compress: no blocks
     lengths = rep(prompt_lengths)
     k_rec = cfg.record_topk
@@ -165,7 +94,7 @@ def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first
         response_lengths=jnp.zeros((b,), jnp.int32), rng=rng,
         prompt_tokens=rep(prompt_tokens), prompt_lengths=lengths,
         sample_ids=first_sample + jnp.arange(b, dtype=jnp.int32))
-    state = _record(state, rep(first_logits), cfg, jnp.ones((b,), bool))
+    state = record(state, rep(first_logits), cfg, jnp.ones((b,), bool))
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
     return dataclasses.replace(state, step=jnp.int32(1),
                                done=jnp.isin(state.token, stop_ids) | (t_new <= 1))
@@ -173,7 +102,7 @@ def _prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "bin_size", "spec"),
                    donate_argnames=("state",))
-def _decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
+def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
                     bin_size: int, spec: ShardingSpec | None) -> tuple[Trajectories, tuple]:
     """The decode `while_loop`. `state` is donated: the cache is updated in place. The final
     cache and loop scalars are returned, unused, so that every donated buffer aliases an output
@@ -210,7 +139,7 @@ def _decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollo
 
         hidden = model.run_layers(model.embed(st.token[:, None]), cache.lengths[:, None], attend)
         active = ~st.done
-        st = _record(st, model.logits(hidden[:, 0]), cfg, active)
+        st = record(st, model.logits(hidden[:, 0]), cfg, active)
         used = budget if cfg.mode == "sparse" else jnp.zeros_like(budget)
         new_len = jnp.where(active, lengths, cache.lengths)
         done = st.done | (active & (jnp.isin(st.token, stop_ids) | (new_len + 1 > s_max)))
@@ -229,74 +158,8 @@ def _decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollo
         mask=steps[None, :] < st.response_lengths[:, None], response_lengths=st.response_lengths)
     # Rows stay sharded over the data axis: each process then reads its own rows back
     # (multihost.local_rows) and the learner consumes the global arrays as they are.
-    traj = jax.tree.map(lambda x: _constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
+    traj = jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
     return traj, (st.cache, st.step, st.token, st.done, st.rng, st.sample_ids)
-
-
-def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
-             budgets, bin_size: int = 2000, group_size: int = 1, rng: jax.Array | None = None,
-             spec: ShardingSpec | None = None, first_sample: int = 0) -> Trajectories:
-    """Samples `group_size` completions per prompt: `start` (prefill) then `decode`.
-
-    prompt_tokens [Bp, P] int32 right-padded (P is padded up to a block multiple here),
-    prompt_lengths [Bp] (each >= 1), budgets [num_bins] int32 tokens per length bin (ignored in
-    dense mode). Rows of the result are grouped: rows g*n .. g*n+n-1 belong to prompt g.
-
-    Multi-process runs (`jax.process_count() > 1`): each process passes its own Bp prompts (the
-    same Bp everywhere) and a `spec`; the result is global (process p's prompts are its row block
-    p, see `sparrow_jax.multihost`), read a process's rows back with `multihost.local_rows`.
-    Row b's tokens are drawn with sampling key (rng, first_sample + b, token index), so a batch
-    split over several calls (first_sample = rows before it) draws the same samples as one call.
-    """
-    check_budgets(cfg, budgets)          # before the (long) prefill
-    if cfg.engine == "paged":
-        from sparrow_jax.rollout import scheduler
-        return scheduler.generate(model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
-                                  bin_size=bin_size, group_size=group_size, rng=rng, spec=spec,
-                                  first_sample=first_sample)
-    state = start(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
-                  spec=spec, first_sample=first_sample)
-    return decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
-
-
-def check_budgets(cfg: RolloutConfig, budgets) -> np.ndarray:
-    budgets = np.asarray(budgets, np.int32)
-    if budgets.ndim != 1 or budgets.size == 0:
-        raise ValueError(f"budgets must be a non-empty [num_bins] array, got shape {budgets.shape}")
-    if cfg.mode == "sparse" and budgets.max() > cfg.max_budget:
-        raise ValueError(f"schedule budget {budgets.max()} exceeds RolloutConfig.max_budget="
-                         f"{cfg.max_budget} (the static selection width); raise max_budget")
-    return budgets
-
-
-def prepare_prompts(prompt_tokens, prompt_lengths, *, cfg: RolloutConfig, group_size: int,
-                    spec: ShardingSpec | None) -> tuple[np.ndarray, np.ndarray]:
-    """Validates the prompts and pads them to a bucketed width (the same on every process).
-    Returns (prompt_tokens [Bp, P], prompt_lengths [Bp]) as int32 NumPy arrays."""
-    prompt_tokens = np.asarray(prompt_tokens, np.int32)
-    prompt_lengths = np.asarray(prompt_lengths, np.int32)
-    if prompt_tokens.ndim != 2 or prompt_lengths.shape != prompt_tokens.shape[:1]:
-        raise ValueError(f"prompt_tokens must be [Bp, P] and prompt_lengths [Bp]; got "
-                         f"{prompt_tokens.shape} and {prompt_lengths.shape}")
-    if prompt_lengths.min() < 1 or prompt_lengths.max() > prompt_tokens.shape[1]:
-        raise ValueError(f"prompt_lengths must be in [1, {prompt_tokens.shape[1]}], "
-                         f"got {prompt_lengths.tolist()}")
-    multi = multihost.is_multiprocess()
-    if multi and spec is None:
-        raise ValueError(f"a {jax.process_count()}-process rollout needs spec= (a ShardingSpec "
-                         "whose mesh spans every process's devices)")
-    # Every process must compile the same shapes: pad to the widest prompt of any process,
-    # rounded up to a bucket so that varying widths reuse a few programs.
-    widest = int(prompt_lengths.max())
-    plen = multihost.sync_max(cfg.prompt_width(widest))
-    prompt_tokens = prompt_tokens[:, :min(prompt_tokens.shape[1], plen)]
-    prompt_tokens = np.pad(prompt_tokens, ((0, 0), (0, plen - prompt_tokens.shape[1])),
-                           constant_values=cfg.pad_token_id)
-    b = prompt_tokens.shape[0] * group_size * jax.process_count()
-    if spec is not None and b % spec.mesh.shape[spec.rules.get("batch") or "data"]:
-        raise ValueError(f"rollout batch {b} is not divisible by the mesh's data axis "
-                         f"{dict(spec.mesh.shape)}")
-    return prompt_tokens, prompt_lengths
 
 
 def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
@@ -322,19 +185,16 @@ def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rollou
         lengths_in = multihost.rows_to_global(prompt_lengths, spec)
     else:
         tokens_in, lengths_in = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
-    return _prefill_program(graphdef, params, tokens_in, lengths_in, rng,
+    return prefill_program(graphdef, params, tokens_in, lengths_in, rng,
                             jnp.int32(first_sample), cfg=cfg,
                             group_size=group_size, spec=spec)
 
 
 def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, budgets,
            bin_size: int = 2000, spec: ShardingSpec | None = None) -> Trajectories:
-    """The decode program: runs `state` (from `start`, consumed: its buffers are donated) until
-    every row stopped or reached cfg.max_new_tokens. budgets [num_bins] int32 as in `generate`."""
-    budgets = check_budgets(cfg, budgets)
-    if cfg.mode == "compress":
-        from sparrow_jax.rollout import compress
-        return compress.decode(model, state, cfg=cfg, spec=spec)
+    """The static decode program (dense or sparse mode): runs `state` (from `start`, consumed:
+    its buffers are donated) until every row stopped or reached cfg.max_new_tokens.
+    budgets [num_bins] int32 tokens per length bin, already checked (`state.check_budgets`)."""
     shapes = (state.tokens.shape[1], state.topk_ids.shape[2],
               state.cache.max_length // max(state.cache.centroids[0].shape[2], 1))
     wanted = (cfg.max_new_tokens, cfg.record_topk, cfg.block_size)
@@ -345,6 +205,6 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     COMPILES.note("rollout/decode", rows=state.tokens.shape[0],
                   prompt_width=state.prompt_tokens.shape[1], max_new_tokens=cfg.max_new_tokens,
                   mode=cfg.mode, max_budget=cfg.max_budget, dtype=jnp.dtype(model.dtype).name)
-    traj, _ = _decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
+    traj, _ = decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
                               bin_size=bin_size, spec=spec)
     return traj

@@ -23,15 +23,15 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from pallas_kernels.reference import all_blocks_selection
-from sparrow_jax import selection
+from sparrow_jax.model.attention import masked_gqa_attention
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.model.attention import masked_gqa_attention
 from sparrow_jax.rollout.config import RolloutConfig
-from sparrow_jax.rollout.engine import budget_for_lengths, sample_tokens
 from sparrow_jax.rollout.prefill import prefill, prefill_attention
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
-from sparrow_jax.sharding import ShardingSpec
+from sparrow_jax.rollout.state import budget_for_lengths, sample_tokens
+from sparrow_jax.runtime.sharding import ShardingSpec
+from sparrow_jax.sparsity import selection
 
 # Logical axes: pools and slots over `data` (a pool serves its shard's slots), heads over `model`.
 POOL_AXES = ("batch", "kv_heads", None, None, "head_dim")       # [G, Hkv, N, bs, D]

@@ -27,10 +27,11 @@ from flax import nnx
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import paged
-from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, check_budgets, prepare_prompts
+from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
-from sparrow_jax.shapes import COMPILES
-from sparrow_jax.sharding import ShardingSpec
+from sparrow_jax.rollout.state import Trajectories, check_budgets, prepare_prompts
+from sparrow_jax.runtime.shapes import COMPILES
+from sparrow_jax.runtime.sharding import ShardingSpec
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +364,7 @@ def _place(x: jax.Array, spec: ShardingSpec) -> jax.Array:
 def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
              budgets, bin_size: int = 2000, group_size: int = 1, rng: jax.Array | None = None,
              spec: ShardingSpec | None = None, first_sample: int = 0) -> Trajectories:
-    """The paged engine's `engine.generate`: same arguments, same `Trajectories` (rows grouped
+    """The paged engine's `rollout.generate`: same arguments, same `Trajectories` (rows grouped
     in prompt order, shapes as the static engine's). Single-process only for now."""
     global LAST_STATS
     if jax.process_count() > 1:

@@ -14,12 +14,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax import selection
 from sparrow_jax.model.attention import (alike_layers, chunked_causal_attention,
                                          dense_causal_attention, map_causal_query_chunks,
                                          masked_gqa_attention)
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout.engine import Trajectories, budget_for_lengths, padded_length
+from sparrow_jax.rollout.config import padded_length
+from sparrow_jax.rollout.state import Trajectories, budget_for_lengths
+from sparrow_jax.sparsity import selection
 
 
 def build_sequences(traj: Trajectories, block_size: int = 16) -> tuple[jax.Array, jax.Array]:

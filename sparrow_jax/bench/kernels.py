@@ -1,6 +1,6 @@
 """Dense vs block-sparse decode attention timings.
 
-    python -m pallas_kernels.bench [--json] [--backend auto|xla|pallas_tpu|pallas_triton|jax_triton]
+    python -m sparrow_jax.bench.kernels [--json] [--backend auto|xla|pallas_tpu|pallas_triton|jax_triton]
         [--contexts 8192,32768,131072] [--budgets 1024,2048,4096] [--models 1.7b,8b]
         [--batch N] [--dtype bfloat16|float32] [--iters N]
 
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from sparrow_jax import selection
+from sparrow_jax.sparsity import selection
 
 MODELS = {"1.7b": ("qwen3-1.7b", 16, 8, 128), "8b": ("qwen3-8b", 32, 8, 128)}
 BLOCK = 16

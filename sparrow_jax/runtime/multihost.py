@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sparrow_jax.sharding import ShardingSpec
+from sparrow_jax.runtime.sharding import ShardingSpec
 
 __all__ = ["is_multiprocess", "check_mesh", "sync_max", "rows_to_global", "local_rows",
            "all_rows"]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from sparrow_jax import checkpoint as ckpt
+from sparrow_jax.runtime import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 

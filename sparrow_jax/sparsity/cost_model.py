@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from sparrow_jax.schedule import DENSE_BUDGET, NUM_RESERVED_BLOCKS, Schedule
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, NUM_RESERVED_BLOCKS, Schedule
 
 __all__ = [
     "ModelShape", "Hardware", "MODEL_SHAPES", "HARDWARE", "get_hardware", "decode_token_cost",

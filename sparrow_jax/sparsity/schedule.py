@@ -12,8 +12,8 @@ dense by construction. The rollout should still check ``Schedule.is_dense`` to s
 scoring entirely, and must size its static block-index buffer with ``max_blocks(capacity)``
 (capped at the KV-cache capacity), never with ``max_budget`` directly.
 
-``sparrow_jax.controller`` adapts a schedule online from the per-bin tail measured by the
-learner every step (``sparrow_jax.mismatch.tail_by_bin``).
+``sparrow_jax.sparsity.controller`` adapts a schedule online from the per-bin tail measured by the
+learner every step (``sparrow_jax.sparsity.mismatch.tail_by_bin``).
 """
 
 from __future__ import annotations

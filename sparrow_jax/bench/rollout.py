@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=("fixed", "longtail"), default="fixed",
                    help="fixed: dense vs sparse decode at given contexts; longtail: static vs "
                         "paged engine on long-tailed responses at equal KV memory "
-                        "(sparrow_jax.rollout.longtail_bench)")
+                        "(sparrow_jax.bench.longtail)")
     lt = p.add_argument_group("longtail workload")
     lt.add_argument("--samples", type=int, default=64)
     lt.add_argument("--group", type=int, default=8, help="samples per prompt")
@@ -129,7 +129,7 @@ def _dense_layer_sets(specs: Sequence[str] | None, default: tuple[int, ...]
 def sparse_runs(args: argparse.Namespace, default_dense_layers: tuple[int, ...]
                 ) -> list[SparseRun]:
     """Every (budget or schedule) x (dense layer set) to compare with dense."""
-    from sparrow_jax.schedule import Schedule, load_schedule
+    from sparrow_jax.sparsity.schedule import Schedule, load_schedule
     budgets = args.budget if args.budget is not None else ([] if args.schedule else [1024])
     tables = [(str(b), np.full(20, b, np.int32), 2000, True) for b in budgets]
     if args.schedule:
@@ -155,7 +155,7 @@ def _precompile(model, state, cfg, budgets, bin_size: int) -> float:
     from sparrow_jax.rollout import engine
     graphdef, params = nnx.split(model)
     t0 = time.perf_counter()
-    engine._decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
+    engine.decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
                                  cfg=cfg, bin_size=bin_size, spec=None).compile()
     return time.perf_counter() - t0
 
@@ -164,7 +164,7 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
                   variants: Sequence[SparseRun]) -> list[dict[str, Any]]:
     """Dense + every sparse variant at one context length; one result dict per variant."""
     from sparrow_jax.rollout import decode, start
-    from sparrow_jax.rollout.engine import padded_length
+    from sparrow_jax.rollout.config import padded_length
     if context <= args.new_tokens + 1:
         raise SystemExit(f"sparrow bench rollout: --context {context} must exceed --new_tokens "
                          f"{args.new_tokens} + 1")
@@ -274,7 +274,7 @@ def main(argv: Sequence[str]) -> int:
     dev = jax.devices()[0]
     device = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
     if args.workload == "longtail":
-        from sparrow_jax.rollout import longtail_bench
+        from sparrow_jax.bench import longtail as longtail_bench
         return longtail_bench.run(model, args, base_cfg, device, backend)
     shape = {k: getattr(mcfg, k) for k in ("num_hidden_layers", "hidden_size",
                                              "num_attention_heads", "num_key_value_heads",

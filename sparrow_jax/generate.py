@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 import pallas_kernels
 from sparrow_jax.model import stop_token_ids
-from sparrow_jax.rollout.engine import RolloutConfig, Trajectories, generate, padded_length
+from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
+from sparrow_jax.rollout.config import padded_length
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- setup ---------------------------------------------------------------------------------------
 def resolve_schedule(name: str | None):
     """--schedule: a name, a JSON file, or inline JSON (a budget list or a Schedule dict)."""
-    from sparrow_jax.schedule import Schedule, load_schedule, make_schedule
+    from sparrow_jax.sparsity.schedule import Schedule, load_schedule, make_schedule
     try:
         if name is None:
             return make_schedule()
@@ -131,7 +132,7 @@ def rollout_config(args: argparse.Namespace, schedule, stop_ids: tuple[int, ...]
 def _mesh_spec(mesh_arg: str | None):
     if mesh_arg is None:
         return None, None
-    from sparrow_jax.sharding import ShardingSpec, make_mesh
+    from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
     try:
         data, model = (int(x) for x in mesh_arg.lower().split("x"))
         mesh = make_mesh(data, model)

@@ -60,7 +60,7 @@ def _paged_rollout(model, tokens, lengths, cfg, budgets, group: int, wave_prompt
 
 
 def run(model, args, base_cfg, device: str, backend: str) -> int:
-    from sparrow_jax.kv_cache import cache_bytes
+    from sparrow_jax.rollout.kv_cache import cache_bytes
     from sparrow_jax.rollout import scheduler
     mcfg = model.config
     if args.samples % args.group or args.static_batch % args.group:

@@ -1,5 +1,5 @@
 """The online schedule controller: moves each length bin's KV budget from the tail alpha the
-learner measured for that bin this step (``sparrow_jax.mismatch.tail_by_bin``).
+learner measured for that bin this step (``sparrow_jax.sparsity.mismatch.tail_by_bin``).
 
 A bin whose tail falls below the target is raised at once; one that stays above target + margin
 for ``patience`` steps is lowered one rung, unless it failed at that budget recently. Pure
@@ -16,7 +16,7 @@ from typing import Any
 import gin
 import numpy as np
 
-from sparrow_jax.schedule import NUM_RESERVED_BLOCKS, Schedule
+from sparrow_jax.sparsity.schedule import NUM_RESERVED_BLOCKS, Schedule
 
 __all__ = ["ControllerConfig", "ControllerState", "controller_update", "ScheduleController"]
 

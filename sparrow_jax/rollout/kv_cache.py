@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.sharding import ShardingSpec
+from sparrow_jax.runtime.sharding import ShardingSpec
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath  # orbax's own path library: local paths and gs:// (s3://, ...) URIs
 
-from sparrow_jax.run_files import (PyTree, abstract_like, abstract_with_shardings,  # noqa: F401
+from sparrow_jax.runtime.run_files import (PyTree, abstract_like, abstract_with_shardings,  # noqa: F401
                                    decode_extra, encode_extra, is_uri, resolve_run_dir,
                                    save_json_atomic, tree_path_names, write_text_atomic)
 

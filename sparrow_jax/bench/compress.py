@@ -1,6 +1,6 @@
 """Block top-k vs R-KV vs SnapKV rollout on the CPU demo task: one table, one command.
 
-    python -m sparrow_jax.rollout.compress_bench [--model checkpoints/demo_sft]
+    python -m sparrow_jax.bench.compress [--model checkpoints/demo_sft]
         [--prompts data/demo/eval.jsonl] [--num_prompts 32] [--budgets 256 512]
         [--max_new_tokens 1072] [--bin_size 256] [--json OUT.json]
 
@@ -32,15 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparrow_jax import mismatch
 from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.evaluation import batch_records, decode_responses, score
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.model.attention import chunked_causal_attention
 from sparrow_jax.rl.rewards import RewardPool
+from sparrow_jax.rollout import RolloutConfig, decode, start
 from sparrow_jax.rollout import compress, engine
-from sparrow_jax.rollout.engine import RolloutConfig, decode, start
 from sparrow_jax.rollout.teacher_forced import sparse_attention_fn, trajectory_hidden
+from sparrow_jax.sparsity import mismatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def _precompile(model, state, cfg: RolloutConfig, budgets) -> None:
     if cfg.mode == "compress":
         compress._decode_program.lower(graphdef, params, state, cfg=cfg, spec=None).compile()
     else:
-        engine._decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
+        engine.decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
                                      cfg=cfg, bin_size=2000, spec=None).compile()
 
 
@@ -175,7 +175,7 @@ def table(rows: list[dict], bin_size: int, num_bins: int) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m sparrow_jax.rollout.compress_bench",
+    p = argparse.ArgumentParser(prog="python -m sparrow_jax.bench.compress",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", default="checkpoints/demo_sft")
     p.add_argument("--prompts", default="data/demo/eval.jsonl")

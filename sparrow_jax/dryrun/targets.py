@@ -36,7 +36,7 @@ class Target:
     num_devices: int
     devices_per_host: int
     hbm_bytes: int
-    hardware: str                      # sparrow_jax.cost_model hardware name
+    hardware: str                      # sparrow_jax.sparsity.cost_model hardware name
     chips_per_host_bounds: tuple[int, int, int] | None = None   # TPU host shape
     gpu: str = ""                      # "h100" | "h200": which target-config proto
 

@@ -47,17 +47,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax import cost_model, multihost
-from sparrow_jax.dryrun_programs import (Measured, StepShape, abstract_policy,
+from sparrow_jax.dryrun.programs import (Measured, StepShape, abstract_policy,
                                          abstract_trajectories, compile_program, decode_state,
                                          device_bytes, gib, join_program, learner_programs, place,
                                          paged_rollout_programs, rollout_programs, sds,
                                          step_shape)
-from sparrow_jax.dryrun_targets import (TARGETS, Target, get_target, target_devices,
+from sparrow_jax.dryrun.targets import (TARGETS, Target, get_target, target_devices,
                                         toolchain_name, toolchain_problem)
 from sparrow_jax.model.config import QWEN3_PRESETS, Qwen3Config, qwen3_preset
-from sparrow_jax.rollout import engine, page_pool
-from sparrow_jax.sharding import ShardingSpec, make_mesh
+from sparrow_jax.rollout import page_pool
+from sparrow_jax.rollout.config import padded_length
+from sparrow_jax.runtime import multihost
+from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
+from sparrow_jax.sparsity import cost_model
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
@@ -201,7 +203,7 @@ def cost_check(shape: StepShape, spec: ShardingSpec, probe: Measured | None) -> 
                                m.vocab_size, tuple(rc.dense_layers),
                                jnp.dtype(shape.compute_dtype).itemsize)
     rows = shape.rows_call / spec.mesh.shape["data"]
-    ctx = engine.padded_length(shape.prompt_len + rc.max_new_tokens, rc.block_size)
+    ctx = padded_length(shape.prompt_len + rc.max_new_tokens, rc.block_size)
     out = {"context": ctx, "rows_per_device": rows, "budget": rc.max_budget,
            "compiled_bytes": probe and probe.bytes_accessed, "compiled_flops": probe and probe.flops}
     for name, budget in (("sparse", rc.max_budget), ("dense", 1 << 30)):
@@ -360,7 +362,7 @@ def _depth(value: str) -> int:
     """--depth -> layers to compile at (0 = full depth); at least the dense layers + 1 sparse."""
     if value == "full":
         return 0
-    from sparrow_jax.rollout.engine import RolloutConfig
+    from sparrow_jax.rollout import RolloutConfig
     low = max(RolloutConfig().dense_layers, default=-1) + 2
     if not value.isdigit() or int(value) < low:
         raise SystemExit(f"sparrow dryrun: --depth must be 'full' or a number >= {low} (the dense "

@@ -1,7 +1,7 @@
 """Run-directory files beside orbax's manager: local paths or URIs, atomic text/JSON writes,
 JSON-safe checkpoint extras, abstract restore targets, pytree path names.
 
-`sparrow_jax.checkpoint` builds its orbax `CheckpointManager` on these (and re-exports them);
+`sparrow_jax.runtime.checkpoint` builds its orbax `CheckpointManager` on these (and re-exports them);
 the train loop, export, experiment and faults use them for the files next to the checkpoints.
 """
 

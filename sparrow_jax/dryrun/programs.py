@@ -1,8 +1,8 @@
 """The programs of one RL step as abstract calls, and their compilation for a dryrun target.
 
-`sparrow dryrun` (see `sparrow_jax.dryrun`) compiles what `Trainer.rl_step` runs, at production
+`sparrow dryrun` (see `sparrow_jax.dryrun.run`) compiles what `Trainer.rl_step` runs, at production
 shapes, with nothing materialised. This module is the one place that knows those programs'
-signatures: the rollout's `_prefill_program` / `_decode_program` (one call per sub-batch of
+signatures: the rollout's `prefill_program` / `decode_program` (one call per sub-batch of
 `TrainConfig.rollout_batch_prompts` prompts, on the compute-dtype param copy), the join of the
 sub-batches' trajectories, and the learner's `analyze_program` / `grads_program` /
 `apply_program` exactly as `Learner.step` calls them (f32 master params, AdamW state). Each
@@ -26,15 +26,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import dispatch
-from sparrow_jax.dryrun_targets import GiB, Target
-from sparrow_jax.kv_cache import CACHE_AXES, KVCache
+from sparrow_jax.dryrun.targets import GiB, Target
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rl import learner
 from sparrow_jax.rl import learner_programs as learner_programs_mod
 from sparrow_jax.rollout import batching, engine, page_pool, paged, scheduler
-from sparrow_jax.schedule import make_schedule
-from sparrow_jax.sharding import ShardingSpec, state_shardings
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache
+from sparrow_jax.rollout.state import Trajectories
+from sparrow_jax.runtime.sharding import ShardingSpec, state_shardings
+from sparrow_jax.sparsity.schedule import make_schedule
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class StepShape:
     rows_step: int                     # rollouts per RL step
     rows_call: int                     # rows per rollout program call
     prompt_len: int                    # prompt width (a bucket of DryrunConfig.prompt_length)
-    rollout: engine.RolloutConfig
+    rollout: RolloutConfig
     learner: learner.LearnerConfig
     replay: learner.SparseReplay
     num_bins: int
@@ -66,11 +68,11 @@ class StepShape:
 
 def step_shape(model: Qwen3Config, target: Target) -> StepShape:
     """Reads TrainConfig / RolloutConfig / LearnerConfig / the schedule as `Trainer` does."""
-    from sparrow_jax.controller import ControllerConfig
+    from sparrow_jax.sparsity.controller import ControllerConfig
     from sparrow_jax.train import TrainConfig
     tc = TrainConfig()
     sched, ctrl = make_schedule(), ControllerConfig()
-    rc = dataclasses.replace(engine.RolloutConfig(), mode=tc.rollout_mode)
+    rc = dataclasses.replace(RolloutConfig(), mode=tc.rollout_mode)
     if rc.mode == "sparse":   # the trainer narrows the gather width to the largest reachable budget
         top = max(max(sched.budgets), ctrl.max_budget if tc.adapt_schedule else 0)
         rc = dataclasses.replace(rc, max_budget=min(rc.max_budget,
@@ -117,10 +119,10 @@ def abstract_policy(shape: StepShape, spec: ShardingSpec):
     return (model, *placed)
 
 
-def abstract_trajectories(shape: StepShape, rows: int, spec: ShardingSpec) -> engine.Trajectories:
+def abstract_trajectories(shape: StepShape, rows: int, spec: ShardingSpec) -> Trajectories:
     """Trajectories [rows, ...] at the maximum lengths (the learner's bucket trim is a no-op)."""
     t, k, i32, f32 = shape.rollout.max_new_tokens, shape.rollout.record_topk, jnp.int32, jnp.float32
-    return engine.Trajectories(
+    return Trajectories(
         prompt_tokens=sds((rows, shape.prompt_len), i32, spec), prompt_lengths=sds((rows,), i32, spec),
         tokens=sds((rows, t), i32, spec), logprobs=sds((rows, t), f32, spec),
         topk_logprobs=sds((rows, t, k), f32, spec), topk_ids=sds((rows, t, k), i32, spec),
@@ -152,10 +154,10 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
     budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))
     traj = device_bytes(abstract_trajectories(shape, rows, spec))
     prompts = (sds((rows // n, shape.prompt_len), jnp.int32, spec), sds((rows // n,), jnp.int32, spec))
-    return [Program("rollout.prefill", engine._prefill_program, (graphdef, state, *prompts, rng),
+    return [Program("rollout.prefill", engine.prefill_program, (graphdef, state, *prompts, rng),
                     ("static", "state", "local", "local", "local"),
                     dict(cfg=rc, group_size=n, spec=spec), traj),
-            Program("rollout.decode", engine._decode_program, (graphdef, state, None, budgets),
+            Program("rollout.decode", engine.decode_program, (graphdef, state, None, budgets),
                     ("static", "state", "local", "local"),
                     dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
 

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sparrow_jax.schedule import DENSE_BUDGET, Schedule
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
 
 __all__ = ["pick_schedule", "write_heatmap"]
 
