@@ -5,10 +5,13 @@
 #   launch/local.sh sparrow <subcommand> ...   any CLI command inside the venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  SPARROW_LAUNCHER=local.sh
+  # shellcheck source=launch/lib.sh
+  . launch/lib.sh
+  PY=$(sparrow_find_python)      # Python >= 3.11 (PYTHON=... to choose), or one clear line
   echo "[local.sh] creating .venv with $($PY --version)"
-  $PY -m venv .venv
+  "$PY" -m venv .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
@@ -18,7 +21,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   # torch==2.13.0 first: it resolves to the local CPU wheel (no CUDA downloads).
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[test]"
+  python -m pip install -q -c launch/constraints.txt -e ".[test]"   # the tested jax (one place)
   touch "$stamp"
 fi
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
@@ -29,7 +32,10 @@ case "$job" in
   test)
     bash .ci/compile_env.sh
     set +e
-    python -m pytest "$@"
+    # Two workers, one test file per worker at a time (module fixtures stay shared): most tests
+    # keep one core busy (tracing, compiling, Python), so two of them fill a 2-core machine.
+    # SPARROW_TEST_WORKERS=0 runs in one process (e.g. with pdb).
+    python -m pytest -n "${SPARROW_TEST_WORKERS:-2}" --dist loadfile "$@"
     rc=$?
     # pytest exit 5 = no tests collected: that is a failure for us, never a silent pass.
     if [ $rc -eq 5 ]; then echo "[local.sh] pytest collected no tests: failing"; exit 1; fi

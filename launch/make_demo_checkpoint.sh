@@ -7,7 +7,8 @@
 #   4. whole sequences       : the "cycle label == K -> '='" stop decision
 set -euo pipefail
 cd "$(dirname "$0")/.."
-run() { launch/local.sh sparrow sft configs/sft_demo.gin "$@"; }
+# Each stage replaces checkpoints/demo_sft on purpose (sparrow sft refuses to, unless told).
+run() { launch/local.sh sparrow sft configs/sft_demo.gin --gin_param "SFTConfig.overwrite = True" "$@"; }
 out=checkpoints/demo_sft; tmp=$(mktemp -d)
 run --gin_param "SFTConfig.crop_start_fraction = 0.0"
 for stage in 2 3 4; do

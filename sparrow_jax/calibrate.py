@@ -317,7 +317,8 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
     bar = tqdm(total=len(grid) + int(cfg.noise_floor), desc="calibrate", unit="run")
     for b in grid:
         bar.set_postfix(budget=b)
-        data = _measure(model, learner, batches, rcfg, cfg, b, replay)
+        # alpha_mode "full" reads no top-k record: the sweep's rollouts record none.
+        data = _measure(model, learner, batches, rcfg.for_alpha_mode("full"), cfg, b, replay)
         per_budget.append(_summarize(data, cfg))
         lengths = data["lengths"]  # the largest budget's lengths, unless the dense run follows
         bar.update(1)

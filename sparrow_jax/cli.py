@@ -25,6 +25,8 @@ COMMANDS = {
     "dryrun": ("sparrow_jax.dryrun.run", "main", "compile one RL step for a TPU slice / GPU node: fits?"),
     "export": ("sparrow_jax.export", "main", "a training checkpoint -> Hugging Face directory"),
     "experiment": ("sparrow_jax.experiment", "main", "training arms side by side -> comparison"),
+    "data": ("sparrow_jax.data.check", "main", "data check FILE --model DIR: rows, reasons, a prompt"),
+    "doctor": ("sparrow_jax.doctor", "main", "kernels vs the XLA reference + a rollout, on this device"),
 }
 BENCHES = {
     "kernel": ("sparrow_jax.bench.kernels", "main", "dense vs block-sparse decode attention"),
@@ -142,6 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     func = getattr(importlib.import_module(module), fn)
     if getattr(args, "passthrough", False):
         return int(func(args.rest) or 0)
+    # Commands whose positionals are not all gin files (`sparrow data check FILE`) sort them.
+    split = getattr(importlib.import_module(module), "split_positionals", None)
+    if split is not None:
+        split(args)
     parse_gin(args.gin_files, args.gin_param)
     return int(func(args) or 0)
 

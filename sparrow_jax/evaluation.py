@@ -143,6 +143,14 @@ def summary_lines(first: dict[str, float], last: dict[str, float],
         if key in last:
             lines.append(f"held-out reward ({mode} decoding): {first.get(key, math.nan):.3f} "
                          f"-> {last[key]:.3f}")
+    for mode in modes:      # teacher-forced reference metrics (sparrow_jax.reference_eval)
+        key = f"eval_{mode}/ref_p_exact"
+        if key in last:
+            lines.append(f"held-out p(T=1 sample = reference) ({mode}): "
+                         f"{first.get(key, math.nan):.4f} -> {last[key]:.4f} (+- "
+                         f"{last.get(key + '_se', math.nan):.4f}); greedy reproduces it: "
+                         f"{first.get(f'eval_{mode}/ref_greedy', math.nan):.3f} -> "
+                         f"{last.get(f'eval_{mode}/ref_greedy', math.nan):.3f}")
     actor = modes[-1]
     if "eval_dense/tokens_per_s" in last and f"eval_{actor}/tokens_per_s" in last and (
             actor != "dense"):

@@ -216,6 +216,11 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
                            threshold=cfg.threshold, stem=cfg.report)
     print(md.read_text(), flush=True)
     log.info("wrote %s and %s", png, md)
+    # Arms named arm@seed: per-seed paired differences to dense (sparrow_jax.experiment_paired).
+    from sparrow_jax import experiment_paired
+    paired = experiment_paired.write_paired_report(out, results, stem=f"{cfg.report}_paired")
+    if paired is not None:
+        print(paired.read_text(), flush=True)
     return {"png": png, "md": md,
             "final": {n: final_values(r, int(eval_prompts)) for n, r in results.items()}}
 

@@ -1,7 +1,7 @@
 """`sparrow export`: the policy of a training checkpoint as a Hugging Face directory.
 
     sparrow export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16] [--model_path DIR]
-                   [--merge_lora]
+                   [--overwrite] [--merge_lora]
 
 Reads only the params item of `RUN_DIR/checkpoints/<step>` (latest step by default; the optimizer
 state is never loaded), in the dtype it was saved in (orbax metadata says which: f32 master
@@ -13,13 +13,17 @@ the sparse actor the run sampled with. It writes
     DIR/model*.safetensors       the trained weights (+ model.safetensors.index.json if sharded)
     DIR/tokenizer files          the base model's tokenizer, re-saved by transformers
     DIR/generation_config.json   the base model's, or eos/bos/pad synthesized from config.json
-    DIR/sparrow_export.json      provenance: run directory, step, stored and exported dtypes
+    DIR/sparrow_export.json      provenance: run directory, step, stored and exported dtypes,
+                                 the files written (what a later --overwrite may replace)
 
 The base model directory is `TrainConfig.model_path` of the run's operative gin config;
 `--model_path` replaces it when the run was trained elsewhere. RUN_DIR may be a URI (gs://...);
 the export is written to a local directory, assembled beside it and renamed into place, so an
 interrupted export never looks complete. A run that is still training can be exported: the
 checkpoint is opened read-only.
+
+DIR must be new, empty or an earlier export; it may not be, contain or lie inside RUN_DIR or the
+base model directory. `--overwrite` replaces an earlier export's own files and keeps the rest.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base model directory (config.json, tokenizer); default: "
                              "TrainConfig.model_path of the run's operative config")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty --out directory")
+                        help="replace an earlier export in --out (only the files it wrote)")
     parser.add_argument("--merge_lora", action="store_true",
                         help="merge the run's DistillSparse adapter into the weights (the sparse "
                              "actor); default: the dense policy alone")
@@ -188,12 +192,20 @@ def _abstract_params(mngr: ckpt.CheckpointManager, step: int, model_dir: Path):
 
 # -- writing ---------------------------------------------------------------------------------------
 def _check_out(out: Path, overwrite: bool) -> None:
+    """`out` must be new, empty, or an earlier export (its PROVENANCE_FILE) with --overwrite:
+    export never deletes what it did not write."""
     if ckpt.is_uri(str(out)):
         raise ExportError(f"--out {out} must be a local directory (copy it to a bucket afterwards)")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out} is not empty; choose a new directory or pass --overwrite")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / PROVENANCE_FILE).is_file():
+            raise ExportError(f"--out {out} is not empty and is not an earlier `sparrow export` "
+                              f"(no {PROVENANCE_FILE}): choose a new directory (--overwrite "
+                              f"replaces only an earlier export)")
+        if not overwrite:
+            raise ExportError(f"--out {out} is not empty (an earlier export); choose a new "
+                              f"directory or pass --overwrite to replace it")
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -201,6 +213,61 @@ def _check_out(out: Path, overwrite: bool) -> None:
         probe.close()
     except OSError as e:
         raise ExportError(f"--out {out} is not writable ({e.strerror or e})") from None
+
+
+def _check_apart(out: Path, what: str, path: str | os.PathLike) -> None:
+    """Refuses an `out` that is, contains or lies inside `path` (the run directory or the base
+    model): replacing it would delete checkpoints, metrics or the model itself."""
+    if ckpt.is_uri(os.fspath(path)):
+        return
+    other = Path(os.path.realpath(os.fspath(path)))
+    where = ("is" if out == other else "is inside" if other in out.parents
+             else "contains" if out in other.parents else None)
+    if where:
+        raise ExportError(f"--out {out} {where} the {what} {other}: export writes only into a "
+                          f"new directory or an earlier export; choose another --out")
+
+
+def _earlier_export_files(out: Path, now: set[str]) -> set[str]:
+    """Names an earlier export in `out` wrote (its provenance lists them; exports from before
+    that list: the names this export writes and the weight files)."""
+    try:
+        listed = json.loads((out / PROVENANCE_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if isinstance(listed, list):
+        return {str(n) for n in listed}
+    return now | {p.name for p in out.iterdir()
+                  if p.name.startswith("model") and ".safetensors" in p.name}
+
+
+def _replace_export(staging: Path, out: Path) -> None:
+    """Puts `staging` in place of `out`. Files of `out` an earlier export did not write (a
+    README added by hand) are kept: hard-linked (or copied) into `staging` first. Then two
+    renames, so `out` is never a half-written directory."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    now = {p.name for p in staging.iterdir()}
+    ours = _earlier_export_files(out, now)
+    for p in out.iterdir():
+        if p.name in ours or p.name in now:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.copytree(p, staging / p.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(p, staging / p.name)
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.replaced-"))
+    os.replace(out, old / out.name)
+    os.replace(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def _generation_config(model_dir: Path, hf_config: dict[str, Any],
@@ -247,7 +314,9 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     run = ckpt.resolve_run_dir(run_dir)
-    out = Path(os.path.abspath(os.fspath(out)))
+    # realpath: a symlink must not smuggle the run or the model in as the target.
+    out = Path(os.path.realpath(os.path.abspath(os.fspath(out))))
+    _check_apart(out, "run directory", run)
     _check_out(out, overwrite)
     if not ckpt.is_uri(str(run)) and not run.is_dir():
         raise ExportError(f"run directory {run} does not exist")
@@ -264,6 +333,7 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         elif step not in steps:
             raise ExportError(f"step {step} is not a checkpoint of {run}; available steps: {steps}")
         model_dir = _model_dir(mngr, step, str(model_path) if model_path else None)
+        _check_apart(out, "base model directory", model_dir)
         graphdef, abstract, stored_dtype = _abstract_params(mngr, step, model_dir)
         log.info("exporting %s step %d (params stored as %s) with base model %s", run, step,
                  stored_dtype, model_dir)
@@ -287,13 +357,13 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         gen = _generation_config(model_dir, hf_config, tokenizer)
         (staging / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+        # `files`: what a later --overwrite may replace (and nothing else).
+        files = sorted({p.name for p in staging.iterdir()} | {PROVENANCE_FILE})
         (staging / PROVENANCE_FILE).write_text(json.dumps(
             {"run_dir": str(run), "step": step, "stored_dtype": stored_dtype, "dtype": dtype,
              "base_model": str(model_dir), "num_params": num_params,
-             "merged_lora": lora_info}, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)  # empty, or --overwrite (checked above)
-        os.replace(staging, out)
+             "merged_lora": lora_info, "files": files}, indent=2) + "\n")
+        _replace_export(staging, out)   # empty, or an earlier export + --overwrite (checked)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -29,6 +29,7 @@ import pallas_kernels
 from sparrow_jax.model import stop_token_ids
 from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
 from sparrow_jax.rollout.config import padded_length
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +114,12 @@ def rollout_config(args: argparse.Namespace, schedule, stop_ids: tuple[int, ...]
     if schedule.block_size != cfg.block_size:
         raise RolloutError(f"schedule block_size {schedule.block_size} != RolloutConfig.block_size "
                            f"{cfg.block_size}")
-    if budgets.max() > cfg.max_budget:
+    finite = budgets[budgets < DENSE_BUDGET]     # the dense rung is always allowed
+    if finite.size and finite.max() > cfg.max_budget:
         raise RolloutError(
-            f"schedule {schedule.name or ''} budget {int(budgets.max())} exceeds "
+            f"schedule {schedule.name or ''} budget {int(finite.max())} exceeds "
             f"RolloutConfig.max_budget={cfg.max_budget} (the static selection width); pass "
-            f"--gin_param 'RolloutConfig.max_budget = {int(budgets.max())}' or a smaller schedule")
+            f"--gin_param 'RolloutConfig.max_budget = {int(finite.max())}' or a smaller schedule")
     last_bin = min(max_context // schedule.bin_size, len(budgets) - 1)
     reach = int(budgets[: last_bin + 1].max())
     # Bins beyond reach are never looked up; clipping them keeps the engine's width check exact.

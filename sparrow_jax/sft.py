@@ -10,7 +10,6 @@ tokenizer) that `load_hf` and transformers both read.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from pathlib import Path
@@ -34,6 +33,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
     output_dir: str = "checkpoints/demo_sft"
+    overwrite: bool = False           # replace an existing, non-empty output_dir (the default
+                                      # output_dir is the shipped demo checkpoint)
     init_from: str = ""               # continue from an existing HF directory ("" = random init)
     seed: int = 0
     # Model (~0.8M params): 4 layers so layers 2-3 are sparse (0 and 1 always stay dense).
@@ -142,7 +143,23 @@ def greedy_exact(model: Qwen3ForCausalLM, tokenizer, problems, max_new_tokens: i
     return float(np.mean(solved))
 
 
+def check_output_dir(cfg: SFTConfig) -> None:
+    """FileExistsError unless `output_dir` is new or empty, or `overwrite` is set: checked
+    before training, so that minutes of training do not end by replacing a model."""
+    out = Path(cfg.output_dir)
+    if cfg.overwrite or not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"SFTConfig.output_dir {str(out)!r} exists and is not a directory")
+    if any(out.iterdir()):
+        raise FileExistsError(
+            f"SFTConfig.output_dir {str(out)!r} already holds a model; choose a new directory "
+            f"(--gin_param \"SFTConfig.output_dir = 'DIR'\") or replace it with "
+            f"--gin_param 'SFTConfig.overwrite = True'")
+
+
 def run_sft(cfg: SFTConfig) -> Path:
+    check_output_dir(cfg)
     if cfg.init_from:
         from sparrow_jax.model import load_hf, load_tokenizer
         tokenizer, model = load_tokenizer(cfg.init_from), load_hf(cfg.init_from, dtype=jnp.float32)
@@ -197,6 +214,9 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     del args
-    out = run_sft(SFTConfig())
+    try:
+        out = run_sft(SFTConfig())
+    except FileExistsError as e:
+        raise SystemExit(f"sparrow sft: {e}") from None
     print(f"warm-up checkpoint written to {out}: {(out / 'sft_summary.txt').read_text().strip()}")
     return 0

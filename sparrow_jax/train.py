@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import sys
 import time
 
 import gin
@@ -25,8 +26,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from sparrow_jax import evaluation
+from sparrow_jax import evaluation, preflight, reference_eval, schedule_step
 from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
+from sparrow_jax.data import check as data_check
 from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
 from sparrow_jax.model import compute_copy, load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.rl.distill import DistillConfig, Distiller
@@ -35,13 +37,14 @@ from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.runtime import checkpoint as ckpt
-from sparrow_jax.runtime import config_check, faults, multihost
+from sparrow_jax.runtime import compile_cache
+from sparrow_jax.runtime import config_check, faults, multihost, resume_check, run_lock
 from sparrow_jax.runtime.metrics import MetricsWriter, StepTimer, gin_config_markdown
 from sparrow_jax.runtime.shapes import default_buckets
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 from sparrow_jax.sparsity import mismatch
 from sparrow_jax.sparsity.controller import ControllerConfig, ScheduleController
-from sparrow_jax.sparsity.schedule import make_schedule
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, make_schedule
 from sparrow_jax.train_config import TrainConfig, gin_value
 
 __all__ = ["TrainConfig", "Trainer", "train", "main"]
@@ -91,6 +94,7 @@ class Trainer:
                  mcfg.max_position_embeddings)
         self.data = make_prompt_iterator(cfg.train_data, tok, batch_size=cfg.prompts_per_step,
                                          seed=cfg.seed, max_prompt_len=capacity)
+        data_check.log_first_prompt(self.data.first_record, cfg.reward)  # what the model sees
         self.eval_batch = None
         if cfg.eval_data:
             ds = PromptDataset.from_files(cfg.eval_data, tok, max_prompt_len=capacity)
@@ -104,15 +108,25 @@ class Trainer:
         self.rollout_cfg = RolloutConfig(stop_token_ids=stops, pad_token_id=tok.pad_token_id or 0)
         self.rollout_cfg = dataclasses.replace(self.rollout_cfg, mode=cfg.rollout_mode)
         schedule = make_schedule()
-        ctrl_cfg = ControllerConfig()
-        self.controller = ScheduleController(schedule, ctrl_cfg)
+        # The controller targets the same tail quantile the trainer reports (q in P(a < t) <= q).
+        ctrl_cfg = dataclasses.replace(ControllerConfig(), quantile=cfg.tail_quantile)
         rc = self.rollout_cfg
         if rc.mode == "sparse":
-            top = max(max(schedule.budgets), ctrl_cfg.max_budget if cfg.adapt_schedule else 0)
-            if top > rc.max_budget:
-                raise ValueError(f"schedule/controller budgets reach {top} tokens but "
-                                 f"RolloutConfig.max_budget = {rc.max_budget}: raise max_budget "
-                                 "or lower ControllerConfig.max_budget")
+            # Finite budgets must fit the static selection width; DENSE_BUDGET (the dense rung
+            # that ends every controller ladder) is always reachable: rows whose budget covers
+            # their length take the rollout's dense path.
+            finite = [b for b in schedule.budgets if b < DENSE_BUDGET]
+            if finite and max(finite) > rc.max_budget:
+                raise ValueError(f"schedule budgets reach {max(finite)} tokens but "
+                                 f"RolloutConfig.max_budget = {rc.max_budget} (the selection "
+                                 "width): raise max_budget")
+            if cfg.adapt_schedule and ctrl_cfg.max_budget > rc.max_budget:
+                log.info("controller: finite rungs capped at the selection width %d (from "
+                         "ControllerConfig.max_budget %d); above them, the dense rung",
+                         rc.max_budget, ctrl_cfg.max_budget)
+                ctrl_cfg = dataclasses.replace(ctrl_cfg, max_budget=rc.max_budget,
+                                               min_budget=min(ctrl_cfg.min_budget, rc.max_budget))
+            top = max(finite + [ctrl_cfg.max_budget if cfg.adapt_schedule else 0])
             # max_budget is the static gather width: a wider one only gathers padding (measured:
             # at 8K context a 1K budget under a 4K width cost more than dense attention).
             top = -(-top // rc.block_size) * rc.block_size
@@ -120,15 +134,28 @@ class Trainer:
                 log.info("selection width: max_budget %d -> %d (largest reachable budget)",
                          rc.max_budget, top)
                 self.rollout_cfg = rc = dataclasses.replace(rc, max_budget=top)
+        self.controller = ScheduleController(schedule, ctrl_cfg)
         self.replay = SparseReplay(bin_size=schedule.bin_size,
                                    max_selected=rc.max_budget // rc.block_size,
                                    block_size=rc.block_size, dense_layers=tuple(rc.dense_layers),
                                    mode="compress" if rc.mode == "compress" else "sparse")
         # Held-out evaluation: the dense policy, and the actor as training samples it.
         self.eval_modes = ("dense", "compress" if rc.mode == "compress" else "sparse")
+        # Teacher-forced reference evaluation (exact p(T=1 sample = reference), greedy
+        # reproduction; sparrow_jax.reference_eval), when ReferenceEvalConfig.data is set.
+        self.reference = None
+        ref_cfg = reference_eval.ReferenceEvalConfig()
+        if ref_cfg.data:
+            records = PromptDataset.from_files(ref_cfg.data, tok, max_prompt_len=capacity).records
+            self.reference = reference_eval.ReferenceEvaluator(
+                ref_cfg, records, tok, block_size=rc.block_size,
+                rows_path=str(self.run_dir / "eval_reference.jsonl")
+                if "://" not in str(cfg.run_dir) else None)
         learner_cfg = LearnerConfig()
         if rc.mode == "dense" and learner_cfg.alpha_mode == "full":
             learner_cfg = dataclasses.replace(learner_cfg, alpha_mode="none")
+        # The vocabulary top-k is recorded per token only when the learner's alpha reads it.
+        self.rollout_cfg = rc = self.rollout_cfg.for_alpha_mode(learner_cfg.alpha_mode)
         self.length_buckets = learner_cfg.length_buckets or default_buckets(
             rc.max_new_tokens, multiple=rc.block_size)
         # The learner's policy is the rollout's sampling distribution (temperature, truncation).
@@ -146,12 +173,13 @@ class Trainer:
         self.diagnostics = {n: RewardPool(n, processes=0) for n in cfg.diagnostic_rewards}
         self.ckpt = ckpt.CheckpointManager(self.run_dir, max_to_keep=cfg.max_to_keep,
                                            save_interval_steps=cfg.checkpoint_every,
-                                           catch_sigterm=True)
+                                           catch_sigterm=True, catch_sigint=True)
         self.writer = MetricsWriter(self.run_dir)
         self.step = 0
         self.guard = faults.NonFiniteGuard(cfg.max_consecutive_skips)
         self.operative = gin.operative_config_str()
-        ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
+        if self.ckpt.latest_step() is None:   # fresh: a resume writes it once the step fits
+            ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
 
     def rollout_model(self):
         """The policy in the compute dtype for rollout and evaluation: cast once per RL step
@@ -189,11 +217,24 @@ class Trainer:
                                 extra.get(faults.CHECKSUM_KEY))
         return params, opt_state, extra
 
+    def _incompatible(self, step: int) -> str | None:
+        """A configuration error when ``step``'s arrays do not fit this configuration (a
+        changed setting, not damage: nothing is moved); None otherwise."""
+        differences = resume_check.structure_differences(
+            self.ckpt, step, {"params": self.learner.params, "opt_state": self.learner.opt_state})
+        if not differences:        # matching, or unreadable metadata: damage
+            return None
+        return resume_check.config_change_message(self.ckpt, step, differences, self.operative)
+
     def maybe_resume(self) -> None:
         # The newest step that restores and matches its fingerprints; damaged newer steps are
-        # reported and set aside (sparrow_jax.runtime.faults).
-        found = faults.restore_newest_good(self.ckpt, self._restore_step)
+        # reported and set aside, a step of another configuration is a configuration error
+        # (sparrow_jax.runtime.faults, sparrow_jax.runtime.resume_check).
+        found = faults.restore_newest_good(self.ckpt, self._restore_step, self._incompatible)
         if found is None:
+            refused = resume_check.check_fresh_start(str(self.run_dir), self.writer.local_dir)
+            if refused:
+                raise faults.RunError(refused)
             self.writer.truncate_after(None)  # no checkpoint: whatever was logged is redone
             return
         latest, (params, opt_state, extra) = found
@@ -254,6 +295,7 @@ class Trainer:
                 """The adapter's update after each base optimizer step (base frozen)."""
                 with timer("distill"):
                     return self.distiller.update(mini_batch, index, num_mini, budgets)
+            probe = self._probe(traj, actor)       # before the update: the sampling policy
             # The alpha replay runs the actor that sampled (merged adapter, if any).
             analysis, loss_metrics = self.learner.step(
                 traj, self.learner.advantages(rows), budgets, self.replay,
@@ -284,10 +326,29 @@ class Trainer:
             # A skipped (non-finite) update's tails are not evidence about the policy.
             if (cfg.adapt_schedule and cfg.rollout_mode == "sparse"
                     and not loss_metrics.get("learner/skipped_updates")):
-                m["schedule/num_changed"] = self.controller.update(tail, counts)["num_changed"]
-        for b, budget in enumerate(self.controller.schedule.budgets):
-            m[f"budget/bin_{b:02d}"] = float(budget)
+                live = schedule_step.counts(self.controller, analysis["alpha"], traj, n)
+                replayed = (None, None) if probe is None else schedule_step.counts(
+                    self.controller, probe, traj, n)
+                info = self.controller.update(*live, *replayed)
+                m.update(schedule_step.step_metrics(info, self.controller.config.quantile))
+        if cfg.rollout_mode == "sparse":
+            m["schedule/kv_fraction"] = schedule_step.kv_fraction(traj.budgets,
+                                                                  traj.cached_lengths, traj.mask)
+        m.update(schedule_step.budget_metrics(self.controller.schedule))
         return m
+
+    def _probe(self, traj, actor):
+        """alpha [B, T] of the batch replayed teacher-forced at the controller's probe budgets
+        (one rung lower in the bins being considered), or None: no bin is considered, or no
+        full-vocabulary alpha (lowering then never happens)."""
+        if not (self.cfg.adapt_schedule and self.rollout_cfg.mode == "sparse"
+                and self.learner.cfg.alpha_mode == "full"):
+            return None
+        budgets = self.controller.replay_budgets()
+        if budgets is None:
+            return None
+        return self.learner.analyze(traj, budgets.astype(np.int32), self.replay,
+                                    sparse_model=actor if self.distiller else None)["alpha"]
 
     def evaluate(self) -> dict[str, float]:
         if self.eval_batch is None:
@@ -305,12 +366,20 @@ class Trainer:
                                     budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
                                     rng=rng, spec=self.spec, diagnostics=self.diagnostics)
             out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
+            if self.reference is not None and mode in ("dense", "sparse"):
+                rc = self.rollout_cfg
+                r = self.reference(model, mode, self.step, budgets=np.asarray(sched.budgets),
+                                   bin_size=sched.bin_size, max_budget=rc.max_budget,
+                                   block_size=rc.block_size, dense_layers=tuple(rc.dense_layers))
+                out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
         return out
 
     # -- loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
         cfg = self.cfg
         self.maybe_resume()
+        # Only once the checkpoint fits: a refused resume leaves the run's record as it was.
+        ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
         # After the resume: a fresh start's TensorBoard "restart" marker would hide it.
         self.writer.text(0, "config/operative_gin", gin_config_markdown(self.operative))
         timer = StepTimer()
@@ -347,14 +416,17 @@ class Trainer:
                 raise faults.RunError(self.guard.stop_message(self.step,
                                                               self.ckpt.step_dir(self.step)))
             if preempted:
-                log.warning("preemption requested: saved step %d and stopping", self.step)
+                log.warning("%s: saved step %d and stopping", self.ckpt.stop_reason, self.step)
                 break
         bar.close()
         self.close()
         return self.report(history)
 
     def report(self, history: dict) -> dict[str, float]:
-        first, last = history.get("first", {}), history.get("last", {})
+        # A resumed (or already finished) run keeps the evaluations of earlier processes.
+        earlier = resume_check.read_summary(self.run_dir)
+        first = history.get("first") or earlier.get("first", {})
+        last = history.get("last") or earlier.get("last", {})
         lines, last = evaluation.summary_lines(first, last, self.eval_modes)
         lines = [f"run directory: {self.run_dir}", *lines,
                  f"final schedule (tokens per bin): {list(self.controller.schedule.budgets)}"]
@@ -371,6 +443,9 @@ class Trainer:
 
 
 def train(cfg: TrainConfig | None = None) -> dict[str, float]:
+    # Every setting and what it names (model, tokenizer, data, rewards), all problems in one
+    # error (not TrainConfig's first), before anything heavy loads.
+    preflight.check_train(cfg)
     cfg = cfg or TrainConfig()
     if cfg.distributed:
         if cfg.coordinator_address:
@@ -379,7 +454,17 @@ def train(cfg: TrainConfig | None = None) -> dict[str, float]:
         else:
             jax.distributed.initialize()  # cluster auto-detection (TPU pod, SLURM, Open MPI, k8s)
         log.info("process %d of %d", jax.process_index(), jax.process_count())
-    trainer = Trainer(cfg)
+    compile_cache.configure(cfg.compile_cache_dir)   # before the first compile; logs each one
+    faults.check_run_dir_writable(ckpt.resolve_run_dir(cfg.run_dir))
+    # One trainer per run directory (process 0 holds the lock for the run's processes).
+    lock = run_lock.RunLock(ckpt.resolve_run_dir(cfg.run_dir))
+    if jax.process_index() == 0:
+        lock.acquire()
+    try:
+        trainer = Trainer(cfg)
+    except BaseException:
+        lock.release()
+        raise
     try:
         return trainer.run()
     except BaseException as e:
@@ -395,6 +480,8 @@ def train(cfg: TrainConfig | None = None) -> dict[str, float]:
                 f"{trainer.ckpt.all_steps()}); free space and re-run the same command to "
                 f"resume.") from e
         raise
+    finally:
+        lock.release()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -417,5 +504,10 @@ def main(args: argparse.Namespace) -> int:
         log.debug("sparrow train stopped", exc_info=True)
         message = str(e) if isinstance(e, faults.RunError) else f"{type(e).__name__}: {e}"
         raise SystemExit(f"sparrow train: {message}") from None
+    except KeyboardInterrupt:   # Ctrl-C before the loop (loading, compiling): nothing to save
+        log.debug("interrupted", exc_info=True)
+        print("sparrow train: interrupted (Ctrl-C) outside the training loop; the run's "
+              "checkpoints are as they were", file=sys.stderr)
+        return 130
     log.debug("done: %s", json.dumps({k: round(v, 4) for k, v in result.items()}))
     return 0

@@ -15,8 +15,10 @@ ROLLOUT_MODES = ("sparse", "dense", "compress")
 class TrainConfig:
     run_dir: str = "runs/default"
     model_path: str = ""              # local Hugging Face directory (weights + tokenizer)
-    train_data: str = ""              # JSONL / Parquet prompts with answers
-    eval_data: str = ""               # held-out prompts ("" = no validation)
+    # JSONL / Parquet prompts with answers: a file, directory, glob or a list of them
+    # (sparrow_jax.data.rows.expand_paths)
+    train_data: str | tuple[str, ...] = ""
+    eval_data: str | tuple[str, ...] = ""   # held-out prompts ("" = no validation)
     reward: str = "math_verify"       # name in the reward registry (sparrow_jax.rl.rewards)
     diagnostic_rewards: tuple[str, ...] = ()
     reward_processes: int = 4         # 0 = score in-process (cheap rewards)
@@ -50,36 +52,75 @@ class TrainConfig:
     # A step whose loss or gradient is not finite skips its update (parameters and optimizer
     # state untouched); after this many in a row the run saves and stops (0 = never stops).
     max_consecutive_skips: int = 5
+    # Persistent XLA compilation cache (sparrow_jax.runtime.compile_cache): "auto" = jax's own
+    # JAX_COMPILATION_CACHE_DIR if set, else on for GPU/TPU in ~/.cache/sparrow-jax/xla (or
+    # $SPARROW_COMPILE_CACHE) and off on CPU; a directory = on there (any platform); "" = off.
+    compile_cache_dir: str = "auto"
 
     def __post_init__(self):
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems, "TrainConfig")
+
+    def problems(self) -> list[str]:
+        """Every setting that cannot work, each named with its value (one error lists all)."""
+        out = []
         missing = [f for f in ("model_path", "train_data") if not getattr(self, f)]
         if missing:
-            raise ValueError(f"TrainConfig: set {missing} (e.g. --gin_param "
-                             f"'TrainConfig.{missing[0]} = \"...\"')")
+            out.append(f"set {missing} (e.g. --gin_param 'TrainConfig.{missing[0]} = \"...\"')")
+        if not str(self.run_dir).strip():
+            out.append("TrainConfig.run_dir is empty: name the run's directory (an empty one "
+                       "would train into the current directory)")
         if self.rollout_mode not in ROLLOUT_MODES:
-            raise ValueError(f"TrainConfig.rollout_mode must be one of {ROLLOUT_MODES}, got "
-                             f"{self.rollout_mode!r}")
+            out.append(f"TrainConfig.rollout_mode must be one of {ROLLOUT_MODES}, got "
+                       f"{self.rollout_mode!r}")
+        # Counts and cadences where 0 (or less) means nothing: caught here instead of as a
+        # ZeroDivisionError after a full RL step, a "disk full" or a silent no-op.
+        for name in ("total_steps", "eval_every", "checkpoint_every", "max_to_keep",
+                     "prompts_per_step", "mesh_model", "eval_prompts"):
+            value = getattr(self, name)
+            if value < 1:
+                why = (" (0 would keep no checkpoint: the run could neither resume nor be "
+                       "exported)" if name == "max_to_keep" else "")
+                out.append(f"TrainConfig.{name} must be >= 1, got {value}{why}")
+        for name in ("reward_processes", "max_consecutive_skips"):
+            if getattr(self, name) < 0:
+                out.append(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.reward_timeout_s > 0:
+            out.append(f"TrainConfig.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        if not 0 < self.tail_quantile < 1:
+            out.append(f"TrainConfig.tail_quantile must be in (0, 1), got {self.tail_quantile}")
         explicit = (bool(self.coordinator_address), self.num_processes > 0, self.process_id >= 0)
         if any(explicit) and not all(explicit):
-            raise ValueError("TrainConfig: set coordinator_address, num_processes and process_id "
-                             "together (or none of them, for cluster auto-detection)")
+            out.append("set TrainConfig.coordinator_address, num_processes and process_id "
+                       "together (or none of them, for cluster auto-detection)")
         if all(explicit) and not self.distributed:
-            raise ValueError("TrainConfig: coordinator_address/num_processes/process_id need "
-                             "distributed = True")
+            out.append("TrainConfig.coordinator_address/num_processes/process_id need "
+                       "distributed = True")
         if self.group_size < 2:
-            raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
+            out.append(f"GRPO needs group_size >= 2, got {self.group_size}")
         if self.rollout_batch_prompts < 0 or (
-                self.rollout_batch_prompts and self.prompts_per_step % self.rollout_batch_prompts):
-            raise ValueError(f"TrainConfig.rollout_batch_prompts={self.rollout_batch_prompts} "
-                             f"must divide prompts_per_step={self.prompts_per_step}")
+                self.rollout_batch_prompts > 0 and self.prompts_per_step > 0
+                and self.prompts_per_step % self.rollout_batch_prompts):
+            out.append(f"TrainConfig.rollout_batch_prompts={self.rollout_batch_prompts} must "
+                       f"divide prompts_per_step={self.prompts_per_step}")
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if value != "auto" or name == "param_dtype":
                 try:
                     jnp.dtype(value)
                 except TypeError:
-                    raise ValueError(f"TrainConfig.{name} = {value!r} is not a dtype name "
-                                     "(float32, bfloat16, ...)") from None
+                    out.append(f"TrainConfig.{name} = {value!r} is not a dtype name (float32, "
+                               f"bfloat16, ...)")
+        return out
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work, all of them in one message (``problems`` lists them)."""
+
+    def __init__(self, problems: list[str], what: str = "configuration"):
+        self.problems = list(problems)
+        super().__init__(f"{what}: " + "; ".join(self.problems))
 
 
 def gin_value(name: str):

@@ -5,6 +5,28 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
+
+def _shared_compilation_cache() -> None:
+    """One persistent XLA compilation cache for the whole test session: every test module (jax's
+    in-memory caches are cleared between modules, below), every pytest-xdist worker and every
+    `sparrow train` subprocess the tests start compile the same tiny-model programs again and
+    again. Set before jax is imported; subprocesses and xdist workers inherit it through the
+    environment. SPARROW_TEST_XLA_CACHE=0 turns it off (e.g. to time cold compiles)."""
+    if os.environ.get("SPARROW_TEST_XLA_CACHE", "1") == "0" or os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR"):
+        return
+    import atexit
+    import shutil
+    import tempfile
+    cache = tempfile.mkdtemp(prefix="sparrow-test-xla-cache-")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    # Tiny programs compile in well under jax's default 1 s threshold; cache them all.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+_shared_compilation_cache()
+
 import gin  # noqa: E402
 import pytest  # noqa: E402
 

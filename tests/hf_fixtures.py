@@ -59,3 +59,91 @@ def make_tiny_synthetic_model(path: Path, *, hidden=32, intermediate=64, layers=
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     save_hf(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)), path, tokenizer=tok)
     return path
+
+
+# -- tiny `sparrow train` runs ------------------------------------------------------------------
+# The settings every tiny training test shares: a 3-layer random model with the synthetic
+# tokenizer, 2 prompts x 2 samples per step, 40-token generations in 16-token length bins, the
+# XLA kernels. Values are gin literals; a test overrides or adds bindings by name.
+TINY_TRAIN = {
+    "TrainConfig.reward": "'synthetic_exact'",
+    "TrainConfig.reward_processes": "0",
+    "TrainConfig.prompts_per_step": "2",
+    "TrainConfig.group_size": "2",
+    "TrainConfig.checkpoint_every": "2",
+    "RolloutConfig.max_new_tokens": "40",
+    "RolloutConfig.max_budget": "64",
+    "RolloutConfig.backend": "'xla'",
+    "make_schedule.budgets": str([48] * 20),
+    "make_schedule.bin_size": "16",
+    "ControllerConfig.min_budget": "48",
+    "ControllerConfig.max_budget": "64",
+    "LearnerConfig.learning_rate": "1e-3",
+}
+
+
+def make_tiny_run(root: Path, *, train_rows: int = 16, eval_rows: int = 4) -> Path:
+    """root/model (random tiny Qwen3), root/train.jsonl and root/eval.jsonl (1-cycle synthetic
+    tasks over 4 letters: ~40-token scratchpads); returns root."""
+    from sparrow_jax.data import synthetic
+
+    make_tiny_synthetic_model(root / "model")
+    synthetic.write_jsonl(str(root / "train.jsonl"), train_rows, seed=0, k_range=(1, 1),
+                          num_letters=4)
+    if eval_rows:
+        synthetic.write_jsonl(str(root / "eval.jsonl"), eval_rows, seed=1, k_range=(1, 1),
+                              num_letters=4)
+    return root
+
+
+def tiny_train_bindings(root: Path, run: str | None = "run", steps: int | None = None,
+                        **overrides: str) -> dict[str, str]:
+    """TINY_TRAIN + the paths of `make_tiny_run(root)` (+ run_dir root/run, total_steps) +
+    overrides given as `Config__field="gin literal"` (or None to drop a binding)."""
+    binds = {"TrainConfig.model_path": repr(str(root / "model")),
+             "TrainConfig.train_data": repr(str(root / "train.jsonl")), **TINY_TRAIN}
+    if run is not None:
+        binds["TrainConfig.run_dir"] = repr(str(root / run))
+    if steps is not None:
+        binds["TrainConfig.total_steps"] = str(steps)
+    for key, value in overrides.items():
+        name = key.replace("__", ".")
+        if value is None:
+            binds.pop(name, None)
+        else:
+            binds[name] = value
+    return binds
+
+
+def gin_argv(bindings: dict[str, str], extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """`--gin_param 'k = v'` pairs for the `sparrow` CLI; `extra` are whole bindings."""
+    out: list[str] = []
+    for binding in [f"{k} = {v}" for k, v in bindings.items()] + list(extra):
+        out += ["--gin_param", binding]
+    return out
+
+
+def gin_text(bindings: dict[str, str]) -> str:
+    """The same bindings as a gin file."""
+    return "".join(f"{k} = {v}\n" for k, v in bindings.items())
+
+
+# -- several CPU devices -----------------------------------------------------------------------
+def run_on_cpu_devices(args: list[str], *, devices: int = 8, timeout: float = 900,
+                       cwd: str | None = None, env: dict[str, str] | None = None
+                       ) -> list[dict]:
+    """Runs `python ARGS` in a subprocess with `devices` host CPU devices (XLA_FLAGS must be set
+    before jax is first imported, and this test process already imported jax with one device).
+    Fails the test with the output tail on a non-zero exit; returns the JSON lines it printed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    full_env = {**os.environ, "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, (f"{' '.join(args)} failed on {devices} CPU devices:\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

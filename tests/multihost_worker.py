@@ -59,7 +59,7 @@ def train(root: Path, pid: int, nproc: int, port: int, params: list[str]) -> Non
 # A worker normally finishes in about a minute. If the processes ever deadlock (e.g. in a
 # cross-process collective), print every thread's stack to the log and exit, so the test fails
 # with that diagnosis (in its message) instead of waiting out the launcher's timeout.
-HANG_SECONDS = 300
+HANG_SECONDS = 600
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)

@@ -5,15 +5,13 @@ logprobs; groups + stop tokens; 8-device sharded == unsharded."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
 
-from hf_fixtures import make_tiny_qwen3
+from hf_fixtures import make_tiny_qwen3, run_on_cpu_devices
 from sparrow_jax.model import load_hf
 from sparrow_jax.rollout import RolloutConfig, generate, start
 from sparrow_jax.rollout import compress
@@ -209,12 +207,7 @@ def test_config_errors():
 
 
 def test_sharded_equals_unsharded(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "compression_sharded_check.py"),
-                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, f"sharded check failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = run_on_cpu_devices([os.path.join(HERE, "compression_sharded_check.py"), str(tmp_path)])
     assert len(rows) == 2
     for r in rows:
         assert r["tokens_equal"] and r["budgets_equal"] and r["evicted_equal"], r

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_fixtures import make_tiny_qwen3, make_tiny_synthetic_model
+from hf_fixtures import gin_argv, make_tiny_qwen3, make_tiny_run, tiny_train_bindings
 from sparrow_jax import cli
-from sparrow_jax.data import synthetic
 from sparrow_jax.export import export
 from sparrow_jax.model import load_hf
 from sparrow_jax.rl import distill
@@ -231,35 +230,14 @@ def test_checkpoint_round_trip(ckpt_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def train_setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distill_train")
-    make_tiny_synthetic_model(root / "model")
-    synthetic.write_jsonl(str(root / "train.jsonl"), 16, seed=0, k_range=(1, 1), num_letters=4)
-    return root
+    return make_tiny_run(tmp_path_factory.mktemp("distill_train"), eval_rows=0)
 
 
 def _train(root, steps):
     gin.clear_config()
-    argv = ["train",
-            "--gin_param", f"TrainConfig.run_dir = '{root / 'run'}'",
-            "--gin_param", f"TrainConfig.model_path = '{root / 'model'}'",
-            "--gin_param", f"TrainConfig.train_data = '{root / 'train.jsonl'}'",
-            "--gin_param", "TrainConfig.reward = 'synthetic_exact'",
-            "--gin_param", "TrainConfig.reward_processes = 0",
-            "--gin_param", "TrainConfig.prompts_per_step = 2",
-            "--gin_param", "TrainConfig.group_size = 2",
-            "--gin_param", f"TrainConfig.total_steps = {steps}",
-            "--gin_param", "TrainConfig.checkpoint_every = 2",
-            "--gin_param", "RolloutConfig.max_new_tokens = 40",
-            "--gin_param", "RolloutConfig.max_budget = 64",
-            "--gin_param", "RolloutConfig.backend = 'xla'",
-            "--gin_param", f"make_schedule.budgets = {[48] * 20}",
-            "--gin_param", "make_schedule.bin_size = 16",
-            "--gin_param", "ControllerConfig.min_budget = 48",
-            "--gin_param", "ControllerConfig.max_budget = 64",
-            "--gin_param", "LearnerConfig.learning_rate = 1e-3",
-            "--gin_param", "DistillConfig.rank = 2",
-            "--gin_param", "DistillConfig.budget_blocks = 3"]
-    return cli.main(argv)
+    binds = tiny_train_bindings(root, "run", steps, DistillConfig__rank="2",
+                                DistillConfig__budget_blocks="3")
+    return cli.main(["train", *gin_argv(binds)])
 
 
 def test_train_with_adapter_logs_checkpoints_resumes_and_exports(train_setup, tmp_path):

@@ -168,12 +168,28 @@ _REGISTRY = {
     # README.md, docs/testing.md
     "launch/local.sh test": (CI(), Twin("local_test")),
     "launch/local.sh test tests/test_rollout.py -x": (Twin("local_test"),),
+    "launch/local.sh test tests/test_multihost_paged.py -s":
+        (ByTest("tests/test_multihost_paged.py::test_two_process_paged_rollout_equals_one_process"),),
     "launch/local.sh test -m 'not slow'": (Twin("local_test"),),
     "bash .ci/run": (CI(),),
     # README.md, docs/training.md: real hardware
     "launch/gpu.sh configs/qwen3_1p7b_gpu.gin "
     "--gin_param 'TrainConfig.model_path = \"/models/Qwen3-1.7B\"'": (Hardware(),),
-    "launch/tpu_pod.sh my-v5p-32 us-east5-a configs/qwen3_8b_tpu.gin": (Hardware(),),
+    "launch/tpu_pod.sh my-v5p-32 us-east5-a configs/qwen3_8b_tpu.gin":
+        (Hardware(), ByTest("tests/test_launch.py::test_tpu_pod_copies_tracked_files_and_starts_detached")),
+    # README.md (Train a real model: install, doctor, data check, dryrun, train), docs/kernels.md,
+    # docs/data.md
+    "SPARROW_INSTALL_ONLY=1 launch/gpu.sh":
+        (Hardware(), ByTest("tests/test_launch.py::test_install_only_stops_after_the_check"),
+         ByTest("tests/test_launch.py::test_python_310_stops_with_one_clear_line"),
+         ByTest("tests/test_launch.py::test_driver_version_selects_the_cuda_extra"),
+         ByTest("tests/test_launch.py::test_jax_on_cpu_or_missing_gpus_stops_the_gpu_launcher")),
+    "sparrow doctor":
+        (ByTest("tests/test_doctor.py::test_doctor_passes_on_cpu"),
+         ByTest("tests/test_doctor.py::test_doctor_fails_loudly_on_a_broken_kernel")),
+    "sparrow data check /data/dapo_math_17k.parquet configs/qwen3_1p7b_gpu.gin "
+    "--model /models/Qwen3-1.7B":
+        (ByTest("tests/test_data_formats.py::test_data_check_good_and_bad_files"),),
     "COORDINATOR=node0:1234 NUM_NODES=2 NODE_RANK=0 launch/gpu.sh configs/qwen3_1p7b_gpu.gin":
         (Hardware(),),
     "COORDINATOR=node0:1234 NUM_NODES=2 NODE_RANK=1 launch/gpu.sh configs/qwen3_1p7b_gpu.gin":
@@ -240,10 +256,30 @@ _REGISTRY = {
          ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
     "python -m sparrow_jax.data.synthetic data/demo/heldout64.jsonl --n 64 --seed 3 --k-min 10 "
     "--k-max 13": (Run(),),
+    # docs/training.md: the demo's 128-prompt reference set (ReferenceEvalConfig.data)
+    "python -m sparrow_jax.data.synthetic data/demo/heldout128.jsonl --n 128 --seed 5 --k-min 10 "
+    "--k-max 13": (Run(),),
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_paired.gin":
+        (ByTest("tests/test_experiment_paired.py::test_paired_experiment_config_parses_every_arm"),
+         ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin":
         (ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume"),
          ByTest("tests/test_experiment.py::test_demo_experiment_config_parses_every_arm")),
     "python -m sparrow_jax.bench.kernels": (Twin("bench_kernel"),),
+    # docs/benchmarks.md: sort-free block selection (issue 30)
+    "python -m sparrow_jax.bench.kernels --selection --batch 8": (Twin("bench_selection"),),
+    _ROLLOUT_BENCH + "--context 8192 16384 --budget 1024 --batch 16 --new_tokens 64 --repeats 3 "
+    "--before": (Twin("bench_rollout"),
+                 ByTest("tests/test_record_topk.py::test_bench_rollout_before_and_after")),
+    # docs/dryrun.md, docs/benchmarks.md: what the decode program lowers to on H100 / v5p
+    "cd /tmp && JAX_PLATFORMS=cpu PYTHONPATH=$REPO/.compile-env:$REPO $REPO/.venv/bin/python "
+    "-m sparrow_jax.dryrun.hlo $REPO/configs/qwen3_1p7b_gpu.gin --target h100x8 "
+    "--preset qwen3-1.7b --layers 3":
+        (ByTest("tests/test_decode_hlo.py::test_paged_decode_has_no_sort_or_large_topk"),),
+    "cd /tmp && JAX_PLATFORMS=cpu PYTHONPATH=$REPO/.compile-env:$REPO $REPO/.venv/bin/python "
+    "-m sparrow_jax.dryrun.hlo $REPO/configs/qwen3_1p7b_gpu.gin --target v5p-8 "
+    "--preset qwen3-1.7b --layers 3":
+        (ByTest("tests/test_decode_hlo.py::test_paged_decode_has_no_sort_or_large_topk"),),
     _ROLLOUT_BENCH + "--context 8192 16384 --budget 1024 --dense_layers 0,1 none --batch 16 "
     "--new_tokens 256 --repeats 3": (Twin("bench_rollout"),),
     _ROLLOUT_BENCH + "--layers 28 --context 8192 16384 --budget 1024 --dense_layers 0,1 none "
@@ -432,6 +468,11 @@ def test_sparrow_command_parses(text, monkeypatch):
         else:
             command = next(a for a in argv if a in cli.COMMANDS)
             args = cli.build_parser(command).parse_args(argv)
+            # As cli.main: `sparrow data check FILE ...` sorts data paths from gin files.
+            split = getattr(__import__(cli.COMMANDS[command][0], fromlist=["_"]),
+                            "split_positionals", None)
+            if split is not None:
+                split(args)
     except SystemExit as e:  # argparse reports on stderr and exits 2
         pytest.fail(f"`{text}`: its arguments do not parse (exit {e.code})")
     for f in getattr(args, "gin_files", []):
@@ -491,9 +532,10 @@ def test_run_verbatim(text, tmp_path):
     if "sparrow_jax.data.synthetic train.jsonl" in text:
         rows = (tmp_path / "train.jsonl").read_text().splitlines()
         assert len(rows) == 512 and {"prompt", "answer"} <= set(json.loads(rows[0]))
-    if "heldout64.jsonl" in text:       # the shipped held-out set is exactly what it says
-        made = (tmp_path / "data/demo/heldout64.jsonl").read_text()
-        assert made == (REPO / "data/demo/heldout64.jsonl").read_text()
+    for name in ("heldout64.jsonl", "heldout128.jsonl"):   # shipped sets are what they say
+        if name in text:
+            made = (tmp_path / "data/demo" / name).read_text()
+            assert made == (REPO / "data/demo" / name).read_text()
 
 
 # -- CPU-sized twins ---------------------------------------------------------------------------
@@ -501,7 +543,8 @@ def test_run_verbatim(text, tmp_path):
 DEMO_TWIN = ["--gin_param", "TrainConfig.total_steps = 2", "--gin_param", "TrainConfig.eval_every = 2",
              "--gin_param", "TrainConfig.eval_prompts = 2", "--gin_param", "TrainConfig.prompts_per_step = 1",
              "--gin_param", "TrainConfig.group_size = 2", "--gin_param", "RolloutConfig.max_new_tokens = 24",
-             "--gin_param", "LearnerConfig.micro_batch_size = 2"]
+             "--gin_param", "LearnerConfig.micro_batch_size = 2",
+             "--gin_param", "ReferenceEvalConfig.prompts = 2"]
 
 
 def _launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -561,6 +604,8 @@ def test_demo_console_is_quiet(demo_run):
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert len(saved) == len(steps) and saved[-1] == f"checkpoint saved at step {steps[-1]}", saved
     assert any(msg.startswith("eval at step 2:") for _, _, msg in lines)
+    # Start-up names what the model sees (sparrow_jax.data.check.log_first_prompt).
+    assert any(msg.startswith("first prompt (") for _, _, msg in lines)
     assert "train:" in r.stderr and "2/2" in r.stderr  # the progress bar
 
 
@@ -640,6 +685,14 @@ def test_twin_bench_kernel(capsys):
     from sparrow_jax.bench import kernels as bench
     assert bench.main(["--contexts", "256", "--budgets", "64", "--models", "1.7b", "--iters", "1"]) == 0
     assert "copy bandwidth" in capsys.readouterr().out
+
+
+def test_twin_bench_selection(capsys):
+    from sparrow_jax.bench import kernels as bench
+    assert bench.main(["--selection", "--blocks", "64", "--select", "16", "--batch", "1",
+                       "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "top_k+sort ms" in out and "False" not in out      # every radix: identical ids
 
 
 def test_every_twin_is_tested():

@@ -5,14 +5,12 @@ The 8-device part runs in a subprocess (tests/eval_padding_check.py): the host d
 XLA_FLAGS, which must be set before jax is first imported.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from hf_fixtures import run_on_cpu_devices
 from sparrow_jax import evaluation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,12 +42,7 @@ def test_shard_eval_batch_single_device_keeps_every_prompt():
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_padding")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "eval_padding_check.py"), str(out)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, f"eval padding check failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    return run_on_cpu_devices([os.path.join(HERE, "eval_padding_check.py"), str(out)])[-1]
 
 
 def test_five_prompts_on_eight_way_data_mesh_equal_unsharded(result):

@@ -5,40 +5,23 @@ from pathlib import Path
 import gin
 import pytest
 
-from hf_fixtures import make_tiny_synthetic_model
+from hf_fixtures import gin_text, make_tiny_run, tiny_train_bindings
 from sparrow_jax import cli
-from sparrow_jax.data import synthetic
 from sparrow_jax.experiment import budget_mean, final_values
 from sparrow_jax.runtime.metrics import read_jsonl
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    root = tmp_path_factory.mktemp("experiment")
-    make_tiny_synthetic_model(root / "model")
-    synthetic.write_jsonl(str(root / "train.jsonl"), 8, seed=0, k_range=(1, 1), num_letters=4)
-    synthetic.write_jsonl(str(root / "eval.jsonl"), 2, seed=1, k_range=(1, 1), num_letters=4)
+    root = make_tiny_run(tmp_path_factory.mktemp("experiment"), train_rows=8, eval_rows=2)
+    binds = tiny_train_bindings(root, run=None, steps=2,
+                                TrainConfig__eval_data=repr(str(root / "eval.jsonl")),
+                                TrainConfig__eval_prompts="2",
+                                TrainConfig__eval_every="2",
+                                TrainConfig__checkpoint_every="1",
+                                RolloutConfig__max_new_tokens="24")
     cfg = root / "exp.gin"
-    cfg.write_text(f"""
-TrainConfig.model_path = '{root / 'model'}'
-TrainConfig.train_data = '{root / 'train.jsonl'}'
-TrainConfig.eval_data = '{root / 'eval.jsonl'}'
-TrainConfig.eval_prompts = 2
-TrainConfig.reward = 'synthetic_exact'
-TrainConfig.reward_processes = 0
-TrainConfig.prompts_per_step = 2
-TrainConfig.group_size = 2
-TrainConfig.total_steps = 2
-TrainConfig.eval_every = 2
-TrainConfig.checkpoint_every = 1
-RolloutConfig.max_new_tokens = 24
-RolloutConfig.max_budget = 64
-RolloutConfig.backend = 'xla'
-make_schedule.budgets = {[48] * 20}
-make_schedule.bin_size = 16
-ControllerConfig.min_budget = 48
-ControllerConfig.max_budget = 64
-LearnerConfig.learning_rate = 1e-3
+    cfg.write_text(gin_text(binds) + f"""
 ExperimentConfig.output_dir = '{root / 'out'}'
 ExperimentConfig.arms = {{
     'dense': ["TrainConfig.rollout_mode = 'dense'"],

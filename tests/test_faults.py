@@ -25,8 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_fixtures import make_tiny_qwen3, make_tiny_synthetic_model
-from sparrow_jax.data import synthetic
+from hf_fixtures import gin_argv, make_tiny_qwen3, make_tiny_run, tiny_train_bindings
 
 slow = pytest.mark.slow   # the subprocess tests; the unit tests at the end are quick
 
@@ -37,42 +36,19 @@ TIMING = ("time", "time/", "tokens_per_s", "/seconds")
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    make_tiny_synthetic_model(root / "model")
-    synthetic.write_jsonl(str(root / "train.jsonl"), 16, seed=0, k_range=(1, 1), num_letters=4)
-    return root
+    return make_tiny_run(tmp_path_factory.mktemp("faults"), eval_rows=0)
 
 
 def _argv(root: Path, run: str, steps: int, extra=()) -> list[str]:
-    binds = {
-        "TrainConfig.run_dir": repr(str(root / run)),
-        "TrainConfig.model_path": repr(str(root / "model")),
-        "TrainConfig.train_data": repr(str(root / "train.jsonl")),
-        "TrainConfig.reward": "'fault_worker:varied'",
-        "TrainConfig.reward_processes": "0",
-        "TrainConfig.prompts_per_step": "2",
-        "TrainConfig.group_size": "2",
-        "TrainConfig.total_steps": str(steps),
-        "TrainConfig.eval_every": "1000",
-        "TrainConfig.checkpoint_every": "1",
-        "TrainConfig.max_to_keep": "10",
-        "RolloutConfig.max_new_tokens": "40",
-        "RolloutConfig.max_budget": "64",
-        "RolloutConfig.backend": "'xla'",
-        "make_schedule.budgets": str([48] * 20),
-        "make_schedule.bin_size": "16",
-        "ControllerConfig.min_budget": "32",
-        "ControllerConfig.max_budget": "64",
-        "ControllerConfig.min_tokens": "1",
-        "LearnerConfig.learning_rate": "1e-3",
-        "LearnerConfig.micro_batch_size": "2",
-    }
-    out = ["train"]
-    for key, value in binds.items():
-        out += ["--gin_param", f"{key} = {value}"]
-    for binding in extra:
-        out += ["--gin_param", binding]
-    return out
+    binds = tiny_train_bindings(root, run, steps,
+                                TrainConfig__reward="'fault_worker:varied'",
+                                TrainConfig__eval_every="1000",
+                                TrainConfig__checkpoint_every="1",
+                                TrainConfig__max_to_keep="10",
+                                ControllerConfig__min_budget="32",
+                                ControllerConfig__min_tokens="1",
+                                LearnerConfig__micro_batch_size="2")
+    return ["train", *gin_argv(binds, extra)]
 
 
 def _env(root: Path, faults: dict | None) -> dict[str, str]:

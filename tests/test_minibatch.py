@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_fixtures import make_tiny_qwen3, make_tiny_synthetic_model
+from hf_fixtures import gin_argv, make_tiny_qwen3, make_tiny_synthetic_model, tiny_train_bindings
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
 from sparrow_jax.model import load_hf
@@ -139,26 +139,13 @@ class _Collect(logging.Handler):
 def test_varying_lengths_compile_one_program_per_bucket(varied_run):
     root = varied_run
     prompt_buckets, length_buckets = (16, 32, 64), (16, 32, 48, 64)
-    argv = ["train",
-            "--gin_param", f"TrainConfig.run_dir = '{root / 'run'}'",
-            "--gin_param", f"TrainConfig.model_path = '{root / 'model'}'",
-            "--gin_param", f"TrainConfig.train_data = '{root / 'train.jsonl'}'",
-            "--gin_param", "TrainConfig.reward = 'synthetic_exact'",
-            "--gin_param", "TrainConfig.reward_processes = 0",
-            "--gin_param", "TrainConfig.prompts_per_step = 1",
-            "--gin_param", "TrainConfig.group_size = 2",
-            "--gin_param", "TrainConfig.total_steps = 6",
-            "--gin_param", "TrainConfig.checkpoint_every = 100",
-            "--gin_param", "RolloutConfig.max_new_tokens = 64",
-            "--gin_param", "RolloutConfig.max_budget = 64",
-            "--gin_param", "RolloutConfig.backend = 'xla'",
-            "--gin_param", f"RolloutConfig.prompt_buckets = {prompt_buckets}",
-            "--gin_param", f"LearnerConfig.length_buckets = {length_buckets}",
-            "--gin_param", f"make_schedule.budgets = {[48] * 20}",
-            "--gin_param", "make_schedule.bin_size = 16",
-            "--gin_param", "ControllerConfig.min_budget = 48",
-            "--gin_param", "ControllerConfig.max_budget = 64",
-            "--gin_param", "LearnerConfig.learning_rate = 1e-3"]
+    binds = tiny_train_bindings(root, "run", 6,
+                                TrainConfig__prompts_per_step="1",
+                                TrainConfig__checkpoint_every="100",
+                                RolloutConfig__max_new_tokens="64",
+                                RolloutConfig__prompt_buckets=str(prompt_buckets),
+                                LearnerConfig__length_buckets=str(length_buckets))
+    argv = ["train", *gin_argv(binds)]
     jax.config.update("jax_log_compiles", True)
     COMPILES.clear()
     # The CLI reconfigures the root logger, so collect jax's compile log on its own logger.

@@ -1,6 +1,7 @@
 """Multi-process runs on one machine: 2 JAX processes x 4 CPU devices joined by jax.distributed,
 as hosts of a pod slice are. Rollout rows per process must equal a single-process rollout of all
-prompts; `sparrow train` must run, checkpoint and resume across processes."""
+prompts (static engine here; the paged engine: tests/test_multihost_paged.py); `sparrow train`
+must run, checkpoint and resume across processes on the paged engine (the pod config's)."""
 
 import json
 import os
@@ -107,6 +108,9 @@ def test_two_process_train_checkpoints_and_resumes(root):
                 # (see Learner.grads).
                 "TrainConfig.checkpoint_every = 1", "TrainConfig.mesh_model = 2",
                 "RolloutConfig.max_new_tokens = 24", "RolloutConfig.max_budget = 64",
+                # The paged engine, one scheduler on both processes (rollouts and evaluation);
+                # a chunk as long as a response: one decode program per rollout to compile.
+                "RolloutConfig.engine = 'paged'", "RolloutConfig.chunk_steps = 24",
                 "RolloutConfig.backend = 'xla'", f"make_schedule.budgets = {[48] * 20}",
                 "make_schedule.bin_size = 16", "ControllerConfig.min_budget = 48",
                 "ControllerConfig.max_budget = 64", "ControllerConfig.min_tokens = 1",

@@ -1,48 +1,28 @@
 """`sparrow train` end to end on a tiny model: run dir contents, metrics, resume, config errors."""
 
-import json
 
 import gin
 import pytest
 
-from hf_fixtures import make_tiny_synthetic_model
+from hf_fixtures import gin_argv, make_tiny_run, tiny_train_bindings
 from sparrow_jax import cli
-from sparrow_jax.data import synthetic
 from sparrow_jax.runtime.metrics import read_jsonl, read_scalars
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    make_tiny_synthetic_model(root / "model")
-    synthetic.write_jsonl(str(root / "train.jsonl"), 16, seed=0, k_range=(1, 1), num_letters=4)
-    synthetic.write_jsonl(str(root / "eval.jsonl"), 4, seed=1, k_range=(1, 1), num_letters=4)
-    return root
+    return make_tiny_run(tmp_path_factory.mktemp("train"))
 
 
 def _params(root, run, steps, extra=()):
-    return ["--gin_param", f"TrainConfig.run_dir = '{root / run}'",
-            "--gin_param", f"TrainConfig.model_path = '{root / 'model'}'",
-            "--gin_param", f"TrainConfig.train_data = '{root / 'train.jsonl'}'",
-            "--gin_param", f"TrainConfig.eval_data = '{root / 'eval.jsonl'}'",
-            "--gin_param", "TrainConfig.reward = 'synthetic_exact'",
-            "--gin_param", "TrainConfig.diagnostic_rewards = ('synthetic_answer',)",
-            "--gin_param", "TrainConfig.reward_processes = 0",
-            "--gin_param", "TrainConfig.prompts_per_step = 2",
-            "--gin_param", "TrainConfig.group_size = 2",
-            "--gin_param", f"TrainConfig.total_steps = {steps}",
-            "--gin_param", "TrainConfig.eval_every = 2",
-            "--gin_param", "TrainConfig.checkpoint_every = 2",
-            "--gin_param", "RolloutConfig.max_new_tokens = 40",
-            "--gin_param", "RolloutConfig.max_budget = 64",
-            "--gin_param", "RolloutConfig.backend = 'xla'",
-            "--gin_param", f"make_schedule.budgets = {[48] * 20}",
-            "--gin_param", "make_schedule.bin_size = 16",
-            "--gin_param", "ControllerConfig.min_budget = 48",
-            "--gin_param", "ControllerConfig.max_budget = 64",
-            "--gin_param", "ControllerConfig.min_tokens = 1",
-            "--gin_param", "LearnerConfig.learning_rate = 1e-3",
-            "--gin_param", "LearnerConfig.micro_batch_size = 2", *extra]
+    binds = tiny_train_bindings(root, run, steps,
+                                TrainConfig__eval_data=repr(str(root / "eval.jsonl")),
+                                TrainConfig__diagnostic_rewards="('synthetic_answer',)",
+                                TrainConfig__eval_every="2",
+                                ControllerConfig__min_tokens="1",
+                                ControllerConfig__min_rows="2",
+                                LearnerConfig__micro_batch_size="2")
+    return gin_argv(binds) + list(extra)   # extra: argv as written (--gin_param ...)
 
 
 def _run(argv):
@@ -81,6 +61,9 @@ def test_train_writes_run_dir_and_resumes(setup, capsys):
     for s in (3, 4):
         assert fresh[s]["response/length_mean"] == pytest.approx(resumed[s]["response/length_mean"])
         assert fresh[s]["reward/mean"] == pytest.approx(resumed[s]["reward/mean"])
+        # The controller's state (pooled evidence, probes) came back with the checkpoint.
+        for key in [k for k in fresh[s] if k.startswith(("budget/", "schedule/"))]:
+            assert fresh[s][key] == pytest.approx(resumed[s][key]), (s, key)
 
 
 def test_relative_run_dir(setup, monkeypatch):
@@ -101,7 +84,8 @@ def test_missing_model_path(setup):
     i = argv.index(f"TrainConfig.model_path = '{setup / 'model'}'")
     argv[i] = f"TrainConfig.model_path = '{setup / 'nope'}'"
     # Bad input is one clear line and exit status 1, not a traceback (sparrow_jax.runtime.faults).
-    with pytest.raises(SystemExit, match="FileNotFoundError: .*does not exist"):
+    # Checked with every other setting before anything loads (sparrow_jax.preflight).
+    with pytest.raises(SystemExit, match="TrainConfig.model_path .*nope' does not exist"):
         _run(argv)
 
 

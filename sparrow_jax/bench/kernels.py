@@ -3,6 +3,7 @@
     python -m sparrow_jax.bench.kernels [--json] [--backend auto|xla|pallas_tpu|pallas_triton|jax_triton]
         [--contexts 8192,32768,131072] [--budgets 1024,2048,4096] [--models 1.7b,8b]
         [--batch N] [--dtype bfloat16|float32] [--iters N]
+    python -m sparrow_jax.bench.kernels --selection [--blocks 2048] [--select 512] [--batch 8]
 
 For each model head shape (Qwen3-1.7B: 8 KV / 16 query heads, D=128; Qwen3-8B: 8 KV / 32 query
 heads, D=128), context length and token budget it reports the median time of one decode step of
@@ -10,6 +11,10 @@ attention (one layer), dense and block-sparse, the speedup, and the achieved ban
 step must read (K and V of the attended tokens) / time, as a fraction of this device's measured
 copy bandwidth. "select" is the centroid scoring + top-k that sparse decode adds per step.
 On CPU the defaults are smaller (batch 1, f32) so the run takes well under two minutes.
+
+--selection times block selection alone (scores -> ids, the 1.7B head shape: 8 KV heads) at
+P = --blocks blocks per row and K = --select selected, the sort-free `select_from_scores` beside
+the former top_k + sort (`select_from_scores_reference`), at each radix width, in one run.
 """
 
 from __future__ import annotations
@@ -73,6 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32" if cpu else "bfloat16",
                     choices=["float32", "bfloat16"])
     ap.add_argument("--iters", type=int, default=10 if cpu else 20)
+    ap.add_argument("--selection", action="store_true",
+                    help="time block selection alone, old (top_k + sort) vs sort-free")
+    ap.add_argument("--blocks", type=int, default=2048, help="--selection: blocks per row (P)")
+    ap.add_argument("--select", type=int, default=512, help="--selection: selected blocks (K)")
     return ap.parse_args(argv)
 
 
@@ -114,6 +123,42 @@ def bench_shape(model: str, hq: int, hkv: int, d: int, ctx: int, args, copy_bw: 
     return rows
 
 
+def bench_selection(args) -> list[dict]:
+    """Selection alone, old (top_k + sort) vs new (radix select + prefix-sum compaction)."""
+    b, hkv, p, k = args.batch, 8, args.blocks, args.select
+    key = jax.random.PRNGKey(p + k)
+    scores = jax.random.normal(key, (b, hkv, p), jnp.float32)
+    # Rows at full length (the sparse regime) with per-row budgets between K/2 and K.
+    lengths = jnp.full((b, hkv), p * BLOCK, jnp.int32)
+    budgets = jnp.broadcast_to(jnp.linspace(k // 2, k, b).astype(jnp.int32)[:, None], (b, hkv))
+    ref = jax.jit(lambda s, ln, bb: selection.select_from_scores_reference(
+        s, ln, bb, max_selected=k, block_size=BLOCK))
+    t_old = _time(ref, scores, lengths, budgets, iters=args.iters)
+    want = ref(scores, lengths, budgets)
+    rows = []
+    for bits in (1, 2, 4):
+        new = jax.jit(lambda s, ln, bb, bits=bits: selection.select_from_scores(
+            s, ln, bb, max_selected=k, block_size=BLOCK, radix_bits=bits))
+        got = new(scores, lengths, budgets)
+        t_new = _time(new, scores, lengths, budgets, iters=args.iters)
+        same = all(bool(jnp.array_equal(x, y)) for x, y in zip(got, want))
+        rows.append(dict(device=jax.devices()[0].device_kind, rows=b * hkv, blocks=p, select=k,
+                         radix_bits=bits, old_ms=t_old * 1e3, new_ms=t_new * 1e3,
+                         speedup=t_old / t_new, identical=same))
+    return rows
+
+
+def format_selection(rows: list[dict]) -> str:
+    head = (f"{'rows':>5} {'P':>6} {'K':>5} {'radix':>5} {'top_k+sort ms':>13} "
+            f"{'sort-free ms':>12} {'ratio':>7} {'identical':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['rows']:>5} {r['blocks']:>6} {r['select']:>5} {r['radix_bits']:>5} "
+                     f"{r['old_ms']:>13.3f} {r['new_ms']:>12.3f} {r['speedup']:>6.2f}x "
+                     f"{str(r['identical']):>9}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     head = (f"{'model':<11} {'ctx':>7} {'budget':>6} {'dense ms':>9} {'sparse ms':>9} "
             f"{'select ms':>9} {'speedup':>7} {'w/ sel':>6} {'dense BW':>8} {'sparse BW':>9}")
@@ -129,6 +174,15 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.selection:
+        rows = bench_selection(args)
+        print(f"# device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+              f"block selection alone, batch {args.batch} x 8 KV heads", flush=True)
+        if args.json:
+            for r in rows:
+                print(json.dumps(r), flush=True)
+        print(format_selection(rows), flush=True)
+        return 0
     try:
         backend = pk.resolve_backend(args.backend)
     except pk.BackendUnavailableError as e:

@@ -4,6 +4,7 @@
     sparrow bench rollout [gin files] [--gin_param ...] [--json] [--preset qwen3-1.7b]
         [--layers 4 --hidden 512 --heads 8 --kv_heads 2 --head_dim 64 --vocab 4096]
         [--context 8192 16384] [--budget 1024] [--schedule NAME] [--batch 4] [--new_tokens 64]
+        [--before]
 
 For each context length, one random prompt of (context - new_tokens) tokens is prefilled once and
 sampled `batch` times (group sampling, as in GRPO), in dense and in sparse mode, through the real
@@ -19,6 +20,11 @@ tokens. The JSON lines also carry `ratio_cpu_time`, the ratio of decode tokens p
 second: steadier under other processes' load than wall time, but not a throughput (dense decode
 spreads over more threads than the sparse gather does).
 
+--before adds, for every sparse run, the same run with the former per-step work (issue 30):
+block selection by `lax.top_k` + sort (`selection.select_from_scores_reference`) and a top-20
+vocabulary record every step; the other runs record the top-k only if LearnerConfig.alpha_mode
+reads it (`RolloutConfig.for_alpha_mode`), so one run prints tokens/s before and after.
+
 The engine's per-step cost depends only on the cache capacity (static shapes: dense decode reads
 the whole buffer, sparse decode gathers max_budget tokens), not on the live length, so a short
 --new_tokens at a fixed --context measures the same per-step cost as a long one.
@@ -27,6 +33,7 @@ the whole buffer, sparse decode gathers max_budget tokens), not on the live leng
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -76,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "RolloutConfig.dense_layers)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--before", action="store_true",
+                   help="also time each sparse run with the former top_k + sort selection and "
+                        "per-step top-20 record (tokens/s before/after in one run)")
     p.add_argument("--workload", choices=("fixed", "longtail"), default="fixed",
                    help="fixed: dense vs sparse decode at given contexts; longtail: static vs "
                         "paged engine on long-tailed responses at equal KV memory "
@@ -112,10 +122,29 @@ class SparseRun:
     bin_size: int
     dense_layers: tuple[int, ...]
     fixed: bool                     # one budget for every bin
+    before: bool = False            # the former selection (top_k + sort) and top-20 record
 
     @property
     def key(self) -> str:
-        return f"sparse:{self.label}:{','.join(map(str, self.dense_layers)) or 'none'}"
+        tail = ":before" if self.before else ""
+        return f"sparse:{self.label}:{','.join(map(str, self.dense_layers)) or 'none'}{tail}"
+
+
+BEFORE_TOPK = 20     # the per-step vocabulary record every rollout made before issue 30
+
+
+@contextlib.contextmanager
+def former_selection(active: bool):
+    """The engines select blocks through `selection.select_from_scores`, looked up when a program
+    is traced: swapped for the former top_k + sort while a --before program compiles and runs."""
+    from sparrow_jax.sparsity import selection
+    saved = selection.select_from_scores
+    if active:
+        selection.select_from_scores = selection.select_from_scores_reference
+    try:
+        yield
+    finally:
+        selection.select_from_scores = saved
 
 
 def _dense_layer_sets(specs: Sequence[str] | None, default: tuple[int, ...]
@@ -136,9 +165,10 @@ def sparse_runs(args: argparse.Namespace, default_dense_layers: tuple[int, ...]
         s = (Schedule.from_json(args.schedule) if args.schedule.lstrip().startswith(("[", "{"))
              else load_schedule(args.schedule))
         tables.append((s.name or "schedule", np.asarray(s.budgets, np.int32), s.bin_size, False))
-    return [SparseRun(label, b, bin_size, layers, fixed)
+    return [SparseRun(label, b, bin_size, layers, fixed, before)
             for layers in _dense_layer_sets(args.dense_layers, default_dense_layers)
-            for label, b, bin_size, fixed in tables]
+            for label, b, bin_size, fixed in tables
+            for before in ((False, True) if getattr(args, "before", False) else (False,))]
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -175,8 +205,9 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     lengths = np.asarray([plen], np.int32)
     key = jax.random.key(args.seed)
 
-    # name -> (cfg, budgets, bin_size) of each decode program.
+    # name -> (cfg, budgets, bin_size) of each decode program; names of the --before ones.
     progs: dict[str, tuple[Any, np.ndarray, int]] = {}
+    before = {v.key for v in variants if v.before}
     dense_cfg = dataclasses.replace(base_cfg, mode="dense", max_new_tokens=args.new_tokens)
     progs["dense"] = (dense_cfg, np.full(20, 1 << 20, np.int32), 2000)  # budgets unused
     for v in variants:
@@ -185,6 +216,12 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
         reach = int(v.budgets[: min(context // v.bin_size, len(v.budgets) - 1) + 1].max())
         cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=reach,
                                   max_new_tokens=args.new_tokens, dense_layers=v.dense_layers)
+        if v.before:   # a distinct static config: its own compiled program, traced swapped
+            if cfg.record_topk == BEFORE_TOPK:
+                raise SystemExit("sparrow bench rollout: --before compares against a top-20 "
+                                 "record; this configuration records it already (alpha_mode "
+                                 "'topk')")
+            cfg = dataclasses.replace(cfg, record_topk=BEFORE_TOPK)
         progs[v.key] = (cfg, np.minimum(v.budgets, reach), v.bin_size)
 
     # One prefill for every mode; its time includes compiling the prefill program.
@@ -192,13 +229,26 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     state = jax.block_until_ready(start(model, prompt, lengths, cfg=dense_cfg,
                                         group_size=args.batch, rng=key))
     pre_w = time.perf_counter() - t0
-    compile_s = {name: _precompile(model, state, cfg, budgets, bin_size)
-                 for name, (cfg, budgets, bin_size) in progs.items()}
+    # The --before programs record a wider top-k: the same state with wider (zero) buffers.
+    states = {k: state if k == dense_cfg.record_topk else dataclasses.replace(
+        state, topk_logprobs=jnp.zeros(state.tokens.shape + (k,), jnp.float32),
+        topk_ids=jnp.zeros(state.tokens.shape + (k,), jnp.int32))
+        for k in {c.record_topk for c, _, _ in progs.values()}}
+    compile_s = {}
+    for name, (cfg, budgets, bin_size) in progs.items():
+        with former_selection(name in before):
+            compile_s[name] = _precompile(model, states[cfg.record_topk], cfg, budgets,
+                                          bin_size)
 
     def run(name: str):
         cfg, budgets, bin_size = progs[name]
-        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))   # decode consumes it
-        return lambda: decode(model, fresh, cfg=cfg, budgets=budgets, bin_size=bin_size)
+        # decode consumes its state (donated): a fresh copy per run, not timed.
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, states[cfg.record_topk]))
+
+        def call():
+            with former_selection(name in before):
+                return decode(model, fresh, cfg=cfg, budgets=budgets, bin_size=bin_size)
+        return call
 
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
@@ -223,7 +273,8 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
             "context": context, "prompt_tokens": plen,
             "budget": int(v.budgets[0]) if v.fixed else None,
             "schedule": None if v.fixed else v.label, "bin_size": v.bin_size,
-            "dense_layers": list(v.dense_layers),
+            "dense_layers": list(v.dense_layers), "before": v.before,
+            "record_topk": progs[v.key][0].record_topk,
             "dense_tok_s": dense["tok_s"], "sparse_tok_s": sparse["tok_s"],
             "ratio": sparse["tok_s"] / dense["tok_s"],
             "ratio_cpu_time": sparse["cpu_tok_s"] / dense["cpu_tok_s"],
@@ -263,7 +314,10 @@ def main(argv: Sequence[str]) -> int:
     if args.backend is not None:
         overrides["backend"] = args.backend
     try:
-        base_cfg = dataclasses.replace(RolloutConfig(), **overrides)
+        from sparrow_jax.rl.learner import LearnerConfig
+        # The top-k record only where the learner reads it, as the trainer does.
+        base_cfg = dataclasses.replace(RolloutConfig(), **overrides).for_alpha_mode(
+            LearnerConfig().alpha_mode)
         backend = pallas_kernels.resolve_backend(base_cfg.backend)
         variants = sparse_runs(args, base_cfg.dense_layers)
         mcfg = model_config(args)
@@ -289,6 +343,7 @@ def main(argv: Sequence[str]) -> int:
     for context in args.context:
         for r in bench_context(model, context, args, base_cfg, variants):
             label = str(r["budget"]) if r["budget"] is not None else r["schedule"]
+            label += " (before)" if r["before"] else ""
             layers = ",".join(map(str, r["dense_layers"])) or "none"
             cells = [_fmt(r[k], w, f) for k, w, f in (
                 ("dense_tok_s", 12, ".1f"), ("sparse_tok_s", 13, ".1f"), ("ratio", 5, ".2f"),

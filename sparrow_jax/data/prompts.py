@@ -1,14 +1,16 @@
 """Prompt sets for RL: local JSONL/Parquet files -> tokenized records -> a grain iterator.
 
-Row format (the common math-RL layout; field names are configurable):
-    {"prompt": "What is 1+1?", "answer": "2", "id": "q1", ...}                 plain text
-    {"messages": [{"role": "user", "content": "..."}], "answer": "2", ...}      chat
-The ground truth is the first present field of `answer_fields` ("answer", "ground_truth",
-"solution"); numbers are converted to strings. Other fields are kept as `meta`.
+Row layouts (plain, chat, verl/DAPO, OpenR1) and data paths (files, directories, globs, lists):
+`sparrow_jax.data.rows`. The ground truth is the first present field of `answer_fields`
+("answer", "ground_truth", "solution", "reward_model.ground_truth"); numbers become strings.
+Other fields (e.g. `data_source`, `extra_info`) are kept as `meta` and passed to the reward.
 
-Chat rows are rendered with the tokenizer's `apply_chat_template(..., add_generation_prompt=
-True)`; plain prompts too when `use_chat_template=True`. Rendered text is tokenized without
-adding special tokens (the template has them); plain text with them (e.g. <bos>).
+Chat rows (a `messages` list, or a list in `prompt`) are rendered with the tokenizer's
+`apply_chat_template(..., add_generation_prompt=True)`; plain prompts too when
+`PromptFormat.use_chat_template = True` (the real configs set it: Qwen3's chat/thinking format).
+Rendered text is tokenized without adding special tokens (the template has them); plain text
+with them (e.g. <bos>). `PromptFormat` is gin-configurable, so training and evaluation data
+render alike.
 
 The iterator is grain's `DatasetIterator` (shuffle with a seed, reshuffled each epoch, per-host
 shard, optional epoch count) wrapped so that `get_state()` is a JSON-serialisable dict the train
@@ -19,24 +21,21 @@ same batch order.
 from __future__ import annotations
 
 import dataclasses
-import glob
-import gzip
-import json
 import logging
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import gin
 import grain
 import numpy as np
 
+from sparrow_jax.data import rows as _rows
+from sparrow_jax.data.rows import RowError, expand_paths
+
 logger = logging.getLogger(__name__)
 
-ANSWER_FIELDS = ("answer", "ground_truth", "solution")
-
-
-class _RowError(ValueError):
-    """A malformed row; the message says why."""
+ANSWER_FIELDS = ("answer", "ground_truth", "solution", "reward_model.ground_truth")
+_REASONS_SHOWN = 3  # skip reasons named in the one-line summary; every one is logged at DEBUG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,73 +51,21 @@ class LoadReport:
     too_long: tuple[tuple[str, int, int], ...]  # (file, row, prompt length)
 
     def summary(self) -> str:
-        rows = ", ".join(f"{os.path.basename(f)}:{r}" for f, r, _ in self.skipped[:10])
-        more = " ..." if len(self.skipped) > 10 else ""
+        reasons = "; ".join(f"{os.path.basename(f)}:{r}: {why}"
+                            for f, r, why in self.skipped[:_REASONS_SHOWN])
+        more = len(self.skipped) - _REASONS_SHOWN
+        if more > 0:
+            reasons += f"; {more} more (every row at --log_level DEBUG)"
         return (
             f"{self.loaded}/{self.rows} prompts loaded; {len(self.skipped)} malformed rows skipped"
-            f"{f' ({rows}{more})' if rows else ''}; {len(self.too_long)} too long dropped"
+            f"{f' ({reasons})' if reasons else ''}; {len(self.too_long)} too long dropped"
         )
 
 
-def _expand_paths(paths: str | Sequence[str]) -> list[str]:
-    out: list[str] = []
-    for p in [paths] if isinstance(paths, str) else paths:
-        matches = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
-        if not matches or not all(os.path.isfile(m) for m in matches):
-            raise FileNotFoundError(f"prompt file not found: {p}")
-        out.extend(matches)
-    return out
-
-
-def _iter_rows(path: str) -> Iterator[tuple[int, Any]]:
-    """(1-based row number, row dict or the exception that made it unreadable)."""
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
-            yield i, row
-        return
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield i, _RowError(f"bad JSON ({e.msg} at column {e.colno})")
-
-
-def _answer(row: dict, fields: Sequence[str]) -> tuple[str, str]:
-    for name in fields:
-        value = row.get(name)
-        if value is None:
-            continue
-        # bool is an int subclass, but True as a ground truth is almost surely a data bug.
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return name, str(value)
-        if isinstance(value, str):
-            return name, value
-        raise _RowError(f"field {name!r} must be a string or number, got {type(value).__name__}")
-    raise _RowError(f"missing answer field (one of {list(fields)})")
-
-
-def _messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise _RowError("'messages' must be a non-empty list")
-    for m in value:
-        if not (
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-        ):
-            raise _RowError("every message needs string 'role' and 'content'")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
+@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class PromptFormat:
-    """How rows become token ids (see module docstring)."""
+    """How rows become token ids (see module docstring). gin: `PromptFormat.use_chat_template`."""
 
     prompt_field: str = "prompt"
     messages_field: str = "messages"
@@ -132,22 +79,25 @@ class PromptFormat:
 def _render(row: dict, fmt: PromptFormat, tokenizer: Any) -> tuple[str, bool]:
     """(text to tokenize, whether it came from the chat template)."""
     if row.get(fmt.messages_field) is not None:
-        messages = _messages(row[fmt.messages_field])
+        messages = _rows.messages(row[fmt.messages_field], fmt.messages_field)
     else:
         prompt = row.get(fmt.prompt_field)
         if prompt is None:
-            raise _RowError(f"missing {fmt.prompt_field!r} or {fmt.messages_field!r}")
-        if not isinstance(prompt, str) or not prompt:
-            raise _RowError(f"{fmt.prompt_field!r} must be a non-empty string")
-        if not fmt.use_chat_template:
+            raise RowError(f"missing {fmt.prompt_field!r} or {fmt.messages_field!r}")
+        if isinstance(prompt, list):  # verl/DAPO: the prompt is a chat list
+            messages = _rows.messages(prompt, fmt.prompt_field)
+        elif not isinstance(prompt, str) or not prompt:
+            raise RowError(f"{fmt.prompt_field!r} must be a non-empty string or list of messages")
+        elif not fmt.use_chat_template:
             return prompt, False
-        messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = [{"role": "user", "content": prompt}]
     if fmt.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": fmt.system_prompt}, *messages]
     if not getattr(tokenizer, "chat_template", None):
         # A configuration error, not a bad row: never skipped silently.
         raise ValueError(
-            "chat rows or use_chat_template=True need a tokenizer with a chat_template"
+            "chat rows or PromptFormat.use_chat_template=True need a tokenizer with a chat_template"
         )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text, True
@@ -157,36 +107,39 @@ def load_prompt_records(
     paths: str | Sequence[str],
     tokenizer: Any,
     *,
-    fmt: PromptFormat = PromptFormat(),
+    fmt: PromptFormat | None = None,
     max_prompt_len: int | None = None,
     on_error: str = "skip",
     on_too_long: str = "drop",
 ) -> tuple[list[dict[str, Any]], LoadReport]:
     """Read, validate, render and tokenize every row.
 
-    Returns records {id, prompt (the exact tokenized text), answer, prompt_ids (int32 [P]),
-    meta} and a LoadReport. on_error: "skip" (count + log) or "raise" (ValueError naming file
-    and row); on_too_long ("drop" or "raise") applies to prompts longer than max_prompt_len.
+    Returns records {id, prompt (the exact tokenized text), answer, answer_field, prompt_ids
+    (int32 [P]), meta} and a LoadReport. fmt None = `PromptFormat()` (its gin bindings).
+    on_error: "skip" (count + log) or "raise" (ValueError naming file and row); on_too_long
+    ("drop" or "raise") applies to prompts longer than max_prompt_len.
     """
     if on_error not in ("skip", "raise") or on_too_long not in ("drop", "raise"):
         raise ValueError(f"bad policy: on_error={on_error!r}, on_too_long={on_too_long!r}")
+    fmt = PromptFormat() if fmt is None else fmt
     records: list[dict[str, Any]] = []
     skipped: list[tuple[str, int, str]] = []
     too_long: list[tuple[str, int, int]] = []
     rows = 0
-    for path in _expand_paths(paths):
-        for row_no, row in _iter_rows(path):
+    for path in expand_paths(paths):
+        for row_no, row in _rows.iter_rows(path):
             rows += 1
             try:
                 if isinstance(row, Exception):
                     raise row
                 if not isinstance(row, dict):
-                    raise _RowError(f"a row must be a JSON object, got {type(row).__name__}")
-                answer_field, answer = _answer(row, fmt.answer_fields)
+                    raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
+                answer_field, answer = _rows.answer(row, fmt.answer_fields)
                 text, templated = _render(row, fmt, tokenizer)
-            except _RowError as e:
+            except RowError as e:
                 if on_error == "raise":
                     raise ValueError(f"{path}: row {row_no}: {e}") from None
+                logger.debug("prompt data: %s: row %d skipped: %s", path, row_no, e)
                 skipped.append((path, row_no, str(e)))
                 continue
             add_special = (
@@ -198,14 +151,18 @@ def load_prompt_records(
                     raise ValueError(
                         f"{path}: row {row_no}: prompt has {len(ids)} > {max_prompt_len} tokens"
                     )
+                logger.debug("prompt data: %s: row %d dropped: %d > %d tokens", path, row_no,
+                             len(ids), max_prompt_len)
                 too_long.append((path, row_no, len(ids)))
                 continue
+            # The nested answer's parent (reward_model) stays in meta: it may carry more.
             used = {fmt.prompt_field, fmt.messages_field, fmt.id_field, answer_field}
             records.append(
                 {
                     "id": str(row.get(fmt.id_field, f"{os.path.basename(path)}:{row_no}")),
                     "prompt": text,
                     "answer": answer,
+                    "answer_field": answer_field,
                     "prompt_ids": ids,
                     "meta": {k: v for k, v in row.items() if k not in used},
                 }
@@ -265,6 +222,7 @@ class PromptIterator:
             pad_to,
         )
         self.num_records = per_shard
+        self.first_record = shard[0]  # logged at the start of training (what the model sees)
         self._fingerprint = {
             "num_records": per_shard,
             "seed": seed,
@@ -367,26 +325,24 @@ def make_prompt_iterator(
     pad_multiple: int = 16,
     on_error: str = "skip",
     on_too_long: str = "drop",
-    prompt_field: str = "prompt",
-    messages_field: str = "messages",
-    answer_fields: Sequence[str] = ANSWER_FIELDS,
-    id_field: str = "id",
-    use_chat_template: bool = False,
+    prompt_field: str | None = None,
+    messages_field: str | None = None,
+    answer_fields: Sequence[str] | None = None,
+    id_field: str | None = None,
+    use_chat_template: bool | None = None,
     system_prompt: str | None = None,
 ) -> PromptIterator:
-    """Load `path` (file, glob or list) and return a checkpointable batch iterator.
+    """Load `path` (file, directory, glob or list) and return a checkpointable batch iterator.
 
     batch_size = prompts per step on this host; shard_index/shard_count default to
-    jax.process_index()/process_count(); num_epochs=None repeats forever.
+    jax.process_index()/process_count(); num_epochs=None repeats forever. The format arguments
+    override `PromptFormat`'s (gin) values where given; evaluation data uses `PromptFormat`.
     """
-    fmt = PromptFormat(
-        prompt_field=prompt_field,
-        messages_field=messages_field,
-        answer_fields=tuple(answer_fields),
-        id_field=id_field,
-        use_chat_template=use_chat_template,
-        system_prompt=system_prompt,
-    )
+    given = dict(prompt_field=prompt_field, messages_field=messages_field,
+                 answer_fields=None if answer_fields is None else tuple(answer_fields),
+                 id_field=id_field, use_chat_template=use_chat_template,
+                 system_prompt=system_prompt)
+    fmt = PromptFormat(**{k: v for k, v in given.items() if v is not None})
     if pad_to_max and max_prompt_len is None:
         raise ValueError("pad_to_max needs max_prompt_len")
     dataset = PromptDataset.from_files(

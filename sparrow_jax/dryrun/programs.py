@@ -80,6 +80,7 @@ def step_shape(model: Qwen3Config, target: Target) -> StepShape:
     lc = learner.LearnerConfig()
     if rc.mode == "dense" and lc.alpha_mode == "full":
         lc = dataclasses.replace(lc, alpha_mode="none")
+    rc = rc.for_alpha_mode(lc.alpha_mode)     # the vocabulary top-k only where the learner reads it
     hosts = target.num_hosts           # prompts_per_step is per process, one process per host
     per_call = tc.rollout_batch_prompts or tc.prompts_per_step
     return StepShape(

@@ -106,6 +106,10 @@ def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hi
     policy (differentiable), and, from the same logits, alpha [B, T] and the replay's logp
     (the replay's logits from `model_s`, the sparse actor's weights; default `model`)."""
     k = traj.topk_ids.shape[-1]
+    if opts.alpha_mode == "topk" and k == 0:
+        raise ValueError("alpha_mode='topk' reads the rollout's recorded top-k, but these "
+                         "trajectories recorded none (RolloutConfig.record_topk = 0, see "
+                         "RolloutConfig.for_alpha_mode)")
     model_s = model if model_s is None else model_s
 
     def chunk(h_d, tokens, top_v, top_i, h_s=None):

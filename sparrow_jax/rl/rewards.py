@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib
+import logging
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -29,6 +30,9 @@ from typing import Any, Callable, Sequence
 
 import gin
 import numpy as np
+
+# extract_last_boxed is re-exported: callers import it from here.
+from sparrow_jax.rl.answers import ANSWER_FORMATS, extract_answer, extract_last_boxed  # noqa: F401
 
 RewardFn = Callable[..., float]
 
@@ -100,57 +104,45 @@ def make_reward_fn(name: str = "math_verify") -> RewardFn:
 # ----------------------------------------------------------------------------- math_verify
 
 
-def extract_last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, nested braces included.
-
-    Also accepts the brace-less form `\\boxed 5`. Returns None when there is no box or the last
-    one is unterminated (a truncated generation has no answer; we do not fall back to an earlier
-    box, which might be a scratch value).
-    """
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
-    if i < len(text) and text[i] == " ":
-        # "\boxed 5": the answer is the next whitespace/`$`-delimited token.
-        rest = text[i:].lstrip(" ")
-        token = rest.split("$", 1)[0].split()
-        return token[0] if token else None
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth = 0
-    j = i
-    while j < len(text):
-        ch = text[j]
-        if ch == "\\":
-            j += 2  # an escaped character (e.g. `\{`) never opens or closes the box
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-        j += 1
-    return None
-
-
 def _normalize_plain(s: str) -> str:
     return "".join(s.split()).rstrip(".").strip("$")
 
 
-@register_reward("math_verify", preload=("math_verify",))
-def math_verify_reward(
-    completion_text: str, ground_truth: str, *, prompt: str = "", meta: dict | None = None
-) -> float:
-    """1.0 iff the last boxed answer of the completion equals the ground truth per math-verify
-    (symbolic/numeric equivalence: "\\frac{1}{2}" == "0.5"), else 0.0."""
-    del prompt, meta
-    answer = extract_last_boxed(completion_text)
+class _ShortLogs(logging.Filter):
+    """Cuts a log message to `LOG_CHARS` characters: math-verify logs the whole input it timed
+    out on ("Timeout during parsing: <pred>"), and a hostile completion is thousands of them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if len(message) > LOG_CHARS:
+            record.msg = f"{message[:LOG_CHARS]} [... {len(message) - LOG_CHARS} more characters]"
+            record.args = None
+        return True
+
+
+LOG_CHARS = 200
+# Logger filters do not apply to child loggers' records: each math-verify module's own logger.
+_MATH_VERIFY_LOGGERS = ("math_verify", "math_verify.parser", "math_verify.grader",
+                        "math_verify.metric", "math_verify.utils")
+
+
+def shorten_math_verify_logs() -> None:
+    """Installs the `_ShortLogs` filter on math-verify's loggers (idempotent)."""
+    for name in _MATH_VERIFY_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ShortLogs) for f in logger.filters):
+            logger.addFilter(_ShortLogs())
+
+
+def _math_verify(completion_text: str, ground_truth: str, formats: tuple[str, ...]) -> float:
+    """1.0 iff the completion's final answer (by `formats`, see sparrow_jax.rl.answers) equals
+    the ground truth per math-verify (symbolic/numeric: "\\frac{1}{2}" == "0.5"), else 0.0."""
+    answer = extract_answer(completion_text, formats)
     if answer is None or not answer.strip():
         return 0.0
     from math_verify import parse, verify  # lazy: sympy is slow to import
 
+    shorten_math_verify_logs()    # here: also in spawned reward workers
     # math-verify's own timeouts use SIGALRM, which only works on the main thread.
     main = threading.current_thread() is threading.main_thread()
     limit = 5 if main else None
@@ -164,6 +156,33 @@ def math_verify_reward(
         return 1.0
     # Non-math ground truths (names, labels) that math-verify cannot parse: exact text match.
     return 1.0 if _normalize_plain(answer) == _normalize_plain(gt) else 0.0
+
+
+@register_reward("math_verify", preload=("math_verify",))
+def math_verify_reward(
+    completion_text: str, ground_truth: str, *, prompt: str = "", meta: dict | None = None
+) -> float:
+    """The last `\\boxed{}` or `Answer:` line (whichever comes last) checked with math-verify."""
+    del prompt, meta
+    return _math_verify(completion_text, ground_truth, ANSWER_FORMATS)
+
+
+@register_reward("math_verify_boxed", preload=("math_verify",))
+def math_verify_boxed_reward(
+    completion_text: str, ground_truth: str, *, prompt: str = "", meta: dict | None = None
+) -> float:
+    """Only the last `\\boxed{}` counts (prompts that ask for a box)."""
+    del prompt, meta
+    return _math_verify(completion_text, ground_truth, ("boxed",))
+
+
+@register_reward("math_verify_answer_line", preload=("math_verify",))
+def math_verify_answer_line_reward(
+    completion_text: str, ground_truth: str, *, prompt: str = "", meta: dict | None = None
+) -> float:
+    """Only the last `Answer: ...` line counts (DAPO-style prompts, strictly)."""
+    del prompt, meta
+    return _math_verify(completion_text, ground_truth, ("answer_line",))
 
 
 # ----------------------------------------------------------------------------- worker pool

@@ -46,7 +46,8 @@ def _join(trajs: Sequence[Trajectories], *, num_processes: int,
     def join(*xs):
         blocks = [x.reshape(num_processes, x.shape[0] // num_processes, *x.shape[1:]) for x in xs]
         out = jnp.concatenate(blocks, axis=1)
-        out = out.reshape(-1, *out.shape[2:])
+        # Explicit sizes: a -1 cannot be inferred for an empty top-k record ([B, T, 0]).
+        out = out.reshape(out.shape[0] * out.shape[1], *out.shape[2:])
         if rows is None:
             return out
         # Keep rows where the sub-batches had them (sharded over the data axis).

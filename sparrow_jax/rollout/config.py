@@ -27,7 +27,7 @@ class RolloutConfig:
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 16
     max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
-    record_topk: int = 20
+    record_topk: int = 20                # per-token vocabulary top-k (0 = none; for_alpha_mode)
     prefill_chunk: int = 2048
     backend: str = "auto"                # kernel backend, see pallas_kernels.block_sparse_decode
     stop_token_ids: tuple[int, ...] = ()
@@ -73,6 +73,8 @@ class RolloutConfig:
                              f"pool_fraction={self.pool_fraction}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.record_topk < 0:
+            raise ValueError(f"record_topk must be >= 0, got {self.record_topk}")
         if self.max_budget % self.block_size or self.max_budget < 3 * self.block_size:
             raise ValueError(f"max_budget={self.max_budget} must be a multiple of block_size="
                              f"{self.block_size} and >= 3 blocks (sink + 2 local)")
@@ -100,6 +102,18 @@ class RolloutConfig:
                              f"window={self.window} (the observation window's queries are the last decode steps')")
         if not 0.0 <= self.rkv_lambda <= 1.0:
             raise ValueError(f"rkv_lambda must be in [0, 1], got {self.rkv_lambda}")
+
+    def for_alpha_mode(self, alpha_mode: str) -> "RolloutConfig":
+        """This config recording the vocabulary top-k per token only where the learner reads it:
+        `LearnerConfig.alpha_mode == "topk"` (the paper's lower bound) keeps `record_topk`; "full"
+        and "none" never read it, so they record width 0 (a top-k over the vocabulary every
+        decode step is a full sort on GPU, and its [B, T, k] record a host copy)."""
+        if alpha_mode == "topk":
+            if self.record_topk <= 0:
+                raise ValueError("LearnerConfig.alpha_mode='topk' needs RolloutConfig.record_topk"
+                                 f" > 0, got {self.record_topk}")
+            return self
+        return dataclasses.replace(self, record_topk=0)
 
     @property
     def sampling(self) -> SamplingParams:

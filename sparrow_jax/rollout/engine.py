@@ -34,17 +34,33 @@ log = logging.getLogger(__name__)
 
 
 # -- decode -----------------------------------------------------------------------------------
-def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, *, sparse: bool,
-                      cfg: RolloutConfig, max_selected: int):
-    """One layer, one token. q [B, Hq, D]; returns (out [B, Hq, D], centroids)."""
+def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, covered, *,
+                      sparse: bool, cfg: RolloutConfig, max_selected: int):
+    """One layer, one token. q [B, Hq, D]; returns (out [B, Hq, D], centroids).
+
+    covered [B] bool: the row's budget covers its length (budget >= length, e.g. the dense rung
+    `DENSE_BUDGET`): exact dense attention, also when the static selection width
+    `max_selected` is narrower than the cache (then the dense kernel runs for those rows; a
+    `lax.cond` skips whichever path no row needs)."""
+    def dense():
+        return pallas_kernels.dense_decode(q, k_cache, v_cache, lengths, backend=cfg.backend)[0]
     if not sparse:
-        out, _ = pallas_kernels.dense_decode(q, k_cache, v_cache, lengths, backend=cfg.backend)
-        return out, centroids
+        return dense(), centroids
     centroids = selection.update_centroid(centroids, k_cache, lengths, block_size=cfg.block_size)
-    idx, num = selection.select_blocks(q, centroids, lengths, budget_blocks,
-                                       max_selected=max_selected, block_size=cfg.block_size)
-    out, _ = pallas_kernels.block_sparse_decode(q, k_cache, v_cache, idx, num, lengths,
-                                                block_size=cfg.block_size, backend=cfg.backend)
+
+    def sparse_out():
+        idx, num = selection.select_blocks(q, centroids, lengths, budget_blocks,
+                                           max_selected=max_selected, block_size=cfg.block_size)
+        return pallas_kernels.block_sparse_decode(q, k_cache, v_cache, idx, num, lengths,
+                                                  block_size=cfg.block_size,
+                                                  backend=cfg.backend)[0]
+    if max_selected * cfg.block_size >= k_cache.shape[2]:
+        return sparse_out(), centroids     # the selection itself is dense for covered rows
+
+    def mixed():
+        return jnp.where(covered[:, None, None], dense(), sparse_out())
+    out = jax.lax.cond(jnp.all(covered), dense,
+                       lambda: jax.lax.cond(jnp.any(covered), mixed, sparse_out))
     return out, centroids
 
 
@@ -56,7 +72,7 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
     heads = "model" if num_kv_heads % model_size == 0 else None
     data = spec.rules.get("batch")
     kv, q, row = P(data, heads, None, None), P(data, heads, None), P(data)
-    return jax.shard_map(fn, mesh=spec.mesh, in_specs=(q, kv, kv, kv, row, row),
+    return jax.shard_map(fn, mesh=spec.mesh, in_specs=(q, kv, kv, kv, row, row, row),
                          out_specs=(q, kv), check_vma=False)
 
 
@@ -128,13 +144,14 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         lengths = cache.lengths + 1  # the fed token is written at index cache.lengths
         budget = budget_for_lengths(budgets, lengths, bin_size)
         budget_blocks = jnp.minimum(budget // cfg.block_size, max_selected).astype(jnp.int32)
+        covered = budget >= lengths          # dense for this row (the dense rung, short rows)
         k_new, v_new, c_new = list(cache.k), list(cache.v), list(cache.centroids)
 
         def attend(i, q, k, v):
             k_new[i] = write_token(k_new[i], k[:, 0], cache.lengths)
             v_new[i] = write_token(v_new[i], v[:, 0], cache.lengths)
             out, c_new[i] = attn_fns[sparse_layer(i)](q[:, 0], k_new[i], v_new[i], c_new[i],
-                                                      lengths, budget_blocks)
+                                                      lengths, budget_blocks, covered)
             return out[:, None]
 
         hidden = model.run_layers(model.embed(st.token[:, None]), cache.lengths[:, None], attend)

@@ -151,12 +151,14 @@ def pool_layout(mcfg: Qwen3Config, cfg, dtype, *, rows: int, prompt_width: int, 
     max_pages = pages_for(prompt_width + cfg.max_new_tokens - 1, bs)
     heads_split = model if mcfg.num_key_value_heads % model == 0 else 1
     full = page_bytes(mcfg, dtype, bs)
-    pages, source = pool_pages(
-        page_bytes_per_device=full // heads_split, pool_bytes=cfg.pool_bytes,
-        pool_fraction=cfg.pool_fraction, default_pages=-(-rows // data) * max_pages,
-        memory_limit=memory_limit)
     need = max(max_pages, pages_for(prompt_width, bs)
                + group_size * pages_for(cfg.chunk_steps + bs, bs))
+    # The default (every row at full length) is at least `need`: with one row per shard and a
+    # chunk longer than the row's growth, full length alone is below the admission watermark.
+    pages, source = pool_pages(
+        page_bytes_per_device=full // heads_split, pool_bytes=cfg.pool_bytes,
+        pool_fraction=cfg.pool_fraction, default_pages=max(-(-rows // data) * max_pages, need),
+        memory_limit=memory_limit)
     if pages < need:
         raise ValueError(
             f"the page pool ({pages} pages of {bs} tokens per data shard, from {source}) cannot "

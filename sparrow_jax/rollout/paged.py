@@ -114,10 +114,11 @@ def _replay_attention(layer, q, k_cache, v_cache, start, lengths, *, prompt_leng
     pos = jnp.broadcast_to(start + jnp.arange(c), (b, c))
     scores = selection.centroid_scores(q, selection.block_centroids(k, bs)[:, None])
     max_selected = cfg.max_budget // bs
-    budget_blocks = jnp.minimum(budget_for_lengths(budgets, pos + 1, bin_size) // bs,
-                                max_selected)
+    budget = budget_for_lengths(budgets, pos + 1, bin_size)
+    budget_blocks = jnp.minimum(budget // bs, max_selected)
     chosen = selection.selected_keys(scores, pos, budget_blocks, max_selected=max_selected,
                                      block_size=bs)                       # [B, C, Hkv, S']
+    chosen = chosen | (budget >= pos + 1)[..., None, None]    # covered: dense (the decode's rule)
     keys = jnp.arange(stop)
     seen = (keys[None, None, :] <= pos[..., None]) & (keys[None, None, :] < lengths[:, None, None])
     is_decode = (pos >= prompt_lengths[:, None])[..., None, None]
@@ -165,12 +166,14 @@ def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, write_pages,
 
 # -- decode -----------------------------------------------------------------------------------
 def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, lengths, write,
-                     budget_blocks, *, sparse: bool, cfg: RolloutConfig, max_selected: int):
+                     budget_blocks, covered, *, sparse: bool, cfg: RolloutConfig,
+                     max_selected: int):
     """One layer, one token per slot, on one pool (under shard_map: this shard's).
 
     q [S, Hq, D]; k_new/v_new [S, Hkv, D] the fed token's key/value, written at position
     lengths - 1; pools [1, Hkv, N, bs, D], centroids [1, Hkv, N, D]; page_table [S, P];
-    lengths [S] tokens including the fed one; write [S] bool (inactive slots write nothing).
+    lengths [S] tokens including the fed one; write [S] bool (inactive slots write nothing);
+    covered [S] bool: budget >= length, attended densely (also beyond the selection width).
     Returns (out [S, Hq, D], k_pool, v_pool, c_pool).
     """
     bs = cfg.block_size
@@ -185,19 +188,33 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
         v_new.swapaxes(0, 1).astype(v_pool.dtype), mode="drop")
     k_pool = k_flat.reshape(k_pool.shape)
     v_pool = v_flat.reshape(v_pool.shape)
+
+    def attend(idx, num):
+        return pallas_kernels.paged_block_sparse_decode(q, k_pool, v_pool, page_table, idx, num,
+                                                        lengths, backend=cfg.backend)[0]
+
+    def dense():
+        return attend(*all_blocks_selection(s, hkv, p * bs, lengths, bs))
     if not sparse:
-        idx, num = all_blocks_selection(s, hkv, p * bs, lengths, bs)
-    else:
-        # The page this token filled gets its centroid (mean post-RoPE key, f32 accumulation).
-        filled = write & (lengths % bs == 0)
-        full_keys = k_pool[0][:, page].astype(jnp.float32)                # [Hkv, S, bs, D]
-        cent = jnp.mean(full_keys, axis=2).astype(c_pool.dtype)
-        c_pool = c_pool[0].at[:, jnp.where(filled, page, n_pages)].set(cent, mode="drop")[None]
-        cents = c_pool[0][:, jnp.clip(page_table, 0, n_pages - 1)].swapaxes(0, 1)  # [S, Hkv, P, D]
+        return dense(), k_pool, v_pool, c_pool
+    # The page this token filled gets its centroid (mean post-RoPE key, f32 accumulation).
+    filled = write & (lengths % bs == 0)
+    full_keys = k_pool[0][:, page].astype(jnp.float32)                # [Hkv, S, bs, D]
+    cent = jnp.mean(full_keys, axis=2).astype(c_pool.dtype)
+    c_pool = c_pool[0].at[:, jnp.where(filled, page, n_pages)].set(cent, mode="drop")[None]
+    cents = c_pool[0][:, jnp.clip(page_table, 0, n_pages - 1)].swapaxes(0, 1)  # [S, Hkv, P, D]
+
+    def sparse_out():
         idx, num = selection.select_blocks(q, cents, lengths, budget_blocks,
                                            max_selected=max_selected, block_size=bs)
-    out, _ = pallas_kernels.paged_block_sparse_decode(q, k_pool, v_pool, page_table, idx, num,
-                                                      lengths, backend=cfg.backend)
+        return attend(idx, num)
+    if max_selected >= p:
+        out = sparse_out()           # the selection itself is dense for covered rows
+    else:
+        def mixed():
+            return jnp.where(covered[:, None, None], dense(), sparse_out())
+        out = jax.lax.cond(jnp.all(covered), dense,
+                           lambda: jax.lax.cond(jnp.any(covered), mixed, sparse_out))
     return out, k_pool, v_pool, c_pool
 
 
@@ -216,7 +233,8 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
     tok, pool, cent, row = P(data, heads, None), P(data, heads, None, None, None), \
         P(data, heads, None, None), P(data)
     return jax.shard_map(fn, mesh=spec.mesh,
-                         in_specs=(tok, tok, tok, pool, pool, cent, P(data, None), row, row, row),
+                         in_specs=(tok, tok, tok, pool, pool, cent, P(data, None), row, row, row,
+                                   row),
                          out_specs=(tok, pool, pool, cent), check_vma=False)
 
 
@@ -262,13 +280,14 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
         lengths = sl.length + 1
         budget = budget_for_lengths(budgets, lengths, bin_size)
         budget_blocks = jnp.minimum(budget // cfg.block_size, max_selected).astype(jnp.int32)
+        covered = budget >= lengths          # dense for this slot (the dense rung, short rows)
         ks, vs, cs = list(kv.k), list(kv.v), list(kv.centroids)
 
         def attend(i, q, k, v):
             sparse = cfg.mode == "sparse" and i not in cfg.dense_layers
             out, ks[i], vs[i], cs[i] = attn[sparse](
                 q[:, 0], k[:, 0], v[:, 0], ks[i], vs[i], cs[i], sl.page_table, lengths,
-                sl.active, budget_blocks)
+                sl.active, budget_blocks, covered)
             return out[:, None]
 
         hidden = model.run_layers(model.embed(sl.token[:, None]), sl.length[:, None], attend)

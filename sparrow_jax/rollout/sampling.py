@@ -103,8 +103,12 @@ def sample_rows(rng: jax.Array, logits: jax.Array, sample_ids: jax.Array, index:
 def topk_logprobs(logits: jax.Array, k: int, *, temperature: float) -> tuple[jax.Array, jax.Array]:
     """Top-k of the temperature-scaled, untruncated distribution: ([B, k] logprobs, [B, k] ids).
 
-    Untruncated so that the paper's top-k mismatch estimator compares like with like.
+    Untruncated so that the paper's top-k mismatch estimator compares like with like. k = 0
+    (nothing reads the record, see `RolloutConfig.for_alpha_mode`): [B, 0] arrays and no work.
     """
+    if k == 0:
+        lead = logits.shape[:-1] + (0,)
+        return jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.int32)
     scaled = logits.astype(jnp.float32) / (temperature if temperature > 0 else 1.0)
     values, ids = jax.lax.top_k(jax.nn.log_softmax(scaled, axis=-1), k)
     return values, ids.astype(jnp.int32)

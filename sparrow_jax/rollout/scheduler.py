@@ -12,6 +12,9 @@ Loop, until every sample has finished:
   4. harvest: finished samples' pages go back to their pool.
 Sampling keys are per (sample, token index), so a sample's tokens do not depend on which slot
 it ran in, what ran beside it, or whether it was preempted (greedy results are bit-identical).
+Several processes: every process runs this same scheduler over the global prompts and global
+programs, reading chunk results back replicated (rollout/paged_multihost.py); keep every
+decision integer and order-stable (no set/dict iteration order, no float ties).
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import paged
+from sparrow_jax.rollout import paged, paged_multihost
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
 from sparrow_jax.rollout.state import Trajectories, check_budgets, prepare_prompts
+from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec
 
@@ -80,6 +84,10 @@ class PagedStats:
     chunks: int = 0
     prefills: int = 0
     shared_prompt_pages: int = 0  # page references served by sharing instead of a copy
+    # Several processes: seconds in replicated readbacks of program results (after they were
+    # computed) and in the cross-process digest checks (rollout/paged_multihost.py).
+    sync_seconds: float = 0.0
+    guard_seconds: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -136,6 +144,7 @@ class _Rollout:
         self.running: list[list[_Sample]] = [[] for _ in range(self.pools)]
         self.admitted = 0
         self.stop_ids = set(cfg.stop_token_ids)
+        self.sync = paged_multihost.Coordination(spec)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _length(self, s: _Sample) -> int:
@@ -280,13 +289,15 @@ class _Rollout:
         COMPILES.note("rollout/paged_prefill", rows=rows, width=width, group_size=n,
                       pages=self.pages_per_pool, replay=replay,
                       dtype=jnp.dtype(self.model.dtype).name)
-        args = [self._rows(x) for x in (tokens, lengths, write, sample_ids, index)]
-        out = paged.prefill_program(self.graphdef, self.params, self.kv, *args, self.rng,
-                                    self._rows(prompt_lengths), self.budget_table,
+        args = [self._rows(x) for x in (tokens, lengths, write, sample_ids, index,
+                                        prompt_lengths)]
+        self.sync.check("prefill", self.stats.chunks)
+        out = paged.prefill_program(self.graphdef, self.params, self.kv, *args[:5], self.rng,
+                                    args[5], self.budget_table,
                                     cfg=self.program_cfg, spec=self.spec,
                                     bin_size=self.bin_size, replay=replay)
         self.kv = out[0]
-        tok, lp, top_v, top_i = (np.asarray(x) for x in out[1:])
+        tok, lp, top_v, top_i = self.sync.read_back(out[1:])
         self.stats.prefills += 1
         for r, (kind, group, pool, length) in zip(where, units):
             if kind == "resume":
@@ -298,7 +309,9 @@ class _Rollout:
                     self._finish(s)
 
     def _rows(self, x: np.ndarray) -> jax.Array:
-        """Host rows (laid out by pool) to the device: over the data axis when sharded."""
+        """Host rows (laid out by pool) to the device: over the data axis when sharded (and
+        into the cross-process digest of the next program's inputs)."""
+        self.sync.add(x)
         return jnp.asarray(x) if self.spec is None else _place(x, self.spec)
 
     # -- 3. decode ----------------------------------------------------------------------------
@@ -324,13 +337,14 @@ class _Rollout:
                 order.append((row, s))
         slots = paged.Slots(*(self._rows(x) for x in (token, length, generated, active,
                                                         sample_id, table)))
+        self.sync.check("decode", self.stats.chunks)
         COMPILES.note("rollout/paged_decode", slots=total, pages_per_slot=width,
                       steps=cfg.chunk_steps, mode=cfg.mode, pages=self.pages_per_pool,
                       dtype=jnp.dtype(self.model.dtype).name)
         self.kv, _, rec = paged.decode_chunk_program(
             self.graphdef, self.params, self.kv, slots, jnp.asarray(budgets), self.rng,
             cfg=self.program_cfg, steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
-        toks, lps, buds, top_v, top_i, recorded = (np.asarray(x) for x in rec)
+        toks, lps, buds, top_v, top_i, recorded = self.sync.read_back(rec)
         self.stats.chunks += 1
         for row, s in order:
             c = int(recorded[row].sum())
@@ -354,25 +368,29 @@ class _Rollout:
                                    "fit an empty pool (a bug: the pool size was checked)")
         for a in self.alloc:
             a.check_all_free()
+        self.stats.sync_seconds = self.sync.read_seconds
+        self.stats.guard_seconds = self.sync.check_seconds
 
 
-def _place(x: jax.Array, spec: ShardingSpec) -> jax.Array:
-    """Rows over the data axis (slot arrays: each shard's slots on its devices)."""
-    return jax.device_put(x, spec.sharding(("batch",) + (None,) * (x.ndim - 1), x.shape))
+def _place(x: np.ndarray, spec: ShardingSpec) -> jax.Array:
+    """Rows over the data axis (slot arrays: each shard's slots on its devices); several
+    processes: each copies its devices' rows of the replicated host array."""
+    return multihost.host_to_global(x, spec.sharding(("batch",) + (None,) * (x.ndim - 1),
+                                                     x.shape))
 
 
 def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
              budgets, bin_size: int = 2000, group_size: int = 1, rng: jax.Array | None = None,
              spec: ShardingSpec | None = None, first_sample: int = 0) -> Trajectories:
     """The paged engine's `rollout.generate`: same arguments, same `Trajectories` (rows grouped
-    in prompt order, shapes as the static engine's). Single-process only for now."""
+    in prompt order, shapes as the static engine's). Several processes: each passes its own
+    prompts; every process schedules the global batch (process p's prompts are row block p)."""
     global LAST_STATS
-    if jax.process_count() > 1:
-        raise ValueError("RolloutConfig.engine='paged' runs in one process only for now; use "
-                         "engine='static' for multi-process rollouts")
     budgets = check_budgets(cfg, budgets)
     prompt_tokens, prompt_lengths = prepare_prompts(prompt_tokens, prompt_lengths, cfg=cfg,
                                                     group_size=group_size, spec=spec)
+    prompt_tokens, prompt_lengths = paged_multihost.global_prompts(prompt_tokens,
+                                                                   prompt_lengths, spec)
     ro = _Rollout(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
                   spec=spec, first_sample=first_sample)
     ro.run(budgets, bin_size)
@@ -381,18 +399,21 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
              "peak %d of %d pages (%.1f MiB), %d prompt pages shared", ro.rows, st.chunks,
              st.prefills, st.preemptions, st.peak_pages, st.pages_per_pool * st.pools,
              st.peak_bytes / 2**20, st.shared_prompt_pages)
+    if ro.sync.enabled:
+        log.info("paged rollout: %d processes, per decode chunk %.1f ms of replicated readback "
+                 "and %.1f ms of digest checks", jax.process_count(),
+                 1e3 * st.sync_seconds / max(st.chunks, 1),
+                 1e3 * st.guard_seconds / max(st.chunks, 1))
     rows_lengths = np.array([s.generated for s in ro.samples], np.int32)
     def rep(x):
         return np.repeat(x, group_size, axis=0)
     t = np.arange(cfg.max_new_tokens)
     plens = rep(prompt_lengths)
     traj = Trajectories(
-        prompt_tokens=jnp.asarray(rep(prompt_tokens)), prompt_lengths=jnp.asarray(plens),
-        tokens=jnp.asarray(ro.tokens), logprobs=jnp.asarray(ro.logprobs),
-        topk_logprobs=jnp.asarray(ro.topk_v), topk_ids=jnp.asarray(ro.topk_i),
-        budgets=jnp.asarray(ro.budgets), cached_lengths=jnp.asarray(plens[:, None] + t[None]),
-        mask=jnp.asarray(t[None] < rows_lengths[:, None]),
-        response_lengths=jnp.asarray(rows_lengths))
-    if spec is not None:
-        traj = jax.tree.map(lambda x: _place(x, spec), traj)
-    return traj
+        prompt_tokens=rep(prompt_tokens), prompt_lengths=plens, tokens=ro.tokens,
+        logprobs=ro.logprobs, topk_logprobs=ro.topk_v, topk_ids=ro.topk_i, budgets=ro.budgets,
+        cached_lengths=plens[:, None] + t[None], mask=t[None] < rows_lengths[:, None],
+        response_lengths=rows_lengths)
+    # Host arrays (whole on every process) -> rows over the data axis: process p's rows on p's
+    # devices, the static engine's layout.
+    return jax.tree.map(jnp.asarray if spec is None else (lambda x: _place(x, spec)), traj)

@@ -15,6 +15,7 @@ from sparrow_jax.rollout.kv_cache import KVCache
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.sharding import ShardingSpec
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 
 
 @jax.tree_util.register_dataclass
@@ -94,9 +95,14 @@ def check_budgets(cfg: RolloutConfig, budgets) -> np.ndarray:
     budgets = np.asarray(budgets, np.int32)
     if budgets.ndim != 1 or budgets.size == 0:
         raise ValueError(f"budgets must be a non-empty [num_bins] array, got shape {budgets.shape}")
-    if cfg.mode == "sparse" and budgets.max() > cfg.max_budget:
-        raise ValueError(f"schedule budget {budgets.max()} exceeds RolloutConfig.max_budget="
-                         f"{cfg.max_budget} (the static selection width); raise max_budget")
+    # DENSE_BUDGET (the dense rung) is always allowed: rows whose budget covers their length
+    # take the dense path whatever the selection width. A finite budget above the width
+    # would be silently capped to it.
+    finite = budgets[budgets < DENSE_BUDGET]
+    if cfg.mode == "sparse" and finite.size and finite.max() > cfg.max_budget:
+        raise ValueError(f"schedule budget {finite.max()} exceeds RolloutConfig.max_budget="
+                         f"{cfg.max_budget} (the static selection width); raise max_budget "
+                         f"(DENSE_BUDGET = {DENSE_BUDGET} is always allowed: dense)")
     return budgets
 
 

@@ -73,11 +73,14 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
             nb = key_end // block_size
             c = q_c.shape[1]
             scores = selection.centroid_scores(q_c, centroids[:, None, :, :nb])   # [B, C, Hkv, NB]
-            budget_blocks = jnp.minimum(
-                budget_for_lengths(budgets, pos_c + 1, bin_size) // block_size, max_selected)
+            budget = budget_for_lengths(budgets, pos_c + 1, bin_size)
+            budget_blocks = jnp.minimum(budget // block_size, max_selected)
             chosen = selection.selected_keys(scores, pos_c, budget_blocks,
                                              max_selected=max_selected,
                                              block_size=block_size)       # [B, C, Hkv, S']
+            # A budget covering the length is dense, also beyond the selection width (the
+            # rollout's dense path for such rows, e.g. the controller's dense rung).
+            chosen = chosen | (budget >= pos_c + 1)[..., None, None]
             causal = jnp.arange(key_end)[None, :] <= (offset + jnp.arange(c))[:, None]  # [C, S']
             is_decode = pos_c >= prompt_lengths[:, None]                         # [B, C]
             visible = causal[None, :, None, :] & jnp.where(is_decode[..., None, None], chosen,

@@ -38,6 +38,7 @@ import logging
 import os
 import posixpath
 import signal
+import sys
 import threading
 from types import FrameType, TracebackType
 from typing import Any, Callable
@@ -130,6 +131,8 @@ class CheckpointManager:
       catch_sigterm: in single-process runs, turn SIGTERM into ``should_stop_for_preemption() ==
         True`` (multi-process runs get this from JAX's preemption notifier). The previous handler
         is restored by ``close()``. Only possible from the main thread.
+      catch_sigint: in single-process runs, the first Ctrl-C (SIGINT) acts like SIGTERM; a
+        second one exits the process at once (status 130). Restored by ``close()``.
       read_only: open an existing run only to read it (``sparrow export``, possibly while the
         run is still training): nothing is created, saved or deleted - in particular the
         ``<step>.orbax-checkpoint-tmp`` directory of the live run's in-progress save is left alone.
@@ -145,6 +148,7 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         enable_async: bool = False,
         catch_sigterm: bool = False,
+        catch_sigint: bool = False,
         read_only: bool = False,
     ) -> None:
         self.run_dir = os.fspath(run_dir)
@@ -178,11 +182,39 @@ class CheckpointManager:
                 raise RuntimeError("catch_sigterm=True needs the main thread (signal handlers)")
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_installed = True
+        self._prev_sigint: Any = None
+        self.stop_reason = "preemption requested"
+        if (catch_sigint and jax.process_count() == 1
+                and threading.current_thread() is threading.main_thread()):
+            self._prev_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         self._closed = False
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         # Only set a flag: saving from inside a signal handler could interleave with a step.
         self._sigterm.set()
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        """Ctrl-C: the first one stops like SIGTERM (save at the step boundary, exit cleanly);
+        a second one exits at once. Exiting skips the in-progress step, and any half-written
+        step directory is only a `<step>.orbax-checkpoint-tmp` that step discovery ignores and
+        the next start removes: the last finalized checkpoint is intact."""
+        if not self._sigterm.is_set():
+            self._sigterm.set()
+            self.stop_reason = "interrupted (Ctrl-C)"
+            logging.getLogger(__name__).warning(
+                "Ctrl-C: saving at the end of this step and stopping (press Ctrl-C again to "
+                "stop at once, losing the steps since the last checkpoint)")
+            return
+        # Not orbax's latest_step(): the handler may run while orbax holds its own locks.
+        try:
+            latest: Any = max((int(n) for n in os.listdir(self.directory) if n.isdigit()),
+                              default=None)
+        except OSError:           # a URI, or unreadable: the message names no step
+            latest = "unknown"
+        sys.stderr.write(f"\nstopped at once by a second Ctrl-C; the last checkpoint is step "
+                         f"{latest} in {self.directory} (re-run the same command to resume)\n")
+        sys.stderr.flush()
+        os._exit(130)        # no cleanup that could block or half-finish a write
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -357,6 +389,9 @@ class CheckpointManager:
                 prev = self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL
                 signal.signal(signal.SIGTERM, prev)
                 self._sigterm_installed = False
+            if self._prev_sigint is not None:
+                signal.signal(signal.SIGINT, self._prev_sigint)
+                self._prev_sigint = None
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -5,7 +5,9 @@
   (stored in the step's JSON extra); `restore_newest_good` restores the newest step that loads
   *and* matches its fingerprints, reports and sets aside any newer step that does not, and names
   the directory when no step is restorable. Orbax alone cannot tell: a truncated array file
-  raises, but flipped bytes inside one restore silently as different weights (measured).
+  raises, but flipped bytes inside one restore silently as different weights (measured). A step
+  another configuration saved is not damage: the caller's `incompatible` check
+  (`sparrow_jax.runtime.resume_check`) turns it into a configuration error and nothing moves.
 - `NonFiniteGuard`: counts RL steps whose update was skipped for a non-finite loss or gradient
   (the learner leaves parameters and optimizer state untouched then) and stops the run after
   `max_consecutive` of them in a row.
@@ -125,14 +127,18 @@ def _set_aside(manager: ckpt.CheckpointManager, step: int) -> str | None:
     return dest
 
 
-def restore_newest_good(manager: ckpt.CheckpointManager, restore: Callable[[int], Any]
+def restore_newest_good(manager: ckpt.CheckpointManager, restore: Callable[[int], Any],
+                        incompatible: Callable[[int], str | None] | None = None
                         ) -> tuple[int, Any] | None:
     """``(step, restore(step))`` for the newest step that restores; None when there are none.
 
-    A step whose ``restore`` raises (truncated or corrupted files, a fingerprint mismatch) is
-    reported with the reason, moved to ``run_dir/damaged_checkpoints/`` and the next older step
-    is tried. When steps exist but none restores: RunError naming the directory and each
-    step's reason.
+    A step whose ``restore`` raises is first asked ``incompatible(step)``: a message there means
+    the step was saved by another configuration (its arrays' structure differs), and that
+    message is raised as a RunError at once - nothing is moved. Otherwise the restore is tried
+    once more (a transient read error is not damage); a step that still fails, or restores but
+    does not match its fingerprints, is damaged: reported with the reason, moved to
+    ``run_dir/damaged_checkpoints/`` and the next older step is tried. When steps exist but none
+    restores: RunError naming the directory and each step's reason.
     """
     steps = manager.all_steps()
     if not steps:
@@ -140,8 +146,25 @@ def restore_newest_good(manager: ckpt.CheckpointManager, restore: Callable[[int]
     reasons = []
     for step in sorted(steps, reverse=True):
         try:
-            result = restore(step)
-        except Exception as e:  # noqa: BLE001 - any failure to read a step means "damaged"
+            try:
+                result = restore(step)
+            except DamagedCheckpointError:
+                raise
+            except Exception as first:  # noqa: BLE001 - classified below
+                try:
+                    message = incompatible(step) if incompatible is not None else None
+                except Exception as e:  # noqa: BLE001 - unclassified: never move it
+                    raise RunError(f"checkpoint {manager.step_dir(step)} does not restore "
+                                   f"({type(first).__name__}: {str(first)[:200]}) and its "
+                                   f"structure could not be checked ({type(e).__name__}: "
+                                   f"{str(e)[:200]}); nothing was moved") from e
+                if message:
+                    raise RunError(message) from first
+                log.debug("restore of step %d failed; trying once more", step, exc_info=True)
+                result = restore(step)
+        except RunError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the same failure twice on a matching step
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             reasons.append(f"step {step}: {reason}")
             moved = _set_aside(manager, step)
@@ -155,7 +178,9 @@ def restore_newest_good(manager: ckpt.CheckpointManager, restore: Callable[[int]
         return step, result
     manager.reload()
     raise RunError(f"no restorable checkpoint in {manager.directory}: " + "; ".join(reasons)
-                   + ". Move the directory away to start the run afresh.")
+                   + ". The steps were moved to " + posixpath.join(manager.run_dir,
+                                                                   DAMAGED_SUBDIR)
+                   + "; move the run directory away to start the run afresh.")
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -17,6 +17,8 @@ path of the callers does not change.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -25,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sparrow_jax.runtime.sharding import ShardingSpec
 
 __all__ = ["is_multiprocess", "check_mesh", "sync_max", "rows_to_global", "local_rows",
-           "all_rows"]
+           "all_rows", "host_to_global", "to_host"]
 
 
 def is_multiprocess() -> bool:
@@ -103,3 +105,34 @@ def all_rows(local: np.ndarray) -> np.ndarray:
     if not is_multiprocess():
         return local
     return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
+def host_to_global(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A NumPy array that every process holds whole, with the same values (a replicated host
+    computation's result) -> a global array with `sharding`. Each process copies only the slices
+    of its own devices: no collective (`jax.device_put` of a host array onto a multi-process
+    sharding checks equality with an allgather per call; the paged scheduler checks one digest
+    per program instead)."""
+    x = np.asarray(x)
+    if not is_multiprocess():
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+@functools.lru_cache(maxsize=None)
+def _replicate(mesh: jax.sharding.Mesh):
+    # One program per mesh (and input shapes): every output fully replicated.
+    return jax.jit(lambda *xs: xs, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def to_host(tree, spec: ShardingSpec | None):
+    """A pytree of device arrays -> NumPy arrays holding the *whole* (global) value on every
+    process: one replicating program over spec's mesh for all leaves, then a local read. With
+    one process, plain `np.asarray`. Every process must call it with the same shapes."""
+    if not is_multiprocess():
+        return jax.tree.map(np.asarray, tree)
+    if spec is None:
+        raise ValueError("to_host in a multi-process run needs the spec of the global mesh")
+    leaves, treedef = jax.tree.flatten(tree)
+    out = _replicate(spec.mesh)(*leaves)
+    return jax.tree.unflatten(treedef, [np.asarray(x.addressable_data(0)) for x in out])

@@ -1,65 +1,92 @@
-"""The online schedule controller: moves each length bin's KV budget from the tail alpha the
-learner measured for that bin this step (``sparrow_jax.sparsity.mismatch.tail_by_bin``).
+"""The online schedule controller: each length bin's KV budget from pooled tail evidence.
 
-A bin whose tail falls below the target is raised at once; one that stays above target + margin
-for ``patience`` steps is lowered one rung, unless it failed at that budget recently. Pure
-``controller_update`` on a frozen ``ControllerState`` (JSON-able for checkpoints), plus a small
-mutable wrapper; it runs on the host once per RL step.
+The tail condition ``p_q(alpha) >= target`` is ``P(alpha < target) <= q``: a bin passes when the
+rate of tokens with alpha below the target is at most q. Per bin the controller pools exceedance
+counts at the bin's current budget over steps (decayed, reset when the budget changes; rows or
+prompts as the statistical unit, ``sparrow_jax.sparsity.evidence``) and bounds the rate from
+above with a one-sided confidence bound. With enough evidence (``min_rows`` units and
+``min_tokens`` tokens):
+
+- **raise** as soon as the bound exceeds q: back to the last rung this bin passed at (the rung
+  it was lowered from), or to the **dense** rung when there is none. Every bin's ladder ends at
+  dense (``DENSE_BUDGET``; a budget >= the bin's upper edge already is dense attention for the
+  bin's tokens, and the rollout takes its dense path for rows whose budget covers their length),
+  so a failing bin always has somewhere to go;
+- **lower** one rung only when a teacher-forced replay of the same batches at that rung (the
+  *probe*, ``probe_budgets``) passes by the same bound, while the current rung passes too.
+  Live rollouts never carry an untested cheaper budget.
+
+A rung that failed (live or in a probe) is not probed again for ``fail_memory`` steps. Pure
+``controller_update`` on a frozen, JSON-able ``ControllerState`` plus a small mutable wrapper;
+host-side, once per RL step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from statistics import NormalDist
 from typing import Any
 
 import gin
 import numpy as np
 
-from sparrow_jax.sparsity.schedule import NUM_RESERVED_BLOCKS, Schedule
+from sparrow_jax.sparsity.evidence import Evidence, upper_bound
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, NUM_RESERVED_BLOCKS, Schedule
 
-__all__ = ["ControllerConfig", "ControllerState", "controller_update", "ScheduleController"]
+__all__ = ["ControllerConfig", "ControllerState", "controller_update", "ScheduleController",
+           "bin_ladders", "certify_tokens"]
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
-    """How the controller moves budgets. Budgets move along a ladder of rungs.
+    """How the controller moves budgets along each bin's ladder of rungs.
 
     Attributes:
-      target: a bin passes when its tail alpha >= target.
-      margin: lowering is considered only when tail >= target + margin (hysteresis band).
-      patience: consecutive steps with tail >= target + margin before lowering one rung.
-        A failing bin is raised at once, ``up_rungs`` rungs.
-      min_tokens: bins with fewer tokens this step (or a NaN tail) are left untouched.
-      min_budget, max_budget: bounds (rounded to the block size, at least 3 blocks).
+      target: alpha threshold tau; a token with alpha < target is an exceedance.
+      quantile: q, the allowed exceedance rate (the trainer sets it to TrainConfig.tail_quantile).
+      confidence: one-sided level of the upper bound on a bin's exceedance rate.
+      decay: weight of the previous step's pooled evidence (0 = this step only).
+      min_rows: decayed units (rows or prompts) with tokens in a bin before it is judged.
+      min_tokens: decayed tokens in a bin before it is judged (at least ``certify_tokens``: the
+        tokens the bound needs to pass a clean bin, ~z^2/q; fewer leave the bin undecided).
+      unit: "row" or "prompt" (a GRPO group's rows summed): the independent unit.
+      min_budget, max_budget: bounds of the finite rungs (multiples of the block size, at least
+        3 blocks); above them every ladder ends at the dense rung.
       step_factor: ratio between rungs of the default geometric ladder.
-      ladder: explicit rungs (tokens) instead of the geometric ladder.
-      fail_memory: after a failure at budget b, do not lower back to <= b for this many
-        steps (stops a bin from re-probing a failing budget every ``patience`` steps).
-      monotone: keep budgets non-decreasing over bins (cumulative max; raising is safe).
+      ladder: explicit finite rungs (tokens) instead of the geometric ladder.
+      fail_memory: steps during which a rung that failed is not probed again.
+      probe: replay one rung lower each step (False: budgets only ever rise).
     """
 
     target: float = 0.86
-    margin: float = 0.03
-    patience: int = 3
+    quantile: float = 0.05
+    confidence: float = 0.95
+    decay: float = 0.8
+    min_rows: int = 16
     min_tokens: int = 256
+    unit: str = "row"
     min_budget: int = 256
     max_budget: int = 16384
     step_factor: float = 1.25
     ladder: tuple[int, ...] | None = None
-    up_rungs: int = 1
-    fail_memory: int = 20
-    monotone: bool = True
+    fail_memory: int = 10
+    probe: bool = True
 
     def __post_init__(self):
         if not 0.0 < self.target <= 1.0:
             raise ValueError(f"target must be in (0, 1], got {self.target}")
-        if self.margin < 0:
-            raise ValueError(f"margin must be >= 0, got {self.margin}")
-        for field in ("patience", "up_rungs"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if not 0.0 < self.quantile < 1.0:
+            raise ValueError(f"quantile must be in (0, 1), got {self.quantile}")
+        if not 0.5 <= self.confidence < 1.0:
+            raise ValueError(f"confidence must be in [0.5, 1), got {self.confidence}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+        if self.min_rows < 1 or self.min_tokens < 0 or self.fail_memory < 0:
+            raise ValueError(f"min_rows >= 1, min_tokens >= 0, fail_memory >= 0 needed: {self}")
+        if self.unit not in ("row", "prompt"):
+            raise ValueError(f"unit must be 'row' or 'prompt', got {self.unit!r}")
         if self.min_budget > self.max_budget:
             raise ValueError(f"min_budget {self.min_budget} > max_budget {self.max_budget}")
         if self.step_factor <= 1.0:
@@ -68,15 +95,14 @@ class ControllerConfig:
             object.__setattr__(self, "ladder", tuple(int(b) for b in self.ladder))
 
     def rungs(self, block_size: int) -> tuple[int, ...]:
-        """The sorted budgets the controller may use, all within [min_budget, max_budget]."""
+        """The sorted finite budgets, all within [min_budget, max_budget] (dense comes after)."""
         lo = max(-(-self.min_budget // block_size), NUM_RESERVED_BLOCKS) * block_size
         hi = max(self.max_budget // block_size * block_size, lo)
         if self.ladder is not None:
             bad = [b for b in self.ladder if b % block_size]
             if bad:
                 raise ValueError(f"ladder budgets {bad} are not multiples of block_size {block_size}")
-            rungs = sorted({b for b in self.ladder if lo <= b <= hi} | {lo, hi})
-            return tuple(rungs)
+            return tuple(sorted({b for b in self.ladder if lo <= b <= hi} | {lo, hi}))
         rungs, b = [], lo
         while b < hi:
             rungs.append(b)
@@ -85,110 +111,186 @@ class ControllerConfig:
         return tuple(rungs)
 
 
+def bin_ladders(schedule: Schedule, config: ControllerConfig) -> list[tuple[int, ...]]:
+    """Per bin: the finite rungs below the bin's upper edge, then ``DENSE_BUDGET``.
+
+    Bin i < last holds cached lengths up to (i + 1) * bin_size, so any budget >= that edge is
+    dense attention for its tokens; the last bin is open-ended and keeps every finite rung."""
+    finite = config.rungs(schedule.block_size)
+    n = schedule.num_bins
+    return [tuple(r for r in finite if i == n - 1 or r < (i + 1) * schedule.bin_size)
+            + (DENSE_BUDGET,) for i in range(n)]
+
+
+def _snap(budget: int, ladder: tuple[int, ...]) -> int:
+    """The cheapest rung >= budget (a budget above every finite rung is dense)."""
+    return next(r for r in ladder if r >= budget)
+
+
 @dataclasses.dataclass(frozen=True)
 class ControllerState:
     """Controller state; JSON-able through ``to_dict`` for checkpoints.
 
     Attributes:
-      schedule: the current schedule.
-      streak: per bin, consecutive active steps with tail >= target + margin.
-      last_fail: per bin, the budget at the last failure (0 = never failed).
-      fail_age: per bin, steps since that failure.
+      schedule: the current schedule (the live rollout's budgets).
+      evidence: pooled evidence at each bin's current budget.
+      probe_budgets: per bin, the lower rung the next replay tests (0 = none).
+      probe_evidence: pooled evidence at each bin's probe budget.
+      last_pass: per bin, the rung the bin was last lowered from (where it passed); a failing
+        bin returns there, or to dense when it is not above the failing budget.
+      last_fail: per bin, the last rung that failed (0 = never); fail_age: steps since.
       step: number of updates applied.
     """
 
     schedule: Schedule
-    streak: tuple[int, ...]
+    evidence: Evidence
+    probe_budgets: tuple[int, ...]
+    probe_evidence: Evidence
+    last_pass: tuple[int, ...]
     last_fail: tuple[int, ...]
     fail_age: tuple[int, ...]
     step: int = 0
 
     def __post_init__(self):
         n = self.schedule.num_bins
-        for field in ("streak", "last_fail", "fail_age"):
+        for field in ("probe_budgets", "last_pass", "last_fail", "fail_age"):
             value = tuple(int(v) for v in getattr(self, field))
             if len(value) != n:
                 raise ValueError(f"{field} has {len(value)} entries, schedule has {n} bins")
             object.__setattr__(self, field, value)
+        for field in ("evidence", "probe_evidence"):
+            if len(getattr(self, field).units) != n:
+                raise ValueError(f"{field} does not have {n} bins")
 
     @classmethod
     def initial(cls, schedule: Schedule) -> "ControllerState":
         n = schedule.num_bins
-        return cls(schedule, (0,) * n, (0,) * n, (0,) * n, 0)
+        zeros = (0,) * n
+        return cls(schedule, Evidence.empty(n), zeros, Evidence.empty(n), (DENSE_BUDGET,) * n,
+                   zeros, zeros, 0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schedule": self.schedule.to_dict(), "streak": list(self.streak),
-                "last_fail": list(self.last_fail), "fail_age": list(self.fail_age),
-                "step": self.step}
+        return {"schedule": self.schedule.to_dict(), "evidence": self.evidence.to_dict(),
+                "probe_budgets": list(self.probe_budgets),
+                "probe_evidence": self.probe_evidence.to_dict(),
+                "last_pass": list(self.last_pass), "last_fail": list(self.last_fail),
+                "fail_age": list(self.fail_age), "step": self.step}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ControllerState":
-        return cls(Schedule.from_dict(data["schedule"]), tuple(data["streak"]),
-                   tuple(data["last_fail"]), tuple(data["fail_age"]), int(data["step"]))
+        if "evidence" not in data:   # a checkpoint of the earlier single-step controller
+            return dataclasses.replace(cls.initial(Schedule.from_dict(data["schedule"])),
+                                       step=int(data.get("step", 0)))
+        return cls(Schedule.from_dict(data["schedule"]), Evidence.from_dict(data["evidence"]),
+                   tuple(data["probe_budgets"]), Evidence.from_dict(data["probe_evidence"]),
+                   tuple(data["last_pass"]), tuple(data["last_fail"]), tuple(data["fail_age"]),
+                   int(data["step"]))
+
+    def replay_budgets(self) -> np.ndarray | None:
+        """``[num_bins]`` budgets for the probe replay (probe rung where one is proposed, the
+        current budget elsewhere), or None when no bin has a probe."""
+        probe = np.asarray(self.probe_budgets, np.int64)
+        if not probe.any():
+            return None
+        return np.where(probe > 0, probe, np.asarray(self.schedule.budgets, np.int64))
 
 
-def controller_update(
-    state: ControllerState, tail: Any, counts: Any, config: ControllerConfig
-) -> tuple[ControllerState, dict[str, Any]]:
-    """One controller step from this RL step's per-bin tail (pure; host-side NumPy).
+def certify_tokens(config: ControllerConfig) -> float:
+    """Tokens without a single exceedance that the bound needs to pass a bin at all
+    (Wilson: z^2 (1 - q) / q). With fewer, a clean bin is undecided, not failing."""
+    z = NormalDist().inv_cdf(config.confidence)
+    return z * z * (1.0 - config.quantile) / config.quantile
+
+
+def _judge(ev: Evidence, config: ControllerConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(upper bound [nb], enough evidence [nb], failing [nb]) for pooled evidence."""
+    ub = upper_bound(ev, config.confidence)
+    need = max(float(config.min_tokens), certify_tokens(config))
+    enough = (np.asarray(ev.units) >= config.min_rows) & (np.asarray(ev.tokens) >= need)
+    return ub, enough, enough & (ub > config.quantile)
+
+
+def controller_update(state: ControllerState, hits, tokens, config: ControllerConfig, *,
+                      probe_hits=None, probe_tokens=None) -> tuple[ControllerState, dict[str, Any]]:
+    """One controller step (pure; host-side NumPy).
 
     Args:
       state: current state.
-      tail: ``[num_bins]`` per-bin tail alpha (NaN = no data).
-      counts: ``[num_bins]`` tokens per bin.
+      hits, tokens: ``[U, num_bins]`` per unit (row or prompt) exceedances (alpha < target) and
+        tokens, measured at ``state.schedule``'s budgets (``evidence.exceedance_counts``).
       config: controller settings.
+      probe_hits, probe_tokens: the same from the replay at ``state.replay_budgets()`` (None:
+        no replay this step; only bins with a probe budget read them).
     Returns:
-      (new state, info) where info holds NumPy arrays ``budgets_before``, ``budgets`` and bool
-      masks ``raised``, ``lowered``, ``skipped``, ``saturated`` (failing at max_budget),
-      ``blocked`` (lowering vetoed by fail memory), plus ``num_changed``.
+      (new state, info): NumPy ``budgets_before``, ``budgets``, ``upper_bound``, ``probe_upper``
+      and bool masks ``failing`` (bound above q at the live budget: below target), ``undecided``
+      (not enough evidence), ``raised``, ``lowered``, ``at_dense``, ``failing_dense``
+      (failing at the dense rung: sparse vs dense is not the cause), ``probe_failed``, plus
+      ``num_changed``.
     """
     sched = state.schedule
     n = sched.num_bins
-    tail = np.asarray(tail, np.float64).reshape(-1)
-    counts = np.asarray(counts).reshape(-1)
-    if tail.shape != (n,) or counts.shape != (n,):
-        raise ValueError(f"tail {tail.shape} / counts {counts.shape} must both be ({n},)")
-    rungs = np.asarray(config.rungs(sched.block_size))
-    lo, hi = int(rungs[0]), int(rungs[-1])
+    hits, tokens = np.asarray(hits), np.asarray(tokens)
+    if hits.ndim != 2 or hits.shape != tokens.shape or hits.shape[1] != n:
+        raise ValueError(f"hits {hits.shape} / tokens {tokens.shape} must both be [units, {n}]")
+    ladders = bin_ladders(sched, config)
     before = np.asarray(sched.budgets, np.int64)
-    budgets = np.clip(before, lo, hi)  # bounds win over whatever the schedule started with
-    streak = np.asarray(state.streak, np.int64)
+    current = np.asarray([_snap(int(b), lad) for b, lad in zip(before, ladders)], np.int64)
+    ev = state.evidence.combine(Evidence.from_counts(hits, tokens), config.decay)
+    ub, enough, failing = _judge(ev, config)
+    probe = np.asarray(state.probe_budgets, np.int64)
+    pev = state.probe_evidence
+    if probe_hits is not None:
+        pev = pev.combine(Evidence.from_counts(probe_hits, probe_tokens), config.decay,
+                          keep=probe > 0)
+    pub, penough, pfail = _judge(pev, config)
+    has_probe = (probe > 0) & (probe_hits is not None)
+    last_pass = np.asarray(state.last_pass, np.int64)
     last_fail = np.asarray(state.last_fail, np.int64)
     fail_age = np.asarray(state.fail_age, np.int64) + 1
-    flags = {k: np.zeros(n, bool) for k in ("skipped", "saturated", "blocked")}
-
+    budgets = current.copy()
+    reset = np.zeros(n, bool)          # evidence at the (new) budget starts empty
+    carry = np.zeros(n, bool)          # evidence at the new budget = the probe's
+    probe_failed = has_probe & pfail
+    lowered = np.zeros(n, bool)
     for i in range(n):
-        b = int(budgets[i])
-        if counts[i] < config.min_tokens or not np.isfinite(tail[i]):
-            flags["skipped"][i] = True  # no evidence: keep budget and streak as they are
-        elif tail[i] < config.target:
-            above = rungs[rungs > b]
-            if above.size:
-                budgets[i] = above[min(config.up_rungs, above.size) - 1]
-            else:
-                flags["saturated"][i] = True
-            last_fail[i], fail_age[i], streak[i] = b, 0, 0
-        elif tail[i] >= config.target + config.margin:
-            streak[i] += 1
-            below = rungs[rungs < b]
-            if streak[i] >= config.patience and below.size:
-                cand = int(below[-1])
-                if cand <= last_fail[i] and fail_age[i] < config.fail_memory:
-                    flags["blocked"][i] = True
-                    streak[i] = config.patience  # stay ready; try when the memory expires
-                else:
-                    budgets[i], streak[i] = cand, 0
-            streak[i] = min(streak[i], config.patience)
-        else:
-            streak[i] = 0  # inside the hysteresis band: hold
-
-    if config.monotone:
-        budgets = np.maximum.accumulate(budgets)
+        b = int(current[i])
+        if failing[i]:
+            if b < DENSE_BUDGET:
+                budgets[i] = last_pass[i] if last_pass[i] > b else DENSE_BUDGET
+                last_pass[i] = DENSE_BUDGET
+                reset[i] = True
+            last_fail[i], fail_age[i] = b, 0
+        elif enough[i] and has_probe[i] and penough[i] and not pfail[i] and probe[i] < b:
+            budgets[i], last_pass[i], carry[i], lowered[i] = probe[i], b, True, True
+        if probe_failed[i]:       # the probed rung fails: remember it (with a live failure)
+            recent = int(last_fail[i]) if fail_age[i] == 0 else 0
+            last_fail[i], fail_age[i] = max(int(probe[i]), recent), 0
+    empty = Evidence.empty(n)
+    new_ev = ev.select(~reset, empty).select(~carry, pev)
+    # The next probe: one rung below the (new) budget, unless that rung failed recently.
+    next_probe = np.zeros(n, np.int64)
+    if config.probe:
+        for i in range(n):
+            lad = ladders[i]
+            below = [r for r in lad if r < budgets[i]]
+            if not below:
+                continue
+            cand = below[-1]
+            if cand <= last_fail[i] and fail_age[i] < config.fail_memory:
+                continue
+            next_probe[i] = cand
+    same_probe = (next_probe == probe) & ~probe_failed & ~carry & ~reset
+    new_pev = pev.select(same_probe & (next_probe > 0), empty)
     new_sched = dataclasses.replace(sched, budgets=tuple(int(b) for b in budgets))
-    new_state = ControllerState(new_sched, tuple(streak), tuple(last_fail), tuple(fail_age),
-                                state.step + 1)
-    info = {"budgets_before": before, "budgets": budgets.copy(), "raised": budgets > before,
-            "lowered": budgets < before, "num_changed": int(np.sum(budgets != before)), **flags}
+    new_state = ControllerState(new_sched, new_ev, tuple(next_probe), new_pev, tuple(last_pass),
+                                tuple(last_fail), tuple(fail_age), state.step + 1)
+    at_dense = current >= DENSE_BUDGET
+    info = {"budgets_before": before, "budgets": budgets.copy(), "upper_bound": ub,
+            "probe_upper": np.where(has_probe, pub, np.nan), "failing": failing,
+            "undecided": ~enough, "raised": budgets > current, "lowered": lowered,
+            "at_dense": at_dense, "failing_dense": failing & at_dense,
+            "probe_failed": probe_failed, "num_changed": int(np.sum(budgets != before))}
     return new_state, info
 
 
@@ -204,8 +306,12 @@ class ScheduleController:
     def schedule(self) -> Schedule:
         return self.state.schedule
 
-    def update(self, tail: Any, counts: Any) -> dict[str, Any]:
-        self.state, info = controller_update(self.state, tail, counts, self.config)
+    def replay_budgets(self) -> np.ndarray | None:
+        return self.state.replay_budgets() if self.config.probe else None
+
+    def update(self, hits, tokens, probe_hits=None, probe_tokens=None) -> dict[str, Any]:
+        self.state, info = controller_update(self.state, hits, tokens, self.config,
+                                             probe_hits=probe_hits, probe_tokens=probe_tokens)
         return info
 
     def state_dict(self) -> dict[str, Any]:

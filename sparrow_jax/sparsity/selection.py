@@ -9,19 +9,33 @@ blocks than the budget, every block is selected (exactly dense).
 
 Outputs feed ``pallas_kernels.block_sparse_decode``: indices ascending, valid entries first,
 padding repeats the last valid id (so kernels re-read nothing for padding).
+
+Selection is sort-free and linear in the number of blocks (a radix select of the k-th score and
+bit-packed prefix counts; no sort, no top-k, no scatter), with exactly the ids of the former
+`lax.top_k` + sort, which stays as `select_from_scores_reference` for tests and benchmarks.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import dispatch
+
 __all__ = ["block_centroids", "update_centroid", "block_minmax", "centroid_scores",
-           "quest_scores", "select_from_scores", "select_blocks", "selected_keys"]
+           "quest_scores", "select_from_scores", "select_blocks", "selected_keys", "order_key",
+           "kth_largest_key", "prefix_count", "compact_ids", "select_from_scores_reference"]
 
 # Blocks always kept in the sparse regime: the sink (block 0) and the two most recent blocks.
 NUM_RESERVED = 3
+# Bits per radix-select pass (kth_largest_key) by platform: 32 / bits passes over the row, each
+# counting 2**bits - 1 thresholds. Accelerators are bound by the passes (each re-reads the row's
+# keys: H100 compile of 512 rows x 2176 blocks, XLA's count: 169 / 102 / 67 MB at 1 / 2 / 4 bits);
+# XLA:CPU by the compares (one count per pass is fastest there, bench/kernels.py --selection).
+RADIX_BITS = {"cpu": 1, "gpu": 4, "tpu": 4}
 
 
 def _blocked(keys: jax.Array, block_size: int) -> jax.Array:
@@ -114,8 +128,146 @@ def _min_if_concrete(x: jax.Array) -> int | None:
         return None
 
 
+def order_key(x: jax.Array) -> jax.Array:
+    """[...] f32 -> [...] uint32 whose unsigned order is IEEE total order on the floats
+    (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN): the order `lax.top_k` ranks by on XLA:CPU,
+    so ranking by this key reproduces it bit for bit, ties included."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _radix_bits(radix_bits: int | None) -> int:
+    """radix_bits, or the platform's default (the dryrun's target platform when compiling for
+    one: pallas_kernels.dispatch.current_platform)."""
+    return radix_bits or RADIX_BITS.get(dispatch.current_platform(), 4)
+
+
+def kth_largest_key(key: jax.Array, valid: jax.Array, k: jax.Array, *,
+                    radix_bits: int | None = None) -> jax.Array:
+    """The k-th largest of the valid keys per row, by radix select: key [..., NB] uint32,
+    valid [..., NB] bool, k [...] int32 -> [...] uint32.
+
+    Builds the answer from the top digit down: at each digit, the largest digit value whose
+    probe (prefix | digit) still has >= k valid keys at or above it. 32 / radix_bits passes of
+    (2**radix_bits - 1) counts over the row: linear in NB, no sort, no top-k. k <= 0 gives
+    0xFFFFFFFF; k > (number of valid keys) gives 0 (callers only read rows with 1 <= k <= valid).
+    """
+    radix_bits = _radix_bits(radix_bits)
+    if 32 % radix_bits:
+        raise ValueError(f"radix_bits must divide 32, got {radix_bits}")
+    digits = jnp.arange(1, 1 << radix_bits, dtype=jnp.uint32)                 # [V]
+    kth = jnp.zeros(k.shape, jnp.uint32)
+    # A Python loop, not fori_loop: XLA:GPU reads a while loop's predicate back to the host
+    # every iteration (one round trip per pass, per sparse layer and decode step).
+    for shift in range(32 - radix_bits, -1, -radix_bits):
+        probe = kth[..., None] | (digits << shift)                                # [..., V]
+        at_least = valid[..., None, :] & (key[..., None, :] >= probe[..., None])  # [..., V, NB]
+        counts = jnp.sum(at_least, axis=-1, dtype=jnp.int32)                      # [..., V]
+        digit = jnp.sum(counts >= k[..., None], axis=-1, dtype=jnp.uint32)       # monotone in V
+        kth = kth | (digit << shift)
+    return kth
+
+
+def _bit_words(mask: jax.Array) -> jax.Array:
+    """[..., N] bool -> [..., ceil(N/32)] uint32, bit t of word w = mask[32 w + t]."""
+    n = mask.shape[-1]
+    w = -(-n // 32)
+    pad = [(0, 0)] * (mask.ndim - 1) + [(0, 32 * w - n)]
+    bits = jnp.pad(mask, pad).reshape(mask.shape[:-1] + (w, 32)).astype(jnp.uint32)
+    # Distinct bits: their sum is their OR.
+    return jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+
+
+def _popcount(x: jax.Array) -> jax.Array:
+    return lax.population_count(x).astype(jnp.int32)
+
+
+def prefix_count(mask: jax.Array) -> jax.Array:
+    """Inclusive prefix count of a bool mask along the last axis, [..., N] -> [..., N] int32.
+
+    Bit-packed: a prefix sum over the N/32 words' popcounts (small), then each element adds the
+    popcount of its word's bits up to itself. Elementwise apart from the small scan: on TPU,
+    jnp.cumsum over N is a reduce-window and a scatter / gather by position costs far more."""
+    n = mask.shape[-1]
+    words = _bit_words(mask)                                                    # [..., W]
+    counts = _popcount(words)
+    before = jnp.cumsum(counts, axis=-1) - counts                              # [..., W]
+    w = words.shape[-1]
+    t = jnp.arange(32, dtype=jnp.uint32)
+    upto = (jnp.uint32(2) << t) - 1                       # bits 0..t (t = 31: 0 - 1 = all ones)
+    within = _popcount(words[..., None] & upto)                                 # [..., W, 32]
+    out = (before[..., None] + within).reshape(mask.shape[:-1] + (w * 32,))
+    return out[..., :n]
+
+
+def compact_ids(keep: jax.Array, num: jax.Array, fill: jax.Array, width: int) -> jax.Array:
+    """The indices of the set entries of keep [R, N] in ascending order, padded with fill [R]
+    after the first num [R] (num <= the set count): [R, width] int32. No scatter, no sort.
+
+    Slot j holds the (j+1)-th set bit: its 32-bit word is the number of words whose inclusive
+    popcount ends at or before j (a compare over the N/32 words), its place in the word a 5-step
+    bisection on popcounts of the word's low bits. Every step is elementwise or a reduction over
+    the N/32 words, so it costs the same on every backend (a scatter by position is cheap on
+    GPU, but on TPU XLA counts 19 GB for one layer of 1024 rows x 2176 blocks)."""
+    words = _bit_words(keep)                                                    # [R, W]
+    nw = words.shape[-1]
+    counts = _popcount(words)
+    ends = jnp.cumsum(counts, axis=-1)                                          # [R, W]
+    slot = jnp.arange(width, dtype=jnp.int32)
+    which = jnp.sum(ends[:, None, :] <= slot[:, None], axis=-1, dtype=jnp.int32)   # [R, K]
+    hit = which[..., None] == jnp.arange(nw, dtype=jnp.int32)                   # [R, K, W]
+    word = jnp.sum(jnp.where(hit, words[:, None, :], 0), axis=-1, dtype=jnp.uint32)
+    rank = slot - jnp.sum(jnp.where(hit, (ends - counts)[:, None, :], 0), axis=-1)
+    # The largest p with popcount(word below bit p) <= rank is the (rank+1)-th set bit.
+    pos = jnp.zeros_like(rank)
+    for step in (16, 8, 4, 2, 1):
+        below = word & ((jnp.uint32(1) << (pos + step).astype(jnp.uint32)) - 1)
+        pos = jnp.where(_popcount(below) <= rank, pos + step, pos)
+    return jnp.where(slot < num[:, None], 32 * which + pos, fill[:, None]).astype(jnp.int32)
+
+
+def _kept_blocks(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array, *,
+                 max_selected: int, block_size: int, radix_bits: int | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The selected set as a mask: scores [..., NB] -> (keep [..., NB] bool, num [...] int32,
+    total [...] int32 blocks in the row). See `select_from_scores` for the rule."""
+    if max_selected < NUM_RESERVED:
+        raise ValueError(f"max_selected must be >= {NUM_RESERVED}, got {max_selected}")
+    nb = scores.shape[-1]
+    lead = scores.shape[:-1]
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), lead)
+    budget_in = jnp.broadcast_to(jnp.asarray(budget_blocks, jnp.int32), lead)
+    smallest = _min_if_concrete(budget_in)
+    if smallest is not None and smallest < NUM_RESERVED:
+        raise ValueError(f"budget_blocks must be >= {NUM_RESERVED} (sink + 2 local blocks), "
+                         f"got min {smallest}")
+    budget = jnp.clip(budget_in, NUM_RESERVED, max_selected)
+    total = jnp.clip((lengths + block_size - 1) // block_size, 0, nb)
+    blk = jnp.arange(nb, dtype=jnp.int32)
+    last = total[..., None]
+    dense = total <= budget
+    # Sparse regime (total > budget >= 3, so the 3 reserved blocks are distinct and there are
+    # total - 3 >= budget - 2 candidates for the budget - 3 top slots).
+    cand = (blk >= 1) & (blk <= last - 3)                                      # [..., NB]
+    k_top = budget - NUM_RESERVED
+    key = order_key(scores)
+    kth = kth_largest_key(key, cand, k_top, radix_bits=radix_bits)
+    above = cand & (key > kth[..., None])
+    # Ties at the k-th key: the lowest indices fill the remaining slots (as lax.top_k).
+    tied = cand & (key == kth[..., None])
+    room = k_top - jnp.sum(above, axis=-1, dtype=jnp.int32)
+    tie_rank = prefix_count(tied)                                              # 1-based
+    top = above | (tied & (tie_rank <= room[..., None]))
+    reserved = (blk == 0) | (blk >= last - 2)
+    keep = jnp.where(dense[..., None], blk < last, top | (reserved & (blk < last)))
+    num = jnp.where(dense, total, budget)
+    return keep, num.astype(jnp.int32), total
+
+
 def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array, *,
-                       max_selected: int, block_size: int = 16) -> tuple[jax.Array, jax.Array]:
+                       max_selected: int, block_size: int = 16,
+                       radix_bits: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Chooses the blocks to attend from per-block scores.
 
     Args:
@@ -125,13 +277,40 @@ def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax
         value < 3 cannot be rejected and is clamped to 3).
       max_selected: static K of the output (the largest budget in blocks).
       block_size: tokens per block.
+      radix_bits: bits per radix-select pass (1, 2, 4 or 8; None: the platform's RADIX_BITS);
+        the result does not depend on it.
 
     Returns:
       block_indices [..., max_selected] int32 ascending, valid first, padding repeats the last
       valid id; num_blocks [...] int32. With total = ceil(length / bs): if total <= budget, all
       blocks 0..total-1; else block 0, blocks total-2 and total-1, and the top (budget - 3)
-      blocks among 1..total-3 by score (ties: lowest index wins).
+      blocks among 1..total-3 by score (ties: lowest index wins; scores ranked in IEEE total
+      order, as lax.top_k on CPU).
+
+    Cost linear in NB, no sort and no top-k (a large-k top-k is a full sort on GPU): a radix
+    select finds the (budget - 3)-th largest score, a mask keeps the blocks above it plus the
+    lowest-index ties (a bit-packed prefix count), and `compact_ids` lists the kept ids in
+    ascending order (bit-packed: no scatter, no gather).
+    Identical output to `select_from_scores_reference` (the former top_k + sort) whenever the
+    candidate scores are above -inf (a -inf or -NaN candidate made that one pick masked blocks).
     """
+    keep, num, total = _kept_blocks(scores, lengths, budget_blocks, max_selected=max_selected,
+                                    block_size=block_size, radix_bits=radix_bits)
+    nb = scores.shape[-1]
+    lead = scores.shape[:-1]
+    rows = math.prod(lead)
+    # Padding repeats the last valid id, which is total - 1 in both regimes (0 for empty rows).
+    fill = jnp.maximum(total - 1, 0).reshape(rows)
+    ids = compact_ids(keep.reshape(rows, nb), num.reshape(rows), fill, max_selected)
+    return ids.reshape(lead + (max_selected,)), num
+
+
+def select_from_scores_reference(scores: jax.Array, lengths: jax.Array,
+                                 budget_blocks: jax.Array, *, max_selected: int,
+                                 block_size: int = 16) -> tuple[jax.Array, jax.Array]:
+    """The former `select_from_scores` (lax.top_k over all blocks + a sort of the ids): the
+    reference the tests and `sparrow_jax.bench.kernels --selection` compare against. Not for
+    rollout use: on GPU its large-k top-k and its sort are full sorts."""
     if max_selected < NUM_RESERVED:
         raise ValueError(f"max_selected must be >= {NUM_RESERVED}, got {max_selected}")
     nb = scores.shape[-1]
@@ -212,9 +391,8 @@ def selected_keys(scores: jax.Array, positions: jax.Array, budget_blocks: jax.Ar
     b, c, hkv, nb = scores.shape
     lengths = jnp.broadcast_to((positions + 1)[..., None], (b, c, hkv))
     budget = jnp.broadcast_to(budget_blocks[..., None], (b, c, hkv)).astype(jnp.int32)
-    idx, _ = select_from_scores(scores, lengths, budget, max_selected=max_selected,
+    # The selected set as a mask directly: the same blocks as select_from_scores' ids, without
+    # compacting them (rows here are never empty: lengths >= 1).
+    chosen, _, _ = _kept_blocks(scores, lengths, budget, max_selected=max_selected,
                                 block_size=block_size)
-    # Padding repeats the last valid id, so scattering every entry marks exactly the selection.
-    chosen = jnp.put_along_axis(jnp.zeros((b, c, hkv, nb), bool), idx, True, axis=-1,
-                                inplace=False)
     return jnp.repeat(chosen, block_size, axis=-1)

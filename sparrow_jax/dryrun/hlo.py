@@ -1,0 +1,196 @@
+"""What the rollout's decode program lowers to on a target, without the hardware: the `sort` and
+top-k ops in its optimised HLO, and the bytes XLA's cost analysis counts for block selection per
+decode step (issue 30: a large-k top-k or a sort is a full sort on GPU, per sparse layer per step).
+
+    python -m sparrow_jax.dryrun.hlo CONFIG.gin [--gin_param ...] --target h100x8
+        [--preset qwen3-1.7b] [--layers N] [--json] [--no_bytes]
+
+Needs the compile environment on PYTHONPATH and JAX_PLATFORMS=cpu (as `sparrow dryrun` runs its
+compiles; see tests/test_decode_hlo.py). --layers N compiles the model at N layers (real head and
+width shapes; every layer of a kind lowers alike, so the op census holds at full depth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Top-k widths XLA's GPU TopK kernel handles directly; a wider top-k becomes a sort.
+SMALL_TOPK = 16
+_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([a-z][\w\-]*)\(", re.M)
+_FIRST_DIMS = re.compile(r"\[([\d,]*)\]")
+
+
+def sort_and_topk_ops(hlo: str) -> dict[str, list]:
+    """Every `sort` instruction and every top-k (the `topk` op, a TopK custom call) in HLO text,
+    metadata ignored: {"sort": [shape, ...], "topk": [(k, opcode or target), ...]}."""
+    out: dict[str, list] = {"sort": [], "topk": []}
+    for line in hlo.splitlines():
+        m = _OPCODE.match(line)
+        if not m:
+            continue
+        shape, op = m.group(1), m.group(2)
+        if op == "sort":
+            out["sort"].append(shape)
+        elif op == "topk":
+            k = re.search(r"\bk=(\d+)", line)
+            out["topk"].append((int(k.group(1)) if k else -1, op))
+        elif op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            if target and "topk" in target.group(1).lower():
+                dims = _FIRST_DIMS.search(shape)
+                k = int(dims.group(1).split(",")[-1]) if dims and dims.group(1) else -1
+                out["topk"].append((k, target.group(1)))
+    return out
+
+
+def large_sorts(ops: dict[str, list]) -> list[str]:
+    """The sorts and the top-k wider than SMALL_TOPK among `sort_and_topk_ops`' findings."""
+    return ([f"sort {s}" for s in ops["sort"]]
+            + [f"{name} k={k}" for k, name in ops["topk"] if k < 0 or k > SMALL_TOPK])
+
+
+def _selection_bytes(target, rows: int, hq: int, hkv: int, pages: int, d: int, dtype,
+                     max_selected: int, block_size: int) -> dict[str, float | None]:
+    """Bytes XLA counts for one layer's block selection (scores + selection, [rows, Hkv, pages]
+    blocks), sort-free vs the former top_k + sort, compiled alone for one device of `target`."""
+    from sparrow_jax.dryrun.programs import _cost, kernel_platform
+    from sparrow_jax.dryrun.targets import target_devices
+    from sparrow_jax.sparsity import selection
+    dev = jax.sharding.SingleDeviceSharding(target_devices(target)[0])
+
+    def sds(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=dev)
+
+    args = (sds((rows, hq, d), dtype), sds((rows, hkv, pages, d), dtype),
+            sds((rows,), jnp.int32), sds((rows,), jnp.int32))
+    out = {}
+    for name, select in (("sort_free", selection.select_from_scores),
+                         ("top_k_sort", selection.select_from_scores_reference)):
+        def fn(q, c, lengths, budget, select=select):
+            scores = selection.centroid_scores(q, c)
+            ln = jnp.broadcast_to(lengths[:, None], scores.shape[:2])
+            bb = jnp.broadcast_to(budget[:, None], scores.shape[:2])
+            return select(scores, ln, bb, max_selected=max_selected, block_size=block_size)
+        with kernel_platform(target.kernel_platform):
+            compiled = jax.jit(fn).lower(*args).compile()
+        out[name] = _cost(compiled)[1]
+    return out
+
+
+def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool = True) -> dict:
+    """Compiles the configured rollout's decode program (the paged engine's decode chunk, or the
+    static engine's decode loop) for `target_name`, at `layers` layers (0 = all); its sort/top-k
+    census and per-step selection bytes. Reads the parsed gin configuration as `sparrow dryrun`."""
+    from sparrow_jax.dryrun.programs import (compile_program, decode_state, kernel_platform,
+                                             paged_rollout_programs, rollout_programs, step_shape)
+    from sparrow_jax.dryrun.run import build_spec
+    from sparrow_jax.dryrun.targets import get_target
+    target = get_target(target_name)
+    shape = step_shape(model, target)
+    if layers:
+        shape = dataclasses.replace(shape, model=dataclasses.replace(
+            shape.model, num_hidden_layers=layers))
+    spec = build_spec(shape, target)
+    data, rc, m = spec.mesh.shape["data"], shape.rollout, shape.model
+    per_dev = shape.rows_call / data
+    t0 = time.perf_counter()
+    if rc.engine == "paged":
+        progs, layout = paged_rollout_programs(shape, spec, shape.rows_call, target.hbm_bytes)
+        decode = progs[-1]
+        rows, pages = layout.slots_per_pool, layout.max_pages
+    else:
+        prefill, decode = rollout_programs(shape, spec, shape.rows_call)
+        with kernel_platform(target.kernel_platform):
+            lowered = prefill.fn.lower(*prefill.args, **prefill.static)
+        decode.args = (*decode.args[:2], decode_state(lowered, None, spec), decode.args[3])
+        rows = int(per_dev)
+        pages = rc.cache_slots(shape.prompt_len) // rc.block_size
+    measured, _, compiled = compile_program(decode, target.kernel_platform, per_dev)
+    if compiled is None:
+        raise RuntimeError(f"{decode.name} did not compile for {target.name}: {measured.error}")
+    ops = sort_and_topk_ops(compiled.as_text())
+    sparse_layers = sum(rc.mode == "sparse" and i not in rc.dense_layers
+                        for i in range(m.num_hidden_layers))
+    full_sparse = sum(rc.mode == "sparse" and i not in rc.dense_layers
+                      for i in range(model.num_hidden_layers))
+    max_selected = min(rc.max_budget // rc.block_size, pages)
+    heads = spec.mesh.shape.get("model", 1) if m.num_key_value_heads % spec.mesh.shape.get(
+        "model", 1) == 0 else 1
+    sel = {"sort_free": None, "top_k_sort": None}
+    if selection_bytes:
+        sel = _selection_bytes(target, rows, m.num_attention_heads // heads,
+                               m.num_key_value_heads // heads, pages, m.head_dim,
+                               shape.compute_dtype, max_selected, rc.block_size)
+    # Attention proper reads K and V of the selected blocks: budget tokens per row, per layer.
+    kv_token = 2 * (m.num_key_value_heads // heads) * m.head_dim * jnp.dtype(
+        shape.compute_dtype).itemsize
+    attention = rows * max_selected * rc.block_size * kv_token
+    return {
+        "target": target.name, "program": decode.name, "engine": rc.engine,
+        "layers_compiled": m.num_hidden_layers, "layers_model": model.num_hidden_layers,
+        "sparse_layers_compiled": sparse_layers, "compile_s": time.perf_counter() - t0,
+        "sort": ops["sort"], "topk": ops["topk"], "large_sorts": large_sorts(ops),
+        "rows_per_device": rows, "blocks_per_row": pages, "max_selected": max_selected,
+        "record_topk": rc.record_topk,
+        "per_step_bytes": {
+            "selection_sort_free": None if sel["sort_free"] is None
+            else sel["sort_free"] * full_sparse,
+            "selection_top_k_sort": None if sel["top_k_sort"] is None
+            else sel["top_k_sort"] * full_sparse,
+            "attention_kv_at_max_budget": attention * full_sparse,
+            "sparse_layers": full_sparse},
+    }
+
+
+def format_report(r: dict) -> str:
+    b = r["per_step_bytes"]
+
+    def gb(x):
+        return "-" if x is None else f"{x / 1e9:.3f} GB"
+    verdict = "none" if not r["large_sorts"] else "; ".join(r["large_sorts"])
+    return "\n".join([
+        f"{r['program']} for {r['target']} ({r['engine']} engine, compiled at "
+        f"{r['layers_compiled']} of {r['layers_model']} layers, {r['compile_s']:.0f}s): "
+        f"sorts / large-k top-k in the optimised HLO: {verdict}; small top-k: "
+        f"{[k for k, _ in r['topk'] if 0 <= k <= SMALL_TOPK]}",
+        f"per decode step per device ({r['rows_per_device']} rows x {r['blocks_per_row']} blocks, "
+        f"{b['sparse_layers']} sparse layers), bytes XLA counts: selection {gb(b['selection_sort_free'])} "
+        f"sort-free (top_k + sort: {gb(b['selection_top_k_sort'])}) vs attention K/V reads at the "
+        f"full selection width {gb(b['attention_kv_at_max_budget'])}"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sparrow_jax.cli import parse_gin
+    from sparrow_jax.dryrun import programs  # noqa: F401 - its gin configurables, before parsing
+    from sparrow_jax.model.config import qwen3_preset
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("gin_files", nargs="*")
+    ap.add_argument("--gin_param", action="append", default=[])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--preset", required=True, help="model shape, e.g. qwen3-1.7b")
+    ap.add_argument("--layers", type=int, default=0, help="compile at N layers (0 = all)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no_bytes", action="store_true",
+                    help="skip the selection-alone compiles that count its bytes per step")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    parse_gin(args.gin_files, args.gin_param)
+    report = decode_ops(args.target, qwen3_preset(args.preset), args.layers,
+                        selection_bytes=not args.no_bytes)
+    print(json.dumps(report, default=str) if args.json else format_report(report), flush=True)
+    return 0 if not report["large_sorts"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

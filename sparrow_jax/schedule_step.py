@@ -1,0 +1,85 @@
+"""The trainer's side of the schedule controller: per-unit exceedance counts from the learner's
+alpha, the probe replay's budgets, and the per-step control metrics (host-side).
+
+One RL step: rollout at the schedule -> (probe: the learner replays the same batch at
+``ScheduleController.replay_budgets()``, one rung lower for the bins being considered) ->
+learner (alpha at the live budgets) -> ``counts`` for both -> ``ScheduleController.update``
+-> ``step_metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sparrow_jax.runtime import multihost
+from sparrow_jax.sparsity.controller import ScheduleController
+from sparrow_jax.sparsity.evidence import exceedance_counts, group_units
+from sparrow_jax.sparsity.schedule import Schedule
+
+__all__ = ["counts", "step_metrics", "kv_fraction", "budget_metrics"]
+
+
+def _host(x) -> np.ndarray:
+    """Every process's rows of a (possibly multi-process) batch array, on the host."""
+    return np.asarray(multihost.all_rows(multihost.local_rows(x)))
+
+
+def counts(ctrl: ScheduleController, alpha, traj, group_size: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """alpha [B, T] of a batch -> (hits, tokens) ``[units, num_bins]``: tokens with alpha below
+    the controller's target per row (or per prompt: ``ControllerConfig.unit``) and bin."""
+    sched = ctrl.schedule
+    hits, tokens = exceedance_counts(_host(alpha), _host(traj.cached_lengths), _host(traj.mask),
+                                     target=ctrl.config.target, bin_size=sched.bin_size,
+                                     num_bins=sched.num_bins)
+    if ctrl.config.unit == "prompt":
+        hits, tokens = group_units(hits, tokens, group_size)
+    return hits, tokens
+
+
+def kv_fraction(budgets, cached_lengths, mask) -> float:
+    """The share of the KV cache the sparse actor read: sum of min(budget, length) / sum of
+    length over generated tokens (length = cached tokens incl. the fed one; a recorded budget
+    of 0 = dense). budgets/cached_lengths/mask ``[B, T]``."""
+    length = _host(cached_lengths).astype(np.float64) + 1
+    budget = _host(budgets).astype(np.float64)
+    mask = _host(mask).astype(bool)
+    read = np.where(budget > 0, np.minimum(budget, length), length)
+    total = float(length[mask].sum())
+    return float(read[mask].sum() / total) if total else float("nan")
+
+
+def budget_metrics(schedule: Schedule) -> dict[str, float]:
+    """``budget/bin_XX``: each bin's budget capped at the bin's upper edge (a budget at or
+    above it - e.g. the dense rung - is dense attention for the bin's tokens)."""
+    out = {}
+    for b, budget in enumerate(schedule.budgets):
+        edge = (b + 1) * schedule.bin_size
+        out[f"budget/bin_{b:02d}"] = float(min(budget, edge))
+    return out
+
+
+def step_metrics(info: dict[str, Any], quantile: float) -> dict[str, float]:
+    """The controller's per-step record: ``schedule/bins_dense`` (bins at the dense rung),
+    ``bins_failing_dense`` (failing even at dense: the tail is not caused by sparsity, e.g.
+    the dense-vs-dense noise floor is above the target), ``bins_below_target`` (the live
+    budget fails by the upper bound), ``saturated`` (= bins_failing_dense: nowhere higher to
+    go), ``bins_undecided`` (not enough pooled evidence), raised/lowered/probe_failed and
+    ``ub_ratio_max`` (the largest decided bound / q; <= 1 = every decided bin passes)."""
+    ub = np.asarray(info["upper_bound"], np.float64)
+    decided = ~np.asarray(info["undecided"]) & np.isfinite(ub)
+    out = {
+        "schedule/num_changed": float(info["num_changed"]),
+        "schedule/bins_dense": float(np.sum(info["at_dense"])),
+        "schedule/bins_failing_dense": float(np.sum(info["failing_dense"])),
+        "schedule/saturated": float(np.sum(info["failing_dense"])),
+        "schedule/bins_below_target": float(np.sum(info["failing"])),
+        "schedule/bins_undecided": float(np.sum(info["undecided"])),
+        "schedule/bins_raised": float(np.sum(info["raised"])),
+        "schedule/bins_lowered": float(np.sum(info["lowered"])),
+        "schedule/probe_failed": float(np.sum(info["probe_failed"])),
+        "schedule/ub_ratio_max": float(ub[decided].max() / quantile) if decided.any() else 0.0,
+    }
+    return out

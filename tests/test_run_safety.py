@@ -1,0 +1,448 @@
+"""Nothing a user does loses a run (issue #28), on a tiny model:
+
+- a resume with a changed setting is a configuration error naming it and moves nothing; only
+  verified damage sets a step aside, and a fresh start is refused while set-aside steps (or
+  metrics of later steps) exist; re-running a finished run keeps summary.json;
+- one trainer per run directory: a second `sparrow train` stops at start naming the holder, the
+  first finishes intact; a stale lock of a dead process is taken over;
+- Ctrl-C saves at the step boundary and exits cleanly; a second Ctrl-C exits at once and the
+  next run resumes from the last checkpoint;
+- `sparrow export` never writes into the run or the base model, and --overwrite replaces only
+  an earlier export's files;
+- every bad setting is reported together before the model loads; `sparrow sft` does not
+  overwrite a model directory unless asked; math-verify's timeout log is cut short.
+
+The subprocess tests run `sparrow train` through tests/fault_worker.py (tracing the phases, so a
+signal can be aimed at a step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gin
+import pytest
+
+from hf_fixtures import gin_argv, make_tiny_run, tiny_train_bindings
+
+slow = pytest.mark.slow
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return make_tiny_run(tmp_path_factory.mktemp("run_safety"), eval_rows=0)
+
+
+def _argv(root: Path, run: str, steps: int, extra=(), **overrides: str) -> list[str]:
+    settings = {"TrainConfig__reward": "'fault_worker:varied'",
+                "TrainConfig__eval_every": "1000", "TrainConfig__checkpoint_every": "1",
+                "TrainConfig__max_to_keep": "10", "ControllerConfig__min_budget": "32",
+                "ControllerConfig__min_tokens": "1", "LearnerConfig__micro_batch_size": "2"}
+    binds = tiny_train_bindings(root, run, steps, **{**settings, **overrides})
+    return ["train", *gin_argv(binds, extra)]
+
+
+def _env(root: Path, faults: dict | None) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONPATH": str(TESTS),
+            "JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+            "SPARROW_FAULTS": json.dumps(faults or {})}
+
+
+def _launch(root: Path, argv: list[str], faults: dict | None = None
+            ) -> tuple[subprocess.Popen, Path]:
+    log = root / f"log-{time.monotonic_ns()}.stderr"
+    proc = subprocess.Popen([sys.executable, str(TESTS / "fault_worker.py"), *argv],
+                            env=_env(root, faults), stdout=subprocess.DEVNULL,
+                            stderr=open(log, "wb"))
+    return proc, log
+
+
+def _run(root: Path, argv: list[str], faults: dict | None = None) -> tuple[int, str]:
+    proc, log = _launch(root, argv, faults)
+    rc = proc.wait(timeout=300)
+    return rc, log.read_text(errors="replace")
+
+
+def _clean_error(rc: int, err: str, *needles: str) -> None:
+    assert rc == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    for needle in needles:
+        assert needle in err, (needle, err[-3000:])
+
+
+def _wait_for(trace: Path, wanted: str, proc: subprocess.Popen, timeout: float = 200) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if trace.exists() and wanted in trace.read_text().splitlines():
+            return
+        assert proc.poll() is None, f"the run ended before {wanted!r}"
+        time.sleep(0.01)
+    raise TimeoutError(wanted)
+
+
+def _steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoints(run: Path) -> list[int]:
+    """Finalized steps, each restored (its JSON extra names the step); no temp step left."""
+    from sparrow_jax.runtime import checkpoint as ckpt
+
+    assert not list((run / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+    with ckpt.CheckpointManager(run, read_only=True) as m:
+        steps = m.all_steps()
+        for step in steps:
+            assert m.restore(step)[2]["step"] == step
+    return steps
+
+
+@pytest.fixture(scope="module")
+def base(root):
+    """A finished 2-step run. Its summary.json gets evaluation numbers (as a run with eval_data
+    writes; evaluating here would only add compile time)."""
+    rc, err = _run(root, _argv(root, "base", 2))
+    assert rc == 0, err[-3000:]
+    (root / "base" / "summary.json").write_text(json.dumps(
+        {"first": {"eval_dense/reward": 0.25}, "last": {"eval_dense/reward": 0.5}}))
+    return root / "base"
+
+
+def _copy(run: Path, name: str) -> Path:
+    dest = run.parent / name
+    shutil.copytree(run, dest)
+    return dest
+
+
+# -- resume: configuration change vs damage -------------------------------------------------------
+
+
+@slow
+def test_changed_setting_on_resume_is_a_config_error_and_moves_nothing(root, base):
+    run = _copy(base, "changed")
+    before = {name: (run / name).read_bytes()
+              for name in ("metrics.jsonl", "summary.json", "operative_config.gin")}
+    argv = _argv(root, "changed", 2)
+    rc, err = _run(root, argv + ["--gin_param", "TrainConfig.param_dtype = 'bfloat16'",
+                                 "--gin_param", "LearnerConfig.warmup_steps = 2"])
+    _clean_error(rc, err, "was saved with a different configuration",
+                 "TrainConfig.param_dtype: 'float32' in the checkpoint, 'bfloat16' now",
+                 "LearnerConfig.warmup_steps: 0 in the checkpoint, 2 now",
+                 "Nothing was moved or deleted")
+    assert "corrupted" not in err and "does not restore" not in err, err[-3000:]
+    assert not (run / "damaged_checkpoints").exists()
+    assert _checkpoints(run) == [1, 2]
+    assert {name: (run / name).read_bytes() for name in before} == before
+    # The original command again: the run is finished; its records stay as they were.
+    rc, err = _run(root, argv)
+    assert rc == 0, err[-3000:]
+    assert f"resumed from {run / 'checkpoints' / '2'} at step 2" in err, err[-3000:]
+    assert json.loads((run / "summary.json").read_text()) == json.loads(before["summary.json"])
+    assert (run / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
+
+
+@slow
+def test_fresh_start_is_refused_while_set_aside_steps_exist(root, base):
+    run = _copy(base, "set_aside")
+    (run / "damaged_checkpoints").mkdir()
+    for step in ("1", "2"):
+        shutil.move(run / "checkpoints" / step, run / "damaged_checkpoints" / step)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    rc, err = _run(root, _argv(root, "set_aside", 3))
+    _clean_error(rc, err, "has no restorable checkpoint",
+                 f"were set aside as damaged in {run / 'damaged_checkpoints'}",
+                 "To start afresh, move those away")
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert sorted(p.name for p in (run / "damaged_checkpoints").iterdir()) == ["1", "2"]
+
+
+def test_fresh_start_with_metrics_of_later_steps_is_refused(tmp_path):
+    from sparrow_jax.runtime import resume_check
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    assert resume_check.check_fresh_start(str(tmp_path), str(tmp_path)) is None  # killed early
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 5}\n')
+    reason = resume_check.check_fresh_start(str(tmp_path), str(tmp_path))
+    assert reason and "records steps up to 5" in reason
+
+
+class _FakeManager:
+    """The parts of CheckpointManager that restore_newest_good uses, over real directories."""
+
+    def __init__(self, run_dir: Path, steps: list[int]):
+        self.run_dir = str(run_dir)
+        self.directory = str(run_dir / "checkpoints")
+        for s in steps:
+            (run_dir / "checkpoints" / str(s)).mkdir(parents=True)
+
+    def all_steps(self) -> list[int]:
+        return sorted(int(p) for p in os.listdir(self.directory))
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def reload(self) -> None:
+        pass
+
+
+def test_only_verified_damage_sets_a_step_aside(tmp_path):
+    from sparrow_jax.runtime import faults
+
+    # A read that fails once (a transient error) is retried, not called damage.
+    mngr = _FakeManager(tmp_path / "transient", [1, 2])
+    calls = []
+
+    def flaky(step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise OSError("Input/output error")
+        return "state"
+    assert faults.restore_newest_good(mngr, flaky, lambda step: None) == (2, "state")
+    assert mngr.all_steps() == [1, 2] and not (tmp_path / "transient" / "damaged_checkpoints"
+                                               ).exists()
+    # A step of another configuration: a RunError with the classifier's message, nothing moved.
+    mngr = _FakeManager(tmp_path / "config", [1, 2])
+
+    def broken(step):
+        raise ValueError("tree structure differs")
+    with pytest.raises(faults.RunError, match="saved with a different configuration"):
+        faults.restore_newest_good(mngr, broken,
+                                   lambda step: "saved with a different configuration")
+    assert mngr.all_steps() == [1, 2]
+    # A fingerprint mismatch (a structurally matching restore): set aside, the older step used.
+    mngr = _FakeManager(tmp_path / "damaged", [1, 2])
+
+    def fingerprint(step):
+        if step == 2:
+            raise faults.DamagedCheckpointError("step 2: arrays differ")
+        return "state"
+    assert faults.restore_newest_good(mngr, fingerprint, lambda step: None) == (1, "state")
+    assert mngr.all_steps() == [1]
+    assert len(os.listdir(tmp_path / "damaged" / "damaged_checkpoints")) == 1
+
+
+# -- one trainer per run directory --------------------------------------------------------------
+
+
+def _next(trace: Path, offset: int, phase: str, proc: subprocess.Popen, timeout: float = 200
+          ) -> int:
+    """The step of the first `phase` line written to `trace` after byte `offset`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in trace.read_text()[offset:].splitlines():
+            if line.startswith(phase + " "):
+                return int(line.split()[1])
+        assert proc.poll() is None, f"the run ended before another {phase!r}"
+        time.sleep(0.01)
+    raise TimeoutError(phase)
+
+
+@slow
+def test_second_trainer_stops_at_start_and_ctrl_c_stops_the_first_cleanly(root):
+    """One run, four processes (kept in one test: each start costs imports and compiles):
+    a second trainer while the first runs; Ctrl-C; two Ctrl-C; the resume."""
+    run, trace = root / "shared", root / "shared.trace"
+    argv = _argv(root, "shared", 8, TrainConfig__checkpoint_every="10")
+    faults = {"trace": str(trace), "slow_reward_s": 0.3}
+    first, log = _launch(root, argv, faults)
+    _wait_for(trace, "rollout 1", first)
+    rc, err = _run(root, argv)
+    _clean_error(rc, err, f"run directory {run} is in use by another sparrow train",
+                 f"host {socket.gethostname()}, pid {first.pid}")
+    assert "precision:" not in err, "the second trainer loaded the model"
+    # Ctrl-C inside a step: that step finishes, is saved, the run exits cleanly.
+    step = _next(trace, trace.stat().st_size, "reward", first)
+    first.send_signal(signal.SIGINT)
+    assert first.wait(timeout=200) == 0, log.read_text()[-3000:]
+    err = log.read_text()
+    assert f"interrupted (Ctrl-C): saved step {step} and stopping" in err, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    steps = list(range(1, step + 1))
+    assert _steps(run) == steps, "the second trainer wrote into the first's run"
+    assert _checkpoints(run) == sorted({1, step})
+    assert (run / "sparrow.lock").read_text() == ""      # released
+    # Resume; two Ctrl-C inside the next step: out at once, the last checkpoint intact.
+    proc, log = _launch(root, argv, faults)
+    assert _next(trace, trace.stat().st_size, "reward", proc) == step + 1
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    err = log.read_text()
+    assert (f"stopped at once by a second Ctrl-C; the last checkpoint is step {step}" in err
+            ), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert _checkpoints(run) == sorted({1, step}) and _steps(run) == steps
+    # The same command resumes from it (one more step here, to keep the test short).
+    rc, err = _run(root, _argv(root, "shared", step + 1, TrainConfig__checkpoint_every="10"),
+                   faults)
+    assert rc == 0, err[-3000:]
+    assert f"resumed from {run / 'checkpoints' / str(step)} at step {step}" in err, err[-3000:]
+    assert "taking over the stale lock" in err, err[-3000:]   # left by the exit at once
+    assert _steps(run) == steps + [step + 1]
+    assert _checkpoints(run) == sorted({1, step, step + 1})
+
+
+def test_run_lock_names_the_holder_and_takes_over_a_stale_lock(tmp_path, caplog):
+    from sparrow_jax.runtime.faults import RunError
+    from sparrow_jax.runtime.run_lock import RunLock
+
+    with RunLock(tmp_path):
+        with pytest.raises(RunError, match=f"host {socket.gethostname()}, pid {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+    with RunLock(tmp_path):       # released: free again
+        pass
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "sparrow.lock").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": dead.pid, "started": "earlier"}))
+    with caplog.at_level(logging.WARNING), RunLock(tmp_path) as lock:
+        assert lock.held
+        assert json.loads((tmp_path / "sparrow.lock").read_text())["pid"] == os.getpid()
+    assert "stale lock" in caplog.text and "that process is gone" in caplog.text
+
+
+# -- export targets -----------------------------------------------------------------------------
+
+
+@slow
+def test_export_never_writes_into_the_run_or_the_model(root, base, tmp_path):
+    from sparrow_jax.export import PROVENANCE_FILE, ExportError, export
+
+    steps = _checkpoints(base)
+    for out, needle in ((base, "is the run directory"), (base / "hf", "is inside the run"),
+                        (root, "contains the run directory"),
+                        (root / "model" / "hf", "is inside the base model directory")):
+        with pytest.raises(ExportError, match=needle):
+            export(base, out, overwrite=True)
+    assert _checkpoints(base) == steps and (base / "metrics.jsonl").exists()
+    assert not (root / "model" / "hf").exists()
+    # A directory export did not write is never replaced, --overwrite or not.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="is not an earlier `sparrow export`"):
+        export(base, tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+    # An earlier export: refused without --overwrite; with it, only the export's files change.
+    out = tmp_path / "hf"
+    export(base, out)
+    (out / "README.md").write_text("my notes")
+    with pytest.raises(ExportError, match="--overwrite"):
+        export(base, out)
+    export(base, out, dtype="bfloat16", overwrite=True, step=1)
+    provenance = json.loads((out / PROVENANCE_FILE).read_text())
+    assert provenance["dtype"] == "bfloat16" and provenance["step"] == 1
+    assert (out / "README.md").read_text() == "my notes"
+    assert "README.md" not in provenance["files"] and "model.safetensors" in provenance["files"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no staging left
+
+
+# -- validation before anything loads -------------------------------------------------------------
+
+
+def _train_error(argv: list[str], monkeypatch) -> str:
+    from sparrow_jax import cli, train
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the configuration was checked")
+    monkeypatch.setattr(train, "load_hf", no_model)
+    gin.clear_config()
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+    finally:
+        gin.clear_config()
+    return str(e.value)
+
+
+def test_every_bad_setting_is_reported_together_before_the_model_loads(root, tmp_path,
+                                                                       monkeypatch):
+    argv = _argv(root, "never", 0, TrainConfig__eval_every="0", TrainConfig__mesh_model="0",
+                 TrainConfig__checkpoint_every="0", TrainConfig__max_to_keep="0",
+                 TrainConfig__prompts_per_step="0", TrainConfig__run_dir="''",
+                 TrainConfig__train_data=repr(str(tmp_path / "missing.jsonl")),
+                 TrainConfig__eval_data=repr(str(tmp_path / "no_dir" / "*.jsonl")),
+                 TrainConfig__reward="'no_such_reward'",
+                 TrainConfig__diagnostic_rewards="('no_such_module_xyz:f',)",
+                 LearnerConfig__remat="'sometimes'")
+    message = _train_error(argv, monkeypatch)
+    for needle in ("total_steps must be >= 1, got 0", "eval_every must be >= 1, got 0",
+                   "checkpoint_every must be >= 1, got 0", "max_to_keep must be >= 1, got 0",
+                   "prompts_per_step must be >= 1, got 0", "mesh_model must be >= 1, got 0",
+                   "TrainConfig.run_dir is empty", "missing.jsonl",
+                   "TrainConfig.eval_data", "unknown reward 'no_such_reward'",
+                   "module 'no_such_module_xyz' does not import",
+                   "LearnerConfig.remat must be one of"):
+        assert needle in message, (needle, message)
+    assert not (Path.cwd() / "never").exists()
+
+
+def test_model_directory_without_a_usable_tokenizer(root, tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, models
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(root / "model" / name, bare / name)
+    message = _train_error(_argv(root, "x", 1, TrainConfig__model_path=repr(str(bare))),
+                           monkeypatch)
+    assert f"model directory {str(bare)!r} has no tokenizer files" in message
+    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(bare / "tokenizer.json"))
+    message = _train_error(_argv(root, "x", 1, TrainConfig__model_path=repr(str(bare))),
+                           monkeypatch)
+    assert "not a usable vocabulary" in message
+
+
+def test_user_reward_module_in_the_current_directory(tmp_path, monkeypatch):
+    from sparrow_jax import preflight
+
+    (tmp_path / "cwd_rewards_28.py").write_text(
+        "from sparrow_jax.rl.rewards import register_reward\n"
+        "@register_reward('cwd_len_28')\n"
+        "def f(completion_text, ground_truth, *, prompt='', meta=None):\n"
+        "    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    # As under the `sparrow` console script: neither '' nor the directory on sys.path.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_rewards_28", raising=False)
+    assert preflight._reward_problems({"reward": "cwd_rewards_28:cwd_len_28"}) == []
+    sys.modules.pop("cwd_rewards_28", None)
+
+
+def test_sft_does_not_overwrite_a_model_directory(tmp_path):
+    from sparrow_jax import cli
+    from sparrow_jax.sft import SFTConfig, check_output_dir
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    gin.clear_config()
+    try:
+        with pytest.raises(SystemExit, match="already holds a model.*SFTConfig.overwrite"):
+            cli.main(["sft", "--gin_param", f"SFTConfig.output_dir = '{out}'"])
+    finally:
+        gin.clear_config()
+    assert (out / "config.json").read_text() == "{}"
+    check_output_dir(SFTConfig(output_dir=str(out), overwrite=True))      # asked: allowed
+    check_output_dir(SFTConfig(output_dir=str(tmp_path / "new")))
+
+
+def test_math_verify_timeout_log_is_cut_short(caplog):
+    from sparrow_jax.rl.rewards import math_verify_reward
+
+    assert math_verify_reward("\\boxed{2}", "2") == 1.0       # loads math-verify
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("math_verify.parser").warning(f"Timeout during parsing: {'9' * 4000}")
+    (record,) = [r for r in caplog.records if r.name == "math_verify.parser"]
+    assert len(record.getMessage()) < 300 and "more characters" in record.getMessage()
