@@ -208,9 +208,9 @@ def test_shipped_configs_fit(shipped_results, config):
     verdict = [line for line in out.splitlines() if "FIT" in line]
     print(out[-8000:])
     assert code == 0 and verdict and verdict[-1].startswith("FITS"), out[-6000:]
-    if config in ("qwen3_1p7b_gpu.gin", "qwen3_8b_tpu.gin"):
-        # The whole step's 512 rollouts in one paged rollout (the pod's: across its 4 hosts),
-        # its pool reported.
+    if config == "qwen3_1p7b_gpu.gin":
+        # The whole step's 512 rollouts in one paged rollout, its pool reported. (The pod
+        # config stays on the static engine: its paged compile does not fit CI, docs/rollout.md.)
         assert "512 rollouts/step in 1 call(s)" in out and "on the paged engine" in out, out
         assert "paged KV pool per device:" in out and "rollout.paged_prefill[resume]" in out, out
 

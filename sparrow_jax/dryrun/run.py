@@ -62,7 +62,7 @@ from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 from sparrow_jax.sparsity import cost_model
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]   # sparrow_jax/dryrun/run.py -> the repository
 COMPILE_ENV = REPO / ".compile-env"
 _CHILD_ENV = "SPARROW_DRYRUN_CHILD"
 
