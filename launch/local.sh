@@ -35,7 +35,8 @@ case "$job" in
     # Two workers, one test file per worker at a time (module fixtures stay shared): most tests
     # keep one core busy (tracing, compiling, Python), so two of them fill a 2-core machine.
     # SPARROW_TEST_WORKERS=0 runs in one process (e.g. with pdb).
-    python -m pytest -n "${SPARROW_TEST_WORKERS:-2}" --dist loadfile "$@"
+    # --durations: every CI log names its 30 slowest tests (the suite has a time budget).
+    python -m pytest -n "${SPARROW_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"
     rc=$?
     # pytest exit 5 = no tests collected: that is a failure for us, never a silent pass.
     if [ $rc -eq 5 ]; then echo "[local.sh] pytest collected no tests: failing"; exit 1; fi

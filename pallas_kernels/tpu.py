@@ -5,18 +5,20 @@ Design (one decode step; shapes as in ``reference.py``):
     The contiguous cache [B, Hkv, S, D] is the same thing viewed as B pools of S // bs pages
     whose ids are the block ids (``contiguous_as_pages``, a reshape), so the contiguous sparse
     and dense entry points are thin views of the paged kernel.
-  * grid = (B, Hkv, K_pad // P): one program per (sequence, KV head, step over selected entries);
-    each program handles the whole GQA group [G, D] of that KV head, so every K/V page is read
-    from HBM once per KV head (not once per query head).
+  * grid = (B / R, Hkv): one program per R batch rows (8) and one KV head; each program
+    handles the whole GQA group [G, D] of that KV head, so every K/V page is read from HBM
+    once per KV head (not once per query head).
+  * Work bounded by each row's ``num_blocks``: the program loops (``lax.while_loop``) over the
+    (row, step) pairs of its rows' valid entries only, P pages per step; rows with no entries
+    cost nothing. The pools stay in HBM (``memory_space=ANY``) and the kernel copies pages
+    itself (``pltpu.make_async_copy``) into two VMEM buffers: while step t computes on one, the
+    pages of step t+1 (the row's next P entries, or the next non-empty row's first P) are in
+    flight to the other. Before, a grid axis of K_pad / P steps per row paid the per-step
+    overhead for every padded step.
   * The physical page ids, logical block ids, ``num_blocks`` and ``lengths`` are
-    scalar-prefetched into SMEM (``PrefetchScalarGridSpec``). The K/V BlockSpec index_maps read
-    the page ids, so the Pallas pipeline DMAs only the selected [bs, D] pages of the pool into
-    VMEM (double-buffered), never the whole cache; the length mask uses the logical ids.
-  * One 16-token page per grid step would be dominated by the ~0.35 us per-step overhead, so a
-    step covers P pages: K and V are passed P times each, operand p fetching entry j*P + p.
-  * Entries past ``num_blocks`` are clamped to the last valid entry in the index_map: the
-    pipeline skips a DMA whose block index did not change, so padding costs (almost) no traffic,
-    and steps entirely past ``num_blocks`` skip their compute via ``pl.when``.
+    scalar-prefetched into SMEM (``PrefetchScalarGridSpec``); the copies read the page ids, the
+    length mask the logical ids. Entries of a row's last step past ``num_blocks`` re-copy its
+    last valid page (finite data, masked): at most P - 1 extra pages per row.
   * Online softmax in f32 scratch (m, l lane-broadcast to 128 lanes to stay lane-dense).
 """
 
@@ -41,54 +43,104 @@ _LANES = 128
 _SMEM_TABLE_BYTES = 512 * 1024
 # Positions of padded entries are pushed here (> any real length) so the length mask drops them.
 _FAR = 1 << 30
+# Batch rows per kernel program (one KV head each): the program loops over their entries, so the
+# grid has B / 8 x Hkv steps whatever the selection width.
+_ROWS_PER_PROGRAM = 8
 
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _sparse_kernel(pid_ref, blk_ref, nb_ref, len_ref, q_ref, *refs, p_blocks: int,
-                   block_size: int, k_pad: int, hkv: int, scale: float):
-    """One grid step. pid_ref (physical pages, used only by the index_maps) and blk_ref
-    (logical blocks) [bg*Hkv*K_pad], nb_ref [bg*Hkv], len_ref [bg] live in SMEM.
+def _sparse_kernel(pid_ref, blk_ref, nb_ref, len_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref,
+                   k_buf, v_buf, sems, m_sc, l_sc, acc_sc, *, rows: int, p_blocks: int,
+                   block_size: int, k_pad: int, hkv: int, b0: int, rows_per_pool: int,
+                   scale: float):
+    """One program: `rows` batch rows of one KV head, each row only its num_blocks entries.
 
-    q_ref [Gp, D]; refs = P key pages [bs, D], P value pages [bs, D], out [Gp, D],
-    lse [Gp, 128], then scratch m [Gp, 128], l [Gp, 128], acc [Gp, D] (all f32).
+    SMEM: pid_ref (physical pages) and blk_ref (logical blocks) [bg*Hkv*K_pad], nb_ref
+    [bg*Hkv], len_ref [bg]. q_ref [rows, Gp, D]; k_hbm/v_hbm the pools [G, Hkv, N, bs, D] in
+    HBM; o_ref [rows, Gp, D], lse_ref [rows, Gp, 128]; scratch k_buf/v_buf [2, P*bs, D] (two
+    buffers of P pages), sems DMA [2 (K, V), 2 (buffer)], m/l [Gp, 128], acc [Gp, D] (f32).
+
+    One loop over (row, step) pairs of the rows that have entries: while step t computes on
+    one buffer, the P pages of step t+1 (the row's next P entries, or the next non-empty row's
+    first) are copied into the other.
     """
-    del pid_ref
-    k_refs = refs[:p_blocks]
-    v_refs = refs[p_blocks:2 * p_blocks]
-    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * p_blocks:]
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row = b * hkv + h
-    nb = nb_ref[row]
-    length = len_ref[b]
+    ri, h = pl.program_id(0), pl.program_id(1)
+    pb, bs = p_blocks, block_size
+    pools = k_hbm.shape[0]
 
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    def table_row(u):                  # row u of this program -> its (row, head) table index
+        return (ri * rows + u) * hkv + h
 
-    @pl.when(j * p_blocks < nb)
-    def _compute():
-        q = q_ref[...]
-        # P pages of [bs, D] stacked along sublanes: bs is a multiple of the sublane tile.
-        kb = jnp.concatenate([r[...] for r in k_refs], axis=0) if p_blocks > 1 else k_refs[0][...]
-        vb = jnp.concatenate([r[...] for r in v_refs], axis=0) if p_blocks > 1 else v_refs[0][...]
+    def steps(u):
+        return lax.div(nb_ref[table_row(u)] + pb - 1, pb)      # (no floor division: >= 0)
+
+    def next_row(u):                   # the first row >= u with entries (rows: none left)
+        return lax.while_loop(
+            lambda v: (v < rows) & (nb_ref[table_row(jnp.minimum(v, rows - 1))] == 0),
+            lambda v: v + 1, u)
+
+    def copies(u, j, buf):
+        """The 2P page copies of row u's step j into buffer `buf`. Entries past num_blocks
+        re-read the row's last entry (finite data; the length mask drops them)."""
+        last = nb_ref[table_row(u)] - 1
+        pool = _pool_of(ri * rows + u, b0=b0, rows_per_pool=rows_per_pool, pools=pools)
+        out = []
+        for p in range(pb):
+            page = pid_ref[table_row(u) * k_pad + jnp.minimum(j * pb + p, last)]
+            for kv, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                out.append(pltpu.make_async_copy(src.at[pool, h, page],
+                                                 dst.at[buf, pl.ds(p * bs, bs)],
+                                                 sems.at[kv, buf]))
+        return out
+
+    # Rows without entries (and batch padding) keep these: out 0, lse -inf.
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    lse_ref[...] = jnp.full(lse_ref.shape, -jnp.inf, jnp.float32)
+    first = next_row(0)
+
+    @pl.when(first < rows)
+    def _prefetch_first():
+        for c in copies(first, 0, 0):
+            c.start()
+
+    def step(carry):
+        u, j, buf = carry
+        nb = nb_ref[table_row(u)]
+        is_last = j + 1 >= steps(u)
+        nu = jnp.where(is_last, next_row(u + 1), u)
+        nj = jnp.where(is_last, 0, j + 1)
+
+        @pl.when(nu < rows)
+        def _prefetch_next():
+            for c in copies(nu, nj, 1 - buf):
+                c.start()
+
+        for c in copies(u, j, buf):
+            c.wait()
+
+        @pl.when(j == 0)
+        def _init():
+            m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+            acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+        q = q_ref[u]                                                          # [Gp, D]
+        kb, vb = k_buf[buf], v_buf[buf]                                       # [P*bs, D]
         s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale      # [Gp, P*bs]
-        # Token position of each lane: scalar offset of the slot's logical block, where-chained
-        # over the P slots (no vector integer division, which Mosaic handles poorly).
+        # Token position of each lane: scalar offset of the entry's logical block, where-chained
+        # over the P entries (no vector integer division, which Mosaic handles poorly).
         lane = lax.broadcasted_iota(jnp.int32, s.shape, 1)
         pos = lane
-        base = row * k_pad + j * p_blocks
-        for p in range(p_blocks):
-            valid = j * p_blocks + p < nb
-            off = jnp.where(valid, blk_ref[base + p] * block_size - p * block_size, _FAR)
-            in_slot = (lane >= p * block_size) & (lane < (p + 1) * block_size)
-            pos = jnp.where(in_slot, lane + off, pos)
-        mask = pos < length
+        base = table_row(u) * k_pad + j * pb
+        for p in range(pb):
+            off = jnp.where(j * pb + p < nb, blk_ref[base + p] * bs - p * bs, _FAR)
+            in_entry = (lane >= p * bs) & (lane < (p + 1) * bs)
+            pos = jnp.where(in_entry, lane + off, pos)
+        mask = pos < len_ref[ri * rows + u]
         s = jnp.where(mask, s, NEG_INF)
         m_prev = m_sc[...][:, :1]
         l_prev = l_sc[...][:, :1]
@@ -104,15 +156,18 @@ def _sparse_kernel(pid_ref, blk_ref, nb_ref, len_ref, q_ref, *refs, p_blocks: in
         m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
         l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
 
-    @pl.when(j == pl.num_programs(2) - 1)
-    def _finalize():
-        l = l_sc[...][:, :1]
-        m = m_sc[...][:, :1]
-        ok = l > 0.0
-        safe_l = jnp.where(ok, l, 1.0)
-        o_ref[...] = jnp.where(ok, acc_sc[...] / safe_l, 0.0).astype(o_ref.dtype)
-        lse = jnp.where(ok, m + jnp.log(safe_l), -jnp.inf)
-        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+        @pl.when(is_last)
+        def _finalize():
+            l = l_sc[...][:, :1]
+            ok = l > 0.0
+            safe_l = jnp.where(ok, l, 1.0)
+            o_ref[u] = jnp.where(ok, acc_sc[...] / safe_l, 0.0).astype(o_ref.dtype)
+            lse = jnp.where(ok, m_sc[...][:, :1] + jnp.log(safe_l), -jnp.inf)
+            lse_ref[u] = jnp.broadcast_to(lse, lse_ref.shape[1:])
+
+        return nu, nj, 1 - buf
+
+    lax.while_loop(lambda c: c[0] < rows, step, (first, jnp.int32(0), jnp.int32(0)))
 
 
 def _sublane_multiple(dtype) -> int:
@@ -130,34 +185,30 @@ def _pool_of(bi, *, b0: int, rows_per_pool: int, pools: int):
     return lax.div(bi + b0, rows_per_pool)
 
 
-def _group_call(kernel, qg, k_pages, v_pages, pid, blk, nbv, lengths, *, b0: int,
+def _group_call(qg, k_pages, v_pages, pid, blk, nbv, lengths, *, b0: int, rows: int,
                 rows_per_pool: int, hkv: int, gp: int, d: int, block_size: int, p_blocks: int,
-                k_pad: int, interpret: bool):
-    """One pallas_call over batch rows b0 .. b0+bg. qg [bg, Hkv, Gp, D]; pid/blk
-    [bg*Hkv*K_pad], nbv [bg*Hkv], lengths [bg]; k_pages/v_pages the full pools
-    [G, Hkv, N, bs, D] (never sliced: that would copy them)."""
+                k_pad: int, scale: float, interpret: bool):
+    """One pallas_call over batch rows b0 .. b0+bg (bg a multiple of `rows`), grid (bg / rows,
+    Hkv). qg [bg, Hkv, Gp, D]; pid/blk [bg*Hkv*K_pad], nbv [bg*Hkv], lengths [bg];
+    k_pages/v_pages the full pools [G, Hkv, N, bs, D], left in HBM (never sliced: that would
+    copy them); the kernel copies only the pages of each row's num_blocks entries."""
     bg = qg.shape[0]
-    pools = k_pages.shape[0]
+    kernel = functools.partial(_sparse_kernel, rows=rows, p_blocks=p_blocks,
+                               block_size=block_size, k_pad=k_pad, hkv=hkv, b0=b0,
+                               rows_per_pool=rows_per_pool, scale=scale)
 
-    def kv_map(p):
-        def index_map(bi, hi, j, pid_ref, blk_ref, nb_ref, len_ref):
-            r = bi * hkv + hi
-            last = jnp.maximum(nb_ref[r] - 1, 0)
-            e = jnp.minimum(j * p_blocks + p, last)
-            pool = _pool_of(bi, b0=b0, rows_per_pool=rows_per_pool, pools=pools)
-            return pool, hi, pid_ref[r * k_pad + e], 0, 0
-        return pl.BlockSpec((None, None, None, block_size, d), index_map)
-
-    q_spec = pl.BlockSpec((None, None, gp, d), lambda bi, hi, j, *_: (bi, hi, 0, 0))
-    kv_specs = [kv_map(p) for p in range(p_blocks)]
-    out_specs = [pl.BlockSpec((None, None, gp, d), lambda bi, hi, j, *_: (bi, hi, 0, 0)),
-                 pl.BlockSpec((None, None, gp, _LANES), lambda bi, hi, j, *_: (bi, hi, 0, 0))]
+    def rows_spec(width):
+        return pl.BlockSpec((rows, None, gp, width), lambda ri, hi, *_: (ri, hi, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(bg, hkv, k_pad // p_blocks),
-        in_specs=[q_spec] + kv_specs + kv_specs,
-        out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((gp, _LANES), jnp.float32),
+        grid=(bg // rows, hkv),
+        in_specs=[rows_spec(d), pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[rows_spec(d), rows_spec(_LANES)],
+        scratch_shapes=[pltpu.VMEM((2, p_blocks * block_size, d), k_pages.dtype),
+                        pltpu.VMEM((2, p_blocks * block_size, d), v_pages.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2)),
+                        pltpu.VMEM((gp, _LANES), jnp.float32),
                         pltpu.VMEM((gp, _LANES), jnp.float32),
                         pltpu.VMEM((gp, d), jnp.float32)],
     )
@@ -171,16 +222,16 @@ def _group_call(kernel, qg, k_pages, v_pages, pid, blk, nbv, lengths, *, b0: int
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((bg, hkv, gp, d), qg.dtype),
                    jax.ShapeDtypeStruct((bg, hkv, gp, _LANES), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         cost_estimate=cost,
         interpret=interpret,
         name="sparrow_block_sparse_decode",
-    )(pid, blk, nbv, lengths, qg, *([k_pages] * p_blocks), *([v_pages] * p_blocks))
+    )(pid, blk, nbv, lengths, qg, k_pages, v_pages)
 
 
 def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths, *,
-                scale: float, blocks_per_step: int, interpret: bool):
+                scale: float, blocks_per_step: int, interpret: bool,
+                rows_per_program: int = _ROWS_PER_PROGRAM):
     """The kernel launch(es) behind every entry point (inputs already validated).
 
     q [B, Hq, D]; k_pages/v_pages [G, Hkv, N, bs, D]; page_ids/block_indices [B, Hkv, K];
@@ -192,42 +243,39 @@ def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, length
     kk = page_ids.shape[-1]
     p_blocks = max(1, min(blocks_per_step, kk))
     k_pad = _round_up(kk, p_blocks)
-    # Clamp page ids so a bad id can never DMA out of bounds; pad K to a multiple of P by
-    # repeating the last entry (padding is >= num_blocks, hence masked and mostly not
-    # re-fetched).
+    # Rows whose two tables fit the SMEM budget of one call (at least one row).
+    table_rows = max(1, _SMEM_TABLE_BYTES // (2 * 4 * hkv * k_pad))
+    rows = max(1, min(rows_per_program, b, table_rows))
+    # Clamp page ids so a bad id can never DMA out of bounds; pad K to a multiple of P (padding
+    # is >= num_blocks: never read) and B to a multiple of the rows per program (num_blocks 0).
     pid = jnp.clip(page_ids.astype(jnp.int32), 0, n_pages - 1)
     blk = block_indices.astype(jnp.int32)
-    if k_pad != kk:
-        pid = jnp.concatenate([pid, jnp.repeat(pid[..., -1:], k_pad - kk, axis=-1)], axis=-1)
-        blk = jnp.concatenate([blk, jnp.repeat(blk[..., -1:], k_pad - kk, axis=-1)], axis=-1)
     nbv = jnp.clip(num_blocks.astype(jnp.int32), 0, kk)
     gp = _round_up(g, _sublane_multiple(q.dtype))
-    qg = q.reshape(b, hkv, g, d)
-    if gp != g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-
-    kernel = functools.partial(_sparse_kernel, p_blocks=p_blocks, block_size=block_size,
-                               k_pad=k_pad, hkv=hkv, scale=scale)
+    qg = jnp.pad(q.reshape(b, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    b_pad = _round_up(b, rows)
+    qg, ln = jnp.pad(qg, ((0, b_pad - b),) + ((0, 0),) * 3), jnp.pad(lengths, (0, b_pad - b))
+    nbv = jnp.pad(nbv, ((0, b_pad - b), (0, 0)))
+    pid, blk = (jnp.pad(x, ((0, b_pad - b), (0, 0), (0, k_pad - kk))).reshape(b_pad, -1)
+                for x in (pid, blk))
     # The scalar-prefetch tables live in SMEM (1 MiB on v5e/v6e); large batch x budget would
-    # overflow it, so rows are split over several calls. The pools are passed whole and the
-    # batch offset goes into their index_maps: slicing them would copy the cache.
-    rows = max(1, _SMEM_TABLE_BYTES // (2 * 4 * hkv * k_pad))
-    pid = pid.reshape(b, hkv * k_pad)
-    blk = blk.reshape(b, hkv * k_pad)
+    # overflow it, so rows are split over several calls (a multiple of the rows per program
+    # each). The pools are passed whole and the batch offset goes into the kernel's pool index:
+    # slicing them would copy the cache.
+    per_call = table_rows // rows * rows
     outs, lses = [], []
-    for b0 in range(0, b, rows):
-        bg = min(rows, b - b0)
-        o, l = _group_call(kernel, qg[b0:b0 + bg], k_pages, v_pages,
-                           pid[b0:b0 + bg].reshape(-1), blk[b0:b0 + bg].reshape(-1),
-                           nbv[b0:b0 + bg].reshape(-1), lengths[b0:b0 + bg].astype(jnp.int32),
-                           b0=b0, rows_per_pool=b // pools, hkv=hkv, gp=gp, d=d,
-                           block_size=block_size, p_blocks=p_blocks, k_pad=k_pad,
+    for b0 in range(0, b_pad, per_call):
+        sl = slice(b0, min(b_pad, b0 + per_call))
+        o, l = _group_call(qg[sl], k_pages, v_pages, pid[sl].reshape(-1), blk[sl].reshape(-1),
+                           nbv[sl].reshape(-1), ln[sl].astype(jnp.int32), b0=b0, rows=rows,
+                           rows_per_pool=max(1, b // pools), hkv=hkv, gp=gp, d=d,
+                           block_size=block_size, p_blocks=p_blocks, k_pad=k_pad, scale=scale,
                            interpret=interpret)
         outs.append(o)
         lses.append(l)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     lse = lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=0)
-    return out[:, :, :g, :].reshape(b, hq, d), lse[:, :, :g, 0].reshape(b, hq)
+    return out[:b, :, :g, :].reshape(b, hq, d), lse[:b, :, :g, 0].reshape(b, hq)
 
 
 def _check_tpu_block(dtype, block_size: int) -> None:

@@ -129,8 +129,9 @@ def short_line(d: dict[str, float], modes: Sequence[str] = ("dense", "sparse")) 
     def pair(key: str, spec: str) -> str:
         return " / ".join(format(d[f"eval_{m}/{key}"], spec) for m in modes
                           if f"eval_{m}/{key}" in d)
+    speed = pair("tokens_per_s", ".0f")   # absent at step 0 (that evaluation compiles)
     return (f"reward {' / '.join(modes)} {pair('reward', '.3f')}, length "
-            f"{pair('response_length', '.0f')}, {pair('tokens_per_s', '.0f')} tokens/s")
+            f"{pair('response_length', '.0f')}" + (f", {speed} tokens/s" if speed else ""))
 
 
 def summary_lines(first: dict[str, float], last: dict[str, float],

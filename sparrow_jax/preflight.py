@@ -10,12 +10,19 @@ checks the settings (`TrainConfig.problems`) and the things they name, cheaply, 
   `ControllerConfig`, `DistillConfig`, the schedule), each built once with its gin bindings;
 - the model directory: exists, has `config.json` and tokenizer files, and the tokenizer (loaded:
   seconds, no weights) has a real vocabulary;
-- the data paths (`TrainConfig.train_data`, `eval_data`): files, directories, globs or lists as
-  `sparrow_jax.data.rows.expand_paths` resolves them;
+- the data paths (`TrainConfig.train_data`, `eval_data`, `ReferenceEvalConfig.data`): files,
+  directories, globs or lists as `sparrow_jax.data.rows.expand_paths` resolves them, on this
+  host (every process of a multi-host run checks its own);
 - the reward names (`TrainConfig.reward`, `diagnostic_rewards`): registered, or
   `module:name` with an importable module. The current directory is on the import path for
   user reward modules (`TrainConfig.reward = 'my_rewards:score'` with `my_rewards.py` where
   `sparrow train` is started).
+
+`check_devices` runs once the processes have found each other (`jax.distributed.initialize`)
+and before the model loads: the mesh (`TrainConfig.mesh_model`, `make_mesh.data`) must divide
+this run's devices, keep its model axis within one host, and divide each rollout call's rows.
+Every engine and mode runs multi-process (the paged engine through one scheduler per process,
+`rollout/paged_multihost.py`), so a process count is no problem of its own.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["train_problems", "check_train", "TOKENIZER_FILES", "MIN_VOCABULARY"]
+__all__ = ["train_problems", "check_train", "device_problems", "check_devices",
+           "TOKENIZER_FILES", "MIN_VOCABULARY"]
 
 # Any one of these makes a Hugging Face tokenizer (fast JSON, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -64,14 +72,25 @@ def _model_problems(model_path: str) -> list[str]:
 
 
 def _data_problems(name: str, paths: Any) -> list[str]:
+    """`name`: the setting ("train_data" for TrainConfig's, or a full "Config.field")."""
     if not paths:
         return []
     from sparrow_jax.data.rows import expand_paths
     try:
         expand_paths(paths)
     except (OSError, ValueError) as e:
-        return [f"TrainConfig.{name}: {e}"]
+        return [f"{name if '.' in name else 'TrainConfig.' + name}: {e}"]
     return []
+
+
+def _reference_problems() -> list[str]:
+    """`ReferenceEvalConfig.data`, loaded by the trainer only after the model."""
+    from sparrow_jax.reference_eval import ReferenceEvalConfig
+    try:
+        data = ReferenceEvalConfig().data
+    except (ValueError, TypeError) as e:
+        return [f"ReferenceEvalConfig: {e}"]
+    return _data_problems("ReferenceEvalConfig.data", data)
 
 
 def _ensure_cwd_importable() -> None:
@@ -127,6 +146,7 @@ def train_problems(cfg: Any) -> list[str]:
     out += _model_problems(cfg.model_path)
     out += _data_problems("train_data", cfg.train_data)
     out += _data_problems("eval_data", cfg.eval_data)
+    out += _reference_problems()
     rewards = {"reward": cfg.reward}
     rewards.update({f"diagnostic_rewards[{i}]": n for i, n in enumerate(cfg.diagnostic_rewards)})
     out += _reward_problems(rewards)
@@ -153,3 +173,57 @@ def check_train(cfg: Any | None = None) -> None:
     problems = train_problems(cfg if cfg is not None else unchecked_train_config())
     if problems:
         raise ConfigError(problems, f"{len(problems)} problem(s) in the configuration")
+
+
+def device_problems(cfg: Any, *, devices: int, local_devices: int, processes: int,
+                    platform: str, mesh_data: int | None = None) -> list[str]:
+    """What cannot work on this run's devices (all processes together: `devices`; this
+    process's: `local_devices`): the mesh `make_mesh.data` (None or -1: the rest) x
+    `TrainConfig.mesh_model` must cover the devices exactly, its model axis stay within one host
+    (`runtime.multihost.check_mesh`), and each rollout call's rows divide the data axis
+    (`rollout.state.prepare_prompts`)."""
+    model = cfg.mesh_model
+    where = (f"{devices} {platform} device(s)" if processes == 1 else
+             f"{devices} {platform} device(s) over {processes} processes of {local_devices}")
+    if model < 1:
+        return []                                 # TrainConfig.problems names it
+    if mesh_data not in (None, -1):
+        if mesh_data * model != devices:
+            return [f"the mesh make_mesh.data = {mesh_data} x TrainConfig.mesh_model = {model} "
+                    f"needs {mesh_data * model} devices, this run has {where}: set "
+                    f"make_mesh.data = -1 (the rest) or a mesh whose product is {devices}"]
+    elif devices % model:
+        divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+        return [f"TrainConfig.mesh_model = {model} does not divide this run's {where} (the "
+                f"mesh is data x model = all devices): use one of {divisors}"]
+    out = []
+    if processes > 1 and (local_devices % model or model > local_devices):
+        out.append(f"TrainConfig.mesh_model = {model} spans hosts: each process has "
+                   f"{local_devices} device(s), and the model axis must stay within one host "
+                   f"(rows of a data slice belong to one process): use a divisor of "
+                   f"{local_devices}")
+    data = devices // model
+    per_call = cfg.rollout_batch_prompts or cfg.prompts_per_step
+    rows = per_call * cfg.group_size * processes
+    if devices > 1 and per_call > 0 and cfg.group_size > 0 and rows % data:
+        out.append(f"a rollout call's {rows} rows ({per_call} prompts x group_size "
+                   f"{cfg.group_size}{f' x {processes} processes' if processes > 1 else ''}) do "
+                   f"not divide the mesh's data axis of {data} ({devices} devices / mesh_model "
+                   f"{model}): change TrainConfig.prompts_per_step / rollout_batch_prompts, "
+                   f"group_size or mesh_model")
+    return out
+
+
+def check_devices(cfg: Any) -> None:
+    """`device_problems` for this run's devices, as one ConfigError; call it after
+    `jax.distributed.initialize` (the device count is global then) and before the model
+    loads."""
+    import jax
+
+    from sparrow_jax.train_config import ConfigError, gin_value
+    problems = device_problems(cfg, devices=jax.device_count(),
+                               local_devices=jax.local_device_count(),
+                               processes=jax.process_count(), platform=jax.default_backend(),
+                               mesh_data=gin_value("make_mesh.data"))
+    if problems:
+        raise ConfigError(problems, f"{len(problems)} problem(s) with this run's devices")

@@ -158,7 +158,7 @@ def append_rows(path, step: int, mode: str, ids: Sequence[str],
 
 class ReferenceEvaluator:
     """The trainer's reference evaluation: the batch built once, scores per (step, mode) cached
-    (the trainer evaluates twice at step 0 to warm the compiled programs), per-prompt rows
+    (a repeated evaluation of the same step and mode is not scored again), per-prompt rows
     appended to ``rows_path`` by process 0."""
 
     def __init__(self, config: ReferenceEvalConfig, records: Sequence[dict[str, Any]], tokenizer,

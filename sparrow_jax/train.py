@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from sparrow_jax import evaluation, preflight, reference_eval, schedule_step
+from sparrow_jax import compile_plan, evaluation, preflight, reference_eval, schedule_step
 from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
 from sparrow_jax.data import check as data_check
 from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
@@ -382,11 +382,14 @@ class Trainer:
         ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
         # After the resume: a fresh start's TensorBoard "restart" marker would hide it.
         self.writer.text(0, "config/operative_gin", gin_config_markdown(self.operative))
+        compile_plan.log_plan(compile_plan.for_trainer(self))   # why step 1 takes minutes
         timer = StepTimer()
         history = {}
         if self.step == 0 and self.eval_batch is not None:
-            self.evaluate()  # compiles both eval programs so that timed evaluations are warm
-            history["first"] = self.evaluate()
+            # One evaluation: it also compiles the eval programs, so its timings are compile
+            # time, not speed - they are dropped (later evaluations are warm and keep theirs).
+            history["first"] = {k: v for k, v in self.evaluate().items()
+                                if not k.endswith(("/tokens_per_s", "/seconds"))}
             self.writer.scalars(0, history["first"])
             log.info("eval at step 0: %s", evaluation.short_line(history["first"], self.eval_modes))
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")
@@ -454,6 +457,7 @@ def train(cfg: TrainConfig | None = None) -> dict[str, float]:
         else:
             jax.distributed.initialize()  # cluster auto-detection (TPU pod, SLURM, Open MPI, k8s)
         log.info("process %d of %d", jax.process_index(), jax.process_count())
+    preflight.check_devices(cfg)   # the mesh against the devices, before the model loads
     compile_cache.configure(cfg.compile_cache_dir)   # before the first compile; logs each one
     faults.check_run_dir_writable(ckpt.resolve_run_dir(cfg.run_dir))
     # One trainer per run directory (process 0 holds the lock for the run's processes).

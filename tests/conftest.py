@@ -31,6 +31,32 @@ import gin  # noqa: E402
 import pytest  # noqa: E402
 
 
+# The files that take minutes, longest first (from timed runs: re-order them when a file's cost
+# changes).
+# pytest-xdist (`--dist loadfile`) hands out whole files in collection order; by default it first
+# sorts them by their number of tests, which starts the many quick parametrized files first and
+# leaves the few-test, minutes-long ones (dryruns, multi-process runs) for the end, where one of
+# them alone sets the run's tail. Longest first, the quick files fill in beside them. The
+# in-process files come right after the dryruns (three compiles at once): the multi-process
+# files' own timeouts (a launch, a dead peer noticed) should not start beside them.
+LONGEST_FIRST = (
+    "test_dryrun.py", "test_train.py", "test_reference_eval.py", "test_multihost_paged.py",
+    "test_faults.py", "test_decode_hlo.py", "test_compile.py", "test_doctor.py",
+    "test_multihost.py", "test_run_safety.py", "test_experiment.py", "test_docs.py",
+    "test_kernels.py", "test_distill.py", "test_compression.py", "test_rollout_sharded.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):       # pytest-xdist: keep our file order
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: files stay whole
+
+
 @pytest.fixture(autouse=True)
 def _fresh_gin_config():
     """Gin-configurable classes (LearnerConfig, RolloutConfig, ...) pick up whatever an earlier

@@ -30,15 +30,17 @@ def _sabotage(role: str, pid: int, root: Path) -> None:
     from sparrow_jax.rollout import scheduler
     decode, chunks = scheduler._Rollout.decode, [0]
 
-    def second_chunk_differs(self, budgets):
+    def second_chunk_differs(self, budgets, pending=None):
         chunks[0] += 1
         if chunks[0] == 2 and role == "diverge":
-            # A non-deterministic scheduler: its running samples in another slot order.
-            self.running = [r[::-1] for r in self.running]
+            # A non-deterministic scheduler: its samples' pages in another order (in the page
+            # tables of a fresh chunk and of a continuation alike).
+            for s in (s for r in self.running for s in r):
+                s.pages = s.pages[::-1]
         if chunks[0] == 2 and role == "kill":
             (root / "killed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        return decode(self, budgets)
+        return decode(self, budgets, pending)
 
     if pid == 1 and role in ("diverge", "kill"):
         scheduler._Rollout.decode = second_chunk_differs

@@ -108,3 +108,80 @@ def test_sparrow_train_writes_the_cache_and_a_second_run_loads_it(tmp_path):
     assert f"compilation cache: {cache} ({len(written)} entries" in outputs[1]
     loaded = [ln for ln in outputs[1].splitlines() if "from the compilation cache in" in ln]
     assert len(loaded) >= 3, outputs[1][-3000:]     # rollout and learner programs, at least
+    _check_plan_before_compiles(outputs[0])
+
+
+def _check_plan_before_compiles(log: str) -> None:
+    """The compile plan is logged before the first rollout compiles, and names (with room for)
+    every program shape the run's CompileLog reported."""
+    import re
+    lines = log.splitlines()
+    plan = [i for i, ln in enumerate(lines) if "compile plan: about" in ln]
+    shapes = [i for i, ln in enumerate(lines) if re.search(r"compile \w+/\w+ #\d+:", ln)]
+    assert plan and shapes and plan[0] < shapes[0], log[-4000:]
+    most = {m.group(1): int(m.group(2)) for ln in lines
+            if (m := re.search(r"compile_plan:\s+(\S+): \d+ at the start, at most (\d+)", ln))}
+    seen: dict[str, int] = {}
+    for i in shapes:
+        name = re.search(r"compile (\w+/\w+) #", lines[i]).group(1)
+        seen[name] = seen.get(name, 0) + 1
+    assert seen and all(name in most and n <= most[name] for name, n in seen.items()), (seen, most)
+
+
+# -- the start-up line that says what will compile (sparrow_jax.compile_plan) -------------------
+
+
+def test_compile_plan_takes_its_shapes_from_the_engines_bucket_functions():
+    """Prompt widths, learner response lengths and the paged engine's decode grid are what the
+    engines' own bucket functions give over every length (brute force here), not a list."""
+    import dataclasses
+
+    from sparrow_jax import compile_plan
+    from sparrow_jax.rollout import scheduler
+    from sparrow_jax.rollout.config import RolloutConfig
+    from sparrow_jax.rollout.page_pool import pages_for
+    from sparrow_jax.runtime.shapes import bucket_length, default_buckets
+
+    rc = RolloutConfig(max_new_tokens=300, max_budget=64)
+    assert compile_plan.prompt_widths(rc, 700) == tuple(sorted(
+        {rc.prompt_width(n) for n in range(1, 701)})) == (64, 96, 128, 192, 256, 384, 512, 768)
+    buckets = default_buckets(300, multiple=16)
+    assert compile_plan.response_lengths(buckets, 300, 16) == tuple(sorted(
+        {min(bucket_length(n, buckets, multiple=16), 300) for n in range(1, 301)}))
+
+    p = compile_plan.plan(rc, group_size=4, prompts_per_call=8, calls_per_step=2,
+                          longest_prompt=700, length_buckets=buckets, fused=False,
+                          eval_width=64, eval_rows=8, eval_modes=("dense", "sparse"),
+                          micro_rows=16)
+    by = {x.name: x for x in p.programs}
+    assert set(by) == {"rollout/prefill", "rollout/decode", "rollout/join", "learner/analyze",
+                       "learner/grads", "learner/apply", "eval/rollout"}
+    assert by["rollout/decode"].most == 8 and by["learner/grads"].most == 8 * 6
+    assert "64 rows, micro-batches of 16 rows" in by["learner/grads"].per
+    assert p.first == 2 + 1 + 1 + 1 + 1 + 4 and p.most == 8 * 3 + 2 * 48 + 1 + 4
+    assert p.lines()[0].startswith(f"compile plan: about {p.first} programs before step 1 ends, "
+                                   f"at most {p.most} in the run")
+    # A fused analysis leaves only the controller's probe to compile the analysis program.
+    fused = compile_plan.plan(rc, group_size=4, prompts_per_call=8, calls_per_step=1,
+                              longest_prompt=100, length_buckets=buckets, fused=True)
+    assert "learner/analyze" not in fused.names() and "rollout/join" not in fused.names()
+    probe = compile_plan.plan(rc, group_size=4, prompts_per_call=8, calls_per_step=1,
+                              longest_prompt=100, length_buckets=buckets, fused=True, probe=True)
+    assert [x.first for x in probe.programs if x.name == "learner/analyze"] == [0]
+
+    # Paged: one decode program per (running-slot bucket, page-table bucket) the scheduler uses.
+    paged = dataclasses.replace(rc, engine="paged", max_slots=32)
+    by = {x.name: x for x in compile_plan.plan(
+        paged, group_size=4, prompts_per_call=16, calls_per_step=1, longest_prompt=64,
+        length_buckets=buckets, fused=True, data_shards=2).programs}
+    cap = pages_for(64 + 300 - 1, 16)
+    grid = {(scheduler.pow2_bucket(s, 16), scheduler.page_bucket(m, cap))
+            for s in range(1, 17) for m in range(1, cap + 1)}
+    assert by["rollout/paged_decode"].most == len(grid)
+    assert {"rollout/prefill", "rollout/decode"}.isdisjoint(by)
+
+
+def test_compile_plan_rejects_a_function_that_is_no_bucket():
+    from sparrow_jax import compile_plan
+    with pytest.raises(ValueError, match="not a bucket function"):
+        compile_plan.distinct(lambda n: n - 1, 2, 10)

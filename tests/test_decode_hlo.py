@@ -1,6 +1,7 @@
 """The rollout's decode program stays sort-free on accelerators (issue 30): the paged decode chunk
 of the Qwen3-1.7B GPU config, compiled for H100 and for TPU v5p without the hardware, has no
-`sort` and no top-k wider than XLA's small-k GPU kernel in its optimised HLO.
+`sort` and no top-k wider than XLA's small-k GPU kernel in its optimised HLO, and no copy of a
+page pool (the pools are updated in place).
 
 Compile-only, in a subprocess with the compile environment (.compile-env) on PYTHONPATH, like
 tests/test_dryrun.py. For CI time it compiles 3 layers (2 dense + 1 sparse: every sparse layer
@@ -52,3 +53,7 @@ def test_paged_decode_has_no_sort_or_large_topk(target):
     assert report["record_topk"] == 0
     assert report["large_sorts"] == [], report["large_sorts"]
     assert report["sort"] == [] and report["topk"] == []
+    # The fed token's K/V is written into the page pools in place (issue 31): a row scatter made
+    # the TPU compiler copy every layer's pool out of its layout and back, 22 GiB of temporaries
+    # in the 8B pod's decode chunk.
+    assert report["pool_copies"] == [], report["pool_copies"]

@@ -295,6 +295,10 @@ _REGISTRY = {
         (Twin("bench_rollout_longtail"),),
     _ROLLOUT_BENCH + "--workload longtail --static_batch 8 --chunk_steps 16 --repeats 2":
         (Twin("bench_rollout_longtail"),),
+    # docs/benchmarks.md: host ms per paged chunk with and without the overlap (issue 30)
+    _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
+    "--chunk_steps 32 --repeats 2 --before":
+        (Twin("bench_rollout_longtail"),),
 }
 COMMANDS = {normalize(k): v for k, v in _REGISTRY.items()}
 assert len(COMMANDS) == len(_REGISTRY), "two registry keys normalize to the same command"
@@ -662,22 +666,26 @@ def test_twin_bench_rollout(capsys):
 
 
 def test_twin_bench_rollout_longtail(capsys):
-    """The longtail workload at toy size: both engines, dense and sparse, the same samples, the
-    paged pool exactly the static engine's KV bytes."""
+    """The longtail workload at toy size: both engines, dense and sparse, the paged one with and
+    without the host loop overlap (--before), the same samples, the paged pool exactly the
+    static engine's KV bytes."""
     from sparrow_jax import cli
     argv = ["bench", "rollout", "--", "--json", "--workload", "longtail", "--layers", "3",
             "--hidden", "32", "--heads", "4", "--kv_heads", "2", "--head_dim", "16", "--vocab",
             "64", "--samples", "8", "--group", "2", "--static_batch", "4", "--prompt_len", "32",
             "--new_tokens", "96", "--mean_len", "24", "--budget", "48", "--chunk_steps", "16",
-            "--repeats", "1", "--dtype", "float32"]
+            "--repeats", "1", "--dtype", "float32", "--before"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     records = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [(r["mode"], r["engine"]) for r in records] == [
-        (m, e) for m in ("dense", "sparse") for e in ("static", "paged/chunk16")]
+        (m, e) for m in ("dense", "sparse")
+        for e in ("static", "paged/chunk16", "paged/chunk16/sync")]
     assert all(r["same_samples"] and r["tok_s"] > 0 for r in records)
-    static, paged = records[0], records[1]
+    static, paged, sync = records[:3]
     assert paged["kv_alloc_bytes"] <= static["kv_alloc_bytes"] and paged["kv_peak_bytes"] > 0
+    assert paged["overlapped_chunks"] > 0 and sync["overlapped_chunks"] == 0
+    assert paged["host_ms_per_chunk"] >= 0 and sync["host_ms_per_chunk"] > 0
     assert "response lengths: mean" in out
 
 

@@ -55,8 +55,11 @@ def _env(root: Path, faults: dict | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONPATH": str(TESTS),
-        # Restarts reuse compiled programs (the same executables: no effect on the numbers).
-        "JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
+        # Restarts reuse compiled programs (the same executables: no effect on the numbers): the
+        # test session's shared cache (tests/conftest.py), which also holds test_run_safety's
+        # programs (the same settings), else one of this module's own.
+        "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                    str(root / "jax_cache")),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         "SPARROW_FAULTS": json.dumps(faults or {}),

@@ -437,6 +437,35 @@ def test_paged_kernel_knobs(monkeypatch):
         assert_close(jax.jit(fn)(q, kp, vp, ids, bi, nb, ln), want, jnp.float32)
 
 
+def test_tpu_paged_loops_over_each_rows_entries_only(monkeypatch):
+    """The TPU kernel's per-row loop (manual double-buffered page copies) against the XLA
+    reference: ragged num_blocks (a whole row empty, one head empty, a row of every entry), GQA
+    4, page ids past num_blocks that are garbage (out of range: never read), 4 rows per program
+    (the copy of the next row's first pages overlaps the current row's last step) with batch
+    padding, entries no multiple of the pages per step, two pools of 3 rows (pool index by
+    division) and the batch split over 2 pallas_calls (the offset enters the pool index)."""
+    from pallas_kernels import reference, tpu
+    monkeypatch.setattr(tpu, "_SMEM_TABLE_BYTES", 2 * 4 * 2 * 6 * 4)     # 4 rows per call
+    lengths = [77, 128, 45, 0, 128, 16]
+    q, k, v, ln = make_inputs(13, b=6, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    bi, nb = make_selection(13, lengths, 2, 5, empty_rows=((2, 1),))
+    bi = bi.at[1].set(jnp.asarray([0, 2, 3, 5, 7]))
+    nb = nb.at[1].set(5)
+    kp, vp, table = make_pages(13, k, v, lengths, 2)
+    past = jnp.arange(5)[None, None, :] >= nb[..., None]
+    ids = jnp.where(past, jnp.asarray([10**6, -7, 3, 10**6, -1]),
+                    reference.physical_pages(table, bi))
+    args = (q, kp, vp, ids, bi, nb, ln)
+    want = reference.paged_block_sparse_decode_xla(*args)
+    got = jax.jit(lambda *a: tpu._paged_call(*a, scale=32 ** -0.5, blocks_per_step=2,
+                                             interpret=True, rows_per_program=4))(*args)
+    assert np.isneginf(np.asarray(got[1][3])).all() and not np.asarray(got[0][3]).any()
+    assert_close(got, numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
+    for a, c in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-5)
+
+
 def _small_paged():
     q, k, v, bi, nb, ln = _small()
     kp, vp, table = make_pages(0, k, v, [64, 64], 1)

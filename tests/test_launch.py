@@ -212,11 +212,21 @@ def test_constraints_pin_the_tested_versions():
     assert pins["jax-cuda13-plugin"] == pins["jax-cuda12-plugin"] == jax.__version__
     compile_env = REPO / ".compile-env"
     if compile_env.is_dir():      # built by launch/local.sh test (.ci/compile_env.sh)
-        for name in ("libtpu", "jax_triton", "jax_cuda13_plugin"):
+        for name in ("libtpu", "jax_triton", "triton", "jax_cuda13_plugin", "jax_cuda13_pjrt"):
             found = [p.name for p in compile_env.glob(f"{name}-*.dist-info")]
             if found:
                 version = found[0][len(name) + 1:-len(".dist-info")]
                 assert pins[name.replace("_", "-")] == version, (name, version)
+    assert pins["jax-cuda13-pjrt"] == pins["jax-cuda12-pjrt"] == jax.__version__
+    # The CUDA 12 set is stated as resolved against the index only, not compiled or run.
+    text = (REPO / "launch/constraints.txt").read_text()
+    assert "jax-cuda12-plugin/pjrt RESOLVED ONLY" in text
+    # pyproject's extras: CUDA 13 (`gpu`) and CUDA 12 (`gpu-cuda12`), the same jax range.
+    import tomllib
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["gpu"][0].startswith("jax[cuda13]") and extras["gpu-cuda12"][0].startswith(
+        "jax[cuda12]") and extras["gpu"][0][11:] == extras["gpu-cuda12"][0][11:]
     for script in ("gpu.sh", "tpu_setup.sh"):
         assert '-c "$SPARROW_CONSTRAINTS"' in (REPO / "launch" / script).read_text()
     assert "pip install -q -c launch/constraints.txt" in (REPO / "launch/local.sh").read_text()

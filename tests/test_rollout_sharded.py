@@ -43,7 +43,8 @@ def test_sharded_rollout_equals_unsharded(results, case, mode):
                                        ("kv2_replicated_heads", "sparse")])
 def test_sharded_paged_rollout_equals_unsharded(results, case, mode):
     """The paged engine on the 2x4 mesh (a pool per data shard, KV heads over model where they
-    divide it, preemption on both) gives the unsharded paged engine's samples."""
+    divide it, preemption on both) gives the unsharded static engine's samples (the unsharded
+    paged engine gives those too: tests/test_paged.py)."""
     r = results[(case, mode, "paged")]
     assert r["tokens_equal"] and r["mask_equal"] and r["budgets_equal"], r
     assert r["max_logprob_diff"] <= 1e-5, r

@@ -54,7 +54,9 @@ def _argv(root: Path, run: str, steps: int, extra=(), **overrides: str) -> list[
 
 def _env(root: Path, faults: dict | None) -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONPATH": str(TESTS),
-            "JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
+            # The session's shared cache (tests/conftest.py): test_faults runs the same programs.
+            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                        str(root / "jax_cache")),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
             "SPARROW_FAULTS": json.dumps(faults or {})}
@@ -375,7 +377,8 @@ def test_every_bad_setting_is_reported_together_before_the_model_loads(root, tmp
                  TrainConfig__eval_data=repr(str(tmp_path / "no_dir" / "*.jsonl")),
                  TrainConfig__reward="'no_such_reward'",
                  TrainConfig__diagnostic_rewards="('no_such_module_xyz:f',)",
-                 LearnerConfig__remat="'sometimes'")
+                 LearnerConfig__remat="'sometimes'",
+                 ReferenceEvalConfig__data=repr(str(tmp_path / "no_refs.jsonl")))
     message = _train_error(argv, monkeypatch)
     for needle in ("total_steps must be >= 1, got 0", "eval_every must be >= 1, got 0",
                    "checkpoint_every must be >= 1, got 0", "max_to_keep must be >= 1, got 0",
@@ -383,9 +386,55 @@ def test_every_bad_setting_is_reported_together_before_the_model_loads(root, tmp
                    "TrainConfig.run_dir is empty", "missing.jsonl",
                    "TrainConfig.eval_data", "unknown reward 'no_such_reward'",
                    "module 'no_such_module_xyz' does not import",
-                   "LearnerConfig.remat must be one of"):
+                   "LearnerConfig.remat must be one of", "ReferenceEvalConfig.data", "no_refs"):
         assert needle in message, (needle, message)
     assert not (Path.cwd() / "never").exists()
+
+
+def test_a_mesh_that_does_not_fit_the_devices_stops_before_the_model_loads(root, monkeypatch):
+    """In process, on this test's one CPU device: a mesh_model of 2 (silently unsharded before)
+    and an explicit data x model mesh are checked against the devices once the processes are
+    known, before the model (or the run directory) is touched."""
+    message = _train_error(_argv(root, "mesh", 1, TrainConfig__mesh_model="2"), monkeypatch)
+    assert message.startswith("sparrow train: ") and "\n" not in message
+    assert "TrainConfig.mesh_model = 2 does not divide this run's 1 cpu device(s)" in message
+    message = _train_error(_argv(root, "mesh", 1, make_mesh__data="2"), monkeypatch)
+    assert "make_mesh.data = 2 x TrainConfig.mesh_model = 1 needs 2 devices" in message
+    assert not (root / "mesh").exists()
+
+
+def test_device_problems_of_meshes_hosts_and_rollout_rows():
+    """`preflight.device_problems` with the device counts of real machines (no hardware)."""
+    from types import SimpleNamespace
+
+    from sparrow_jax.preflight import device_problems
+
+    def cfg(**kw):
+        return SimpleNamespace(**{"mesh_model": 1, "rollout_batch_prompts": 0,
+                                  "prompts_per_step": 8, "group_size": 8, **kw})
+
+    # A 2 x 4 mesh on 6 GPUs, and a model axis of 4 on 6.
+    (p,) = device_problems(cfg(mesh_model=4), devices=6, local_devices=6, processes=1,
+                           platform="gpu", mesh_data=2)
+    assert "make_mesh.data = 2 x TrainConfig.mesh_model = 4 needs 8 devices, this run has 6 " \
+           "gpu device(s)" in p
+    (p,) = device_problems(cfg(mesh_model=4), devices=6, local_devices=6, processes=1,
+                           platform="gpu")
+    assert "mesh_model = 4 does not divide this run's 6 gpu device(s)" in p and "[1, 2, 3, 6]" in p
+    # Two hosts of 4 chips: a model axis of 8 would span both.
+    (p,) = device_problems(cfg(mesh_model=8), devices=8, local_devices=4, processes=2,
+                           platform="tpu")
+    assert "spans hosts: each process has 4 device(s)" in p
+    # 3 prompts x 2 samples do not split over 4 data shards.
+    (p,) = device_problems(cfg(prompts_per_step=3, group_size=2), devices=4, local_devices=4,
+                           processes=1, platform="gpu")
+    assert "rollout call's 6 rows (3 prompts x group_size 2) do not divide the mesh's data " \
+           "axis of 4" in p
+    # What the shipped configs ask for fits: 8 GPUs, 1.7B data parallel; v5p hosts of 4, mesh 4.
+    assert device_problems(cfg(prompts_per_step=64), devices=8, local_devices=8, processes=1,
+                           platform="gpu") == []
+    assert device_problems(cfg(mesh_model=4, prompts_per_step=32, rollout_batch_prompts=8),
+                           devices=16, local_devices=4, processes=4, platform="tpu") == []
 
 
 def test_model_directory_without_a_usable_tokenizer(root, tmp_path, monkeypatch):

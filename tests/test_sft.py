@@ -41,3 +41,34 @@ def test_sft_command_writes_checkpoint(tmp_path, capsys):
     tok = load_tokenizer(out)
     assert model.config.vocab_size == len(tok) and model.config.num_hidden_layers == 3
     assert "greedy_exact=" in (out / "sft_summary.txt").read_text()
+
+
+def test_demo_checkpoint_stages_never_train_on_demo_data():
+    """`sparrow sft` draws its problems with the synthetic generator from SFTConfig.seed, as
+    `sparrow_jax.data.synthetic` made data/demo/*.jsonl (ids "synthetic-<seed>-<i>"): a stage
+    with a data file's seed and K range would train on those very prompts, held-out ones
+    included. Every stage of launch/make_demo_checkpoint.sh must use another seed, and no
+    problem it draws may be a data/demo prompt."""
+    import json
+    import re
+    from pathlib import Path
+
+    from sparrow_jax.data import synthetic
+
+    repo = Path(__file__).resolve().parents[1]
+    script = (repo / "launch" / "make_demo_checkpoint.sh").read_text()
+    data_seeds, prompts = set(), set()
+    for path in (repo / "data" / "demo").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            data_seeds.add(int(row["id"].split("-")[1]))
+            prompts.add(row["prompt"])
+    stage_seeds = {int(s) for s in re.findall(r"SFTConfig\.seed = (\d+)", script)} | {0}
+    assert data_seeds and not stage_seeds & data_seeds, (stage_seeds, data_seeds)
+    for seed in stage_seeds | {5}:   # the first problems each stage trains on; 5 = control
+        for k_range in ((8, 13), (10, 13)):
+            rng = np.random.default_rng(seed)
+            drawn = {synthetic.make_problem(rng, k_range)["prompt"] for _ in range(256)}
+            # The control: seed 5 made data/demo/heldout128.jsonl; its draws hit the data under
+            # either K range (measured), so the check can fail.
+            assert bool(prompts & drawn) == (seed == 5), (seed, k_range)

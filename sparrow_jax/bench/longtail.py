@@ -15,7 +15,10 @@ samples while pages last (continuous batching, preemption when the pool runs out
 
 Timing: tokens/s = generated tokens / wall time of the whole rollout (prefills included); one
 untimed warm-up run per engine compiles its programs first; then `--repeats` timed runs,
-engines interleaved (median).
+engines interleaved (median). `host ms/chunk`: the paged engine's host time per decode chunk
+with no program in flight (the device waiting for the scheduler's bookkeeping,
+`PagedStats.host_seconds`); `--before` adds each paged run without the overlap
+(`RolloutConfig.overlap_chunks = False`: every chunk read back before the next is dispatched).
 """
 
 from __future__ import annotations
@@ -82,17 +85,19 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
           f"{args.mean_len}), sparse budget {budget}, backend {backend}, device {device}, "
           f"KV memory {static_bytes / 2**20:.1f} MiB for both engines (static: "
           f"{args.static_batch} rows x {width + t} tokens)", flush=True)
-    header = (f"{'mode':>6} {'engine':>16} {'tok/s':>9} {'wall s':>8} {'ratio':>6} "
-              f"{'KV alloc MiB':>13} {'KV peak MiB':>12} {'preempt':>8} {'same samples':>13}")
+    header = (f"{'mode':>6} {'engine':>21} {'tok/s':>9} {'wall s':>8} {'ratio':>6} "
+              f"{'KV alloc MiB':>13} {'KV peak MiB':>12} {'preempt':>8} {'same samples':>13} "
+              f"{'chunks':>7} {'host ms/chunk':>14}")
     print(header, flush=True)
     for mode in args.modes:
         cfg = dataclasses.replace(base_cfg, mode=mode, max_new_tokens=t, temperature=1.0,
                                   stop_token_ids=stop_ids, max_budget=max(budget, 48))
         engines: dict[str, Any] = {"static": (cfg, _static_rollout)}
         for c in args.chunk_steps:
-            engines[f"paged/chunk{c}"] = (dataclasses.replace(
-                cfg, engine="paged", pool_bytes=static_bytes, max_slots=args.samples,
-                chunk_steps=c), _paged_rollout)
+            for overlap in (True, False) if args.before else (True,):
+                engines[f"paged/chunk{c}" + ("" if overlap else "/sync")] = (dataclasses.replace(
+                    cfg, engine="paged", pool_bytes=static_bytes, max_slots=args.samples,
+                    chunk_steps=c, overlap_chunks=overlap), _paged_rollout)
 
         def go(name):
             ecfg, fn = engines[name]
@@ -108,31 +113,38 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
                   f"p90 {np.percentile(resp, 90):.0f}, max {resp.max()}, at cap "
                   f"{(resp >= t).mean():.0%}; {generated} tokens", flush=True)
         walls: dict[str, list[float]] = {name: [] for name in engines}
-        stats = {}
+        stats: dict[str, list] = {name: [] for name in engines}
         for _ in range(args.repeats):
             for name in engines:
                 w, _, st = go(name)
                 walls[name].append(w)
-                stats[name] = st
+                stats[name].append(st)
         base = generated / statistics.median(walls["static"])
         for name in engines:
             rate = generated / statistics.median(walls[name])
             same = bool(np.array_equal(ref_tokens, warm[name][1][0]))
+            chunks = host_ms = overlapped = None
             if name == "static":
                 alloc = peak = static_bytes
                 pre = 0
             else:
-                st = stats[name]
+                st = stats[name][-1]
                 alloc, peak, pre = st.pages_per_pool * st.page_bytes, st.peak_bytes, st.preemptions
-            print(f"{mode:>6} {name:>16} {rate:>9.1f} {statistics.median(walls[name]):>8.2f} "
+                chunks, overlapped = st.chunks, st.overlapped_chunks
+                host_ms = statistics.median(s.host_ms_per_chunk for s in stats[name])
+            cells = ("-", "-") if chunks is None else (f"{chunks}", f"{host_ms:.2f}")
+            print(f"{mode:>6} {name:>21} {rate:>9.1f} {statistics.median(walls[name]):>8.2f} "
                   f"{rate / base:>5.2f}x {alloc / 2**20:>13.1f} {peak / 2**20:>12.1f} "
-                  f"{pre:>8} {'yes' if same else 'NO':>13}", flush=True)
+                  f"{pre:>8} {'yes' if same else 'NO':>13} {cells[0]:>7} {cells[1]:>14}",
+                  flush=True)
             if args.json:
                 print(json.dumps({"bench": "rollout", "workload": "longtail", "mode": mode,
                                   "engine": name, "tok_s": rate, "ratio": rate / base,
                                   "wall_s": walls[name], "generated_tokens": generated,
                                   "kv_alloc_bytes": alloc, "kv_peak_bytes": peak,
                                   "preemptions": pre, "same_samples": same,
+                                  "chunks": chunks, "overlapped_chunks": overlapped,
+                                  "host_ms_per_chunk": host_ms,
                                   "samples": args.samples, "group": args.group,
                                   "new_tokens": t, "mean_len": args.mean_len,
                                   "static_batch": args.static_batch, "budget": budget,

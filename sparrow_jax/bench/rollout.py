@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--before", action="store_true",
                    help="also time each sparse run with the former top_k + sort selection and "
-                        "per-step top-20 record (tokens/s before/after in one run)")
+                        "per-step top-20 record (tokens/s before/after in one run); longtail: "
+                        "each paged run without the host loop overlap")
     p.add_argument("--workload", choices=("fixed", "longtail"), default="fixed",
                    help="fixed: dense vs sparse decode at given contexts; longtail: static vs "
                         "paged engine on long-tailed responses at equal KV memory "

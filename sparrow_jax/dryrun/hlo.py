@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -49,6 +50,26 @@ def sort_and_topk_ops(hlo: str) -> dict[str, list]:
                 dims = _FIRST_DIMS.search(shape)
                 k = int(dims.group(1).split(",")[-1]) if dims and dims.group(1) else -1
                 out["topk"].append((k, target.group(1)))
+    return out
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def large_copies(hlo: str, min_bytes: int) -> list[str]:
+    """Shapes of the `copy` instructions of at least `min_bytes` (a copy of a page pool: the TPU
+    compiler relayouting the whole pool around a row scatter costs a pool's size per layer)."""
+    out = []
+    for line in hlo.splitlines():
+        m = _OPCODE.match(line)
+        if not m or m.group(2) != "copy":
+            continue
+        t = re.match(r"(\w+)\[([\d,]*)\]", m.group(1))
+        if t and t.group(1) in _BYTES:
+            size = _BYTES[t.group(1)] * math.prod(int(x) for x in t.group(2).split(",") if x)
+            if size >= min_bytes:
+                out.append(m.group(1).split("{")[0])
     return out
 
 
@@ -107,6 +128,7 @@ def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool =
         progs, layout = paged_rollout_programs(shape, spec, shape.rows_call, target.hbm_bytes)
         decode = progs[-1]
         rows, pages = layout.slots_per_pool, layout.max_pages
+        pool_layer = layout.bytes_per_device // (2 * m.num_hidden_layers)  # one layer's K (or V)
     else:
         prefill, decode = rollout_programs(shape, spec, shape.rows_call)
         with kernel_platform(target.kernel_platform):
@@ -114,10 +136,12 @@ def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool =
         decode.args = (*decode.args[:2], decode_state(lowered, None, spec), decode.args[3])
         rows = int(per_dev)
         pages = rc.cache_slots(shape.prompt_len) // rc.block_size
+        pool_layer = 0
     measured, _, compiled = compile_program(decode, target.kernel_platform, per_dev)
     if compiled is None:
         raise RuntimeError(f"{decode.name} did not compile for {target.name}: {measured.error}")
-    ops = sort_and_topk_ops(compiled.as_text())
+    hlo = compiled.as_text()
+    ops = sort_and_topk_ops(hlo)
     sparse_layers = sum(rc.mode == "sparse" and i not in rc.dense_layers
                         for i in range(m.num_hidden_layers))
     full_sparse = sum(rc.mode == "sparse" and i not in rc.dense_layers
@@ -141,6 +165,8 @@ def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool =
         "sort": ops["sort"], "topk": ops["topk"], "large_sorts": large_sorts(ops),
         "rows_per_device": rows, "blocks_per_row": pages, "max_selected": max_selected,
         "record_topk": rc.record_topk,
+        # Copies of a layer's pool or more (paged engine): none when the pool updates in place.
+        "pool_copies": large_copies(hlo, pool_layer // 2) if pool_layer else [],
         "per_step_bytes": {
             "selection_sort_free": None if sel["sort_free"] is None
             else sel["sort_free"] * full_sparse,

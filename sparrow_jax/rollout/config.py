@@ -51,6 +51,7 @@ class RolloutConfig:
     engine: str = "static"
     max_slots: int = 0           # samples decoded at once (0 = all); a multiple of the data axis
     chunk_steps: int = 32
+    overlap_chunks: bool = True  # dispatch chunk i+1 before reading chunk i back (scheduler.py)
     pool_bytes: int = 0          # page pool bytes per device (0 and pool_fraction 0: enough for
     pool_fraction: float = 0.0   # every row at full length); or a fraction of device memory
 

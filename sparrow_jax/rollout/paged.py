@@ -165,6 +165,24 @@ def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, write_pages,
 
 
 # -- decode -----------------------------------------------------------------------------------
+def _write_token(pool, new, page, offset, write):
+    """Writes one token per slot (new [S, Hkv, D] at row `offset` of page `page`) into a pool
+    [1, Hkv, N, bs, D], as whole pages: each writing slot's page is read, its row replaced, and
+    the page scattered back. A row-granular scatter (one [Hkv, D] row per slot) makes the TPU
+    compiler relayout the whole pool around it (Hkv next to D: a copy of the pool in and one out,
+    per layer and step - 22 GiB of temporaries in the 8B pod decode chunk); a page is whole
+    (bs, D) tiles in the pool's own layout, so the scatter updates it in place. Active slots
+    never share a page being written (the partly filled last page is private), so page writes
+    equal row writes. Slots with write False are dropped (page id N is out of range).
+    Returns (the written pages [Hkv, S, bs, D], pool)."""
+    n_pages, bs = pool.shape[2], pool.shape[3]
+    cur = pool[0][:, jnp.clip(page, 0, n_pages - 1)]                     # [Hkv, S, bs, D]
+    row = (jnp.arange(bs)[None, :] == offset[:, None])[None, :, :, None]  # [1, S, bs, 1]
+    pages = jnp.where(row, new.swapaxes(0, 1)[:, :, None].astype(pool.dtype), cur)
+    target = jnp.where(write, page, n_pages)
+    return pages, pool[0].at[:, target].set(pages, mode="drop")[None]
+
+
 def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, lengths, write,
                      budget_blocks, covered, *, sparse: bool, cfg: RolloutConfig,
                      max_selected: int):
@@ -177,17 +195,12 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     Returns (out [S, Hq, D], k_pool, v_pool, c_pool).
     """
     bs = cfg.block_size
-    _, hkv, n_pages, _, d = k_pool.shape
+    _, hkv, n_pages, _, _ = k_pool.shape
     s, p = page_table.shape
     pos = lengths - 1
     page = jnp.take_along_axis(page_table, (pos // bs)[:, None], axis=1)[:, 0]
-    flat = jnp.where(write, page * bs + pos % bs, n_pages * bs)         # out of range: dropped
-    k_flat = k_pool.reshape(hkv, n_pages * bs, d).at[:, flat].set(
-        k_new.swapaxes(0, 1).astype(k_pool.dtype), mode="drop")
-    v_flat = v_pool.reshape(hkv, n_pages * bs, d).at[:, flat].set(
-        v_new.swapaxes(0, 1).astype(v_pool.dtype), mode="drop")
-    k_pool = k_flat.reshape(k_pool.shape)
-    v_pool = v_flat.reshape(v_pool.shape)
+    k_page, k_pool = _write_token(k_pool, k_new, page, pos % bs, write)
+    _, v_pool = _write_token(v_pool, v_new, page, pos % bs, write)
 
     def attend(idx, num):
         return pallas_kernels.paged_block_sparse_decode(q, k_pool, v_pool, page_table, idx, num,
@@ -199,7 +212,7 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
         return dense(), k_pool, v_pool, c_pool
     # The page this token filled gets its centroid (mean post-RoPE key, f32 accumulation).
     filled = write & (lengths % bs == 0)
-    full_keys = k_pool[0][:, page].astype(jnp.float32)                # [Hkv, S, bs, D]
+    full_keys = k_page.astype(jnp.float32)      # [Hkv, S, bs, D]: the written page, as stored
     cent = jnp.mean(full_keys, axis=2).astype(c_pool.dtype)
     c_pool = c_pool[0].at[:, jnp.where(filled, page, n_pages)].set(cent, mode="drop")[None]
     cents = c_pool[0][:, jnp.clip(page_table, 0, n_pages - 1)].swapaxes(0, 1)  # [S, Hkv, P, D]
@@ -267,9 +280,12 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
     s, p = slots.page_table.shape
     max_selected = min(cfg.max_budget // cfg.block_size, p)
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
-    attn = {sp: _sharded(functools.partial(_layer_attention, sparse=sp, cfg=cfg,
-                                           max_selected=max_selected), spec,
-                         mcfg.num_key_value_heads) for sp in (False, True)}
+    # One jitted function per kind of layer: every layer of a kind has the same shapes, so jax
+    # traces (and lowers) its attention - the kernel calls of the dense, mixed and sparse
+    # branches - once instead of once per layer (the 8B pod chunk: ~400 Pallas calls traced).
+    attn = {sp: jax.jit(_sharded(functools.partial(_layer_attention, sparse=sp, cfg=cfg,
+                                                   max_selected=max_selected), spec,
+                                 mcfg.num_key_value_heads)) for sp in (False, True)}
     k_rec = cfg.record_topk
     rec0 = (jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps), jnp.float32),
             jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps, k_rec), jnp.float32),

@@ -63,11 +63,25 @@ class Coordination:
 
     def read_back(self, outs):
         """A program's outputs the scheduler records, whole on every process."""
+        return self.finish_read(self.start_read(outs))
+
+    def start_read(self, outs):
+        """Starts reading a just-dispatched program's outputs back, before anything else is
+        dispatched (a later program must not delay it): the device-to-host copies (several
+        processes: the replicating program, dispatched now). `finish_read` waits for it."""
+        if self.enabled:
+            outs = multihost.replicate(outs, self.spec)
+        for x in jax.tree.leaves(outs):
+            (x.addressable_data(0) if self.enabled else x).copy_to_host_async()
+        return outs
+
+    def finish_read(self, started):
+        """The NumPy values of `start_read(outs)`, whole on every process."""
         if not self.enabled:
-            return multihost.to_host(outs, self.spec)
-        outs = jax.block_until_ready(outs)      # time the gather, not the program
+            return jax.tree.map(np.asarray, started)
+        started = jax.block_until_ready(started)      # time the gather, not the program
         start = time.perf_counter()
-        host = multihost.to_host(outs, self.spec)
+        host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), started)
         self.read_seconds += time.perf_counter() - start
         return host
 

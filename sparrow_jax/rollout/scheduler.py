@@ -10,6 +10,13 @@ Loop, until every sample has finished:
      sample (its prompt + generated tokens recomputed, its recorded tokens and log-probs kept);
   3. one compiled decode chunk over the running samples (slots compacted and bucketed);
   4. harvest: finished samples' pages go back to their pool.
+Overlap (`RolloutConfig.overlap_chunks`; one process): while chunk i runs, the host
+dispatches chunk i+1 as its continuation (the same slots, chunk i's output slot state fed back
+on the device, pages grown for a full chunk i) and only then reads back and records chunk i, so
+the device never waits for the host's bookkeeping. Where the next chunk needs chunk i's tokens
+(samples finished and work is queued: refill; the running samples fit a smaller slot bucket:
+compaction; a pool cannot grow without preempting) the host waits for chunk i+1 and decides as
+above. Rows finished in chunk i idle through chunk i+1 (inactive: no writes, nothing recorded).
 Sampling keys are per (sample, token index), so a sample's tokens do not depend on which slot
 it ran in, what ran beside it, or whether it was preempted (greedy results are bit-identical).
 Several processes: every process runs this same scheduler over the global prompts and global
@@ -22,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -32,66 +40,14 @@ from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import paged, paged_multihost
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
+from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Sample, page_bucket,
+                                                pow2_bucket, prefill_width)
 from sparrow_jax.rollout.state import Trajectories, check_budgets, prepare_prompts
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec
 
 log = logging.getLogger(__name__)
-
-
-def pow2_bucket(n: int, cap: int) -> int:
-    """The smallest power of two >= n, at most cap (slot and prefill-row counts)."""
-    return min(cap, 1 << max(0, int(n) - 1).bit_length())
-
-
-def page_bucket(n: int, cap: int) -> int:
-    """Pages per slot, two buckets per octave from 4 (the decode cost follows the live length
-    within 1.5x; a rollout touches ~2 log2(cap / 4) widths), at most cap."""
-    b = 4
-    while b < n:
-        b = b + b // 2 if (b & (b - 1)) == 0 else 1 << b.bit_length()
-    return min(b, cap)
-
-
-def prefill_width(cfg: RolloutConfig, length: int) -> int:
-    """Static width of a prefill of sequences up to `length` tokens: a prompt bucket, or for a
-    resumed sample's long prompt + generated tokens a multiple of the prefill chunk, whichever is
-    narrower (a 34.8K-token resume is prefilled at 36864 = 18 scanned chunks, not the 49152
-    bucket)."""
-    chunked = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
-    return min(cfg.prompt_width(length), chunked)
-
-
-@dataclasses.dataclass
-class _Sample:
-    index: int                   # row of the result (prompt index * group size + j)
-    prompt: int
-    generated: int = 0           # tokens recorded
-    pages: list = dataclasses.field(default_factory=list)   # logical block -> physical page
-    pool: int = -1
-    order: int = 0               # admission counter (the newest is preempted first)
-
-
-@dataclasses.dataclass
-class PagedStats:
-    """What the last paged rollout did (`LAST_STATS`; logged, read by benchmarks and tests)."""
-    pages_per_pool: int = 0
-    pools: int = 1
-    page_bytes: int = 0
-    peak_pages: int = 0          # most pages held at once, summed over pools
-    preemptions: int = 0
-    chunks: int = 0
-    prefills: int = 0
-    shared_prompt_pages: int = 0  # page references served by sharing instead of a copy
-    # Several processes: seconds in replicated readbacks of program results (after they were
-    # computed) and in the cross-process digest checks (rollout/paged_multihost.py).
-    sync_seconds: float = 0.0
-    guard_seconds: float = 0.0
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak_pages * self.page_bytes
 
 
 LAST_STATS = PagedStats()
@@ -130,7 +86,8 @@ class _Rollout:
         self.graphdef, self.params = nnx.split(model)
         # The programs' static config without the host-only settings: one compiled program per
         # shape whatever the pool source, slot cap or engine flag.
-        self.program_cfg = dataclasses.replace(cfg, pool_bytes=0, pool_fraction=0.0, max_slots=0)
+        self.program_cfg = dataclasses.replace(cfg, pool_bytes=0, pool_fraction=0.0, max_slots=0,
+                                               overlap_chunks=True)
         self.rng = jax.random.key(0) if rng is None else rng
         k = cfg.record_topk
         self.tokens = np.full((self.rows, self.t), cfg.pad_token_id, np.int32)
@@ -138,23 +95,25 @@ class _Rollout:
         self.budgets = np.zeros((self.rows, self.t), np.int32)
         self.topk_v = np.zeros((self.rows, self.t, k), np.float32)
         self.topk_i = np.zeros((self.rows, self.t, k), np.int32)
-        self.samples = [_Sample(i, i // group_size) for i in range(self.rows)]
+        self.samples = [Sample(i, i // group_size) for i in range(self.rows)]
         self.first_sample = first_sample
         self.queue = collections.deque(("group", g) for g in range(bp))
-        self.running: list[list[_Sample]] = [[] for _ in range(self.pools)]
+        self.running: list[list[Sample]] = [[] for _ in range(self.pools)]
         self.admitted = 0
         self.stop_ids = set(cfg.stop_token_ids)
         self.sync = paged_multihost.Coordination(spec)
+        self.dispatched = 0          # decode chunks dispatched (the digest check's chunk number)
+        self.idle_since: float | None = None   # nothing in flight since (perf_counter)
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def _length(self, s: _Sample) -> int:
+    def _length(self, s: Sample) -> int:
         """Tokens in the cache while running: prompt + all generated but the last (fed next)."""
         return int(self.prompt_lengths[s.prompt]) + s.generated - 1
 
-    def _pages_wanted(self, s: _Sample) -> int:
+    def _pages_wanted(self, s: Sample) -> int:
         return self._pages_at(self._length(s))
 
-    def _record(self, s: _Sample, toks, lps, buds, top_v, top_i) -> bool:
+    def _record(self, s: Sample, toks, lps, buds, top_v, top_i) -> bool:
         """Appends recorded tokens to sample s; True if it finished."""
         c = len(toks)
         g = s.generated
@@ -166,11 +125,11 @@ class _Rollout:
         s.generated += c
         return s.generated >= self.t or (c > 0 and int(toks[-1]) in self.stop_ids)
 
-    def _finish(self, s: _Sample) -> None:
+    def _finish(self, s: Sample) -> None:
         self.alloc[s.pool].release(s.pages)
         s.pages = []
 
-    def _preempt(self, s: _Sample) -> None:
+    def _preempt(self, s: Sample) -> None:
         self.running[s.pool].remove(s)
         self._finish(s)
         self.stats.preemptions += 1
@@ -291,13 +250,15 @@ class _Rollout:
                       dtype=jnp.dtype(self.model.dtype).name)
         args = [self._rows(x) for x in (tokens, lengths, write, sample_ids, index,
                                         prompt_lengths)]
-        self.sync.check("prefill", self.stats.chunks)
+        self.sync.check("prefill", self.dispatched)
+        self._note_dispatch()
         out = paged.prefill_program(self.graphdef, self.params, self.kv, *args[:5], self.rng,
                                     args[5], self.budget_table,
                                     cfg=self.program_cfg, spec=self.spec,
                                     bin_size=self.bin_size, replay=replay)
         self.kv = out[0]
         tok, lp, top_v, top_i = self.sync.read_back(out[1:])
+        self.idle_since = time.perf_counter()
         self.stats.prefills += 1
         for r, (kind, group, pool, length) in zip(where, units):
             if kind == "resume":
@@ -315,54 +276,118 @@ class _Rollout:
         return jnp.asarray(x) if self.spec is None else _place(x, self.spec)
 
     # -- 3. decode ----------------------------------------------------------------------------
-    def decode(self, budgets) -> None:
-        cfg = self.cfg
-        per_pool = pow2_bucket(max(len(r) for r in self.running), self.slots_per_pool)
-        width = page_bucket(max(len(s.pages) for r in self.running for s in r), self.max_pages)
-        total = per_pool * self.pools
-        token = np.zeros(total, np.int32)
-        length = np.zeros(total, np.int32)
-        generated = np.zeros(total, np.int32)
-        active = np.zeros(total, bool)
-        sample_id = np.zeros(total, np.int32)
+    def _note_dispatch(self) -> None:
+        """Counts the host time since the device last had nothing to do (stats.host_seconds)."""
+        if self.idle_since is not None:
+            self.stats.host_seconds += time.perf_counter() - self.idle_since
+            self.idle_since = None
+
+    def _table(self, order: list[tuple[int, Sample]], total: int) -> np.ndarray:
+        """[total, width] page tables of the rows' samples (finished ones and empty rows: N)."""
+        live = [s for _, s in order if s.pages]
+        width = page_bucket(max(len(s.pages) for s in live), self.max_pages)
         table = np.full((total, width), self.pages_per_pool, np.int32)
-        order: list[tuple[int, _Sample]] = []
-        for pool, running in enumerate(self.running):
-            for k, s in enumerate(running):
-                row = pool * per_pool + k
-                token[row] = self.tokens[s.index, s.generated - 1]
-                length[row], generated[row] = self._length(s), s.generated
-                active[row], sample_id[row] = True, self.first_sample + s.index
-                table[row, :len(s.pages)] = s.pages
-                order.append((row, s))
-        slots = paged.Slots(*(self._rows(x) for x in (token, length, generated, active,
-                                                        sample_id, table)))
-        self.sync.check("decode", self.stats.chunks)
-        COMPILES.note("rollout/paged_decode", slots=total, pages_per_slot=width,
-                      steps=cfg.chunk_steps, mode=cfg.mode, pages=self.pages_per_pool,
+        for row, s in order:
+            table[row, :len(s.pages)] = s.pages
+        return table
+
+    def decode(self, budgets, pending: Chunk | None = None) -> Chunk | None:
+        """Dispatches a decode chunk and starts reading its records back (not waiting for it).
+        Without `pending`: over the running samples (slots compacted and bucketed). With it (a
+        chunk still running): its continuation over the same slots, fed pending's output slot
+        state on the device - or None where the next chunk needs pending's results first
+        (samples finished and work is queued, a smaller slot bucket, a pool short of pages)."""
+        cfg = self.cfg
+        if pending is None:
+            per_pool = pow2_bucket(max(len(r) for r in self.running), self.slots_per_pool)
+            total = per_pool * self.pools
+            host = [np.zeros(total, t) for t in (np.int32, np.int32, np.int32, bool, np.int32)]
+            order: list[tuple[int, Sample]] = []
+            for pool, running in enumerate(self.running):
+                for k, s in enumerate(running):
+                    row = pool * per_pool + k
+                    for x, v in zip(host, (self.tokens[s.index, s.generated - 1],
+                                           self._length(s), s.generated, True,
+                                           self.first_sample + s.index)):
+                        x[row] = v
+                    order.append((row, s))
+            slots = paged.Slots(*(self._rows(x) for x in host),
+                                self._rows(self._table(order, total)))
+        else:
+            order = [(row, s) for row, s in pending.order if s.pages]   # host: still running
+            # Several processes: not yet - every dispatch's digest check is a collective program,
+            # which would queue behind the running chunk (on XLA:CPU, gloo, it may even run
+            # beside it and pair its collectives differently on each process).
+            # And not where the running samples would compact into fewer slots (a bucket
+            # down): a continuation keeps its slots, finished or not.
+            live = max(sum(s.pool == p for _, s in order) for p in range(self.pools))
+            slots_now = pending.slots.token.shape[0] // self.pools
+            if (not cfg.overlap_chunks or self.sync.enabled or not order
+                    or pow2_bucket(live, self.slots_per_pool) < slots_now
+                    or (self.queue and len(order) < len(pending.order))
+                    or not self._grow_ahead([s for _, s in order])):
+                return None
+            slots = dataclasses.replace(pending.slots, page_table=self._rows(
+                self._table(order, pending.slots.token.shape[0])))
+            self.stats.overlapped_chunks += 1
+        self.sync.check("decode", self.dispatched)
+        self.dispatched += 1
+        COMPILES.note("rollout/paged_decode", slots=slots.token.shape[0],
+                      pages_per_slot=slots.page_table.shape[1], steps=cfg.chunk_steps,
+                      mode=cfg.mode, pages=self.pages_per_pool,
                       dtype=jnp.dtype(self.model.dtype).name)
-        self.kv, _, rec = paged.decode_chunk_program(
+        self._note_dispatch()
+        self.kv, out_slots, rec = paged.decode_chunk_program(
             self.graphdef, self.params, self.kv, slots, jnp.asarray(budgets), self.rng,
             cfg=self.program_cfg, steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
-        toks, lps, buds, top_v, top_i, recorded = self.sync.read_back(rec)
+        return Chunk(order, out_slots, self.sync.start_read(rec))
+
+    def _grow_ahead(self, samples: list[Sample]) -> bool:
+        """Pages for a chunk after the one in flight (each sample `chunk_steps` tokens further
+        than recorded), if every pool has them free: no preemption while a chunk runs."""
+        ahead = self.cfg.chunk_steps
+        need = [self._pages_at(self._length(s) + ahead) - len(s.pages) for s in samples]
+        for pool, alloc in enumerate(self.alloc):
+            if sum(n for n, s in zip(need, samples) if s.pool == pool and n > 0) > \
+                    alloc.free_pages:
+                return False
+        for n, s in zip(need, samples):
+            if n > 0:
+                s.pages += self.alloc[s.pool].alloc(n)
+        self._note_peak()
+        return True
+
+    def harvest(self, chunk: Chunk, idle: bool) -> None:
+        """Waits for chunk's records and appends them; finished samples give back their pages
+        (a continuation in flight holds them as inactive rows: it neither writes nor records
+        them, and later programs run after it). idle: nothing else is in flight."""
+        toks, lps, buds, top_v, top_i, recorded = self.sync.finish_read(chunk.records)
+        if idle:
+            self.idle_since = time.perf_counter()
         self.stats.chunks += 1
-        for row, s in order:
+        for row, s in chunk.order:
             c = int(recorded[row].sum())
-            if self._record(s, toks[row, :c], lps[row, :c], buds[row, :c], top_v[row, :c],
-                            top_i[row, :c]):
+            if s.pages and self._record(s, toks[row, :c], lps[row, :c], buds[row, :c],
+                                        top_v[row, :c], top_i[row, :c]):
                 self.running[s.pool].remove(s)
                 self._finish(s)
 
     def run(self, budgets, bin_size: int) -> None:
         self.bin_size = bin_size
         self.budget_table = jnp.asarray(budgets, jnp.int32)
-        while self.queue or any(self.running):
+        pending = None
+        while pending is not None or self.queue or any(self.running):
+            if pending is not None:             # chunk i in flight: dispatch i+1, then read i
+                after = self.decode(budgets, pending)
+                self.harvest(pending, idle=after is None)
+                pending = after
+                continue
             self.grow()
             units = self.admit()
             if units:
                 self.prefill(units)
             if any(self.running):
-                self.decode(budgets)
+                pending = self.decode(budgets)
             elif self.queue and not units:
                 raise RuntimeError("paged rollout made no progress: the queue's head does not "
                                    "fit an empty pool (a bug: the pool size was checked)")

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sparrow_jax.runtime.sharding import ShardingSpec
 
 __all__ = ["is_multiprocess", "check_mesh", "sync_max", "rows_to_global", "local_rows",
-           "all_rows", "host_to_global", "to_host"]
+           "all_rows", "host_to_global", "replicate", "to_host"]
 
 
 def is_multiprocess() -> bool:
@@ -125,14 +125,19 @@ def _replicate(mesh: jax.sharding.Mesh):
     return jax.jit(lambda *xs: xs, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+def replicate(tree, spec: ShardingSpec | None):
+    """A pytree of global arrays -> the same, fully replicated over spec's mesh (one program for
+    all leaves, dispatched, not waited for); `to_host` reads such a tree."""
+    if spec is None:
+        raise ValueError("replicate in a multi-process run needs the spec of the global mesh")
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, list(_replicate(spec.mesh)(*leaves)))
+
+
 def to_host(tree, spec: ShardingSpec | None):
     """A pytree of device arrays -> NumPy arrays holding the *whole* (global) value on every
     process: one replicating program over spec's mesh for all leaves, then a local read. With
     one process, plain `np.asarray`. Every process must call it with the same shapes."""
     if not is_multiprocess():
         return jax.tree.map(np.asarray, tree)
-    if spec is None:
-        raise ValueError("to_host in a multi-process run needs the spec of the global mesh")
-    leaves, treedef = jax.tree.flatten(tree)
-    out = _replicate(spec.mesh)(*leaves)
-    return jax.tree.unflatten(treedef, [np.asarray(x.addressable_data(0)) for x in out])
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), replicate(tree, spec))

@@ -227,11 +227,10 @@ def compact_ids(keep: jax.Array, num: jax.Array, fill: jax.Array, width: int) ->
     return jnp.where(slot < num[:, None], 32 * which + pos, fill[:, None]).astype(jnp.int32)
 
 
-def _kept_blocks(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array, *,
-                 max_selected: int, block_size: int, radix_bits: int | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The selected set as a mask: scores [..., NB] -> (keep [..., NB] bool, num [...] int32,
-    total [...] int32 blocks in the row). See `select_from_scores` for the rule."""
+def _budget_and_total(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array, *,
+                      max_selected: int, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Validated inputs of both selection rules: (budget [...] int32 clamped to
+    [3, max_selected], total [...] int32 blocks in the row, at most NB)."""
     if max_selected < NUM_RESERVED:
         raise ValueError(f"max_selected must be >= {NUM_RESERVED}, got {max_selected}")
     nb = scores.shape[-1]
@@ -244,6 +243,17 @@ def _kept_blocks(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array
                          f"got min {smallest}")
     budget = jnp.clip(budget_in, NUM_RESERVED, max_selected)
     total = jnp.clip((lengths + block_size - 1) // block_size, 0, nb)
+    return budget, total
+
+
+def _kept_blocks(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array, *,
+                 max_selected: int, block_size: int, radix_bits: int | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The selected set as a mask: scores [..., NB] -> (keep [..., NB] bool, num [...] int32,
+    total [...] int32 blocks in the row). See `select_from_scores` for the rule."""
+    nb = scores.shape[-1]
+    budget, total = _budget_and_total(scores, lengths, budget_blocks, max_selected=max_selected,
+                                      block_size=block_size)
     blk = jnp.arange(nb, dtype=jnp.int32)
     last = total[..., None]
     dense = total <= budget
@@ -311,18 +321,9 @@ def select_from_scores_reference(scores: jax.Array, lengths: jax.Array,
     """The former `select_from_scores` (lax.top_k over all blocks + a sort of the ids): the
     reference the tests and `sparrow_jax.bench.kernels --selection` compare against. Not for
     rollout use: on GPU its large-k top-k and its sort are full sorts."""
-    if max_selected < NUM_RESERVED:
-        raise ValueError(f"max_selected must be >= {NUM_RESERVED}, got {max_selected}")
     nb = scores.shape[-1]
-    lead = scores.shape[:-1]
-    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), lead)
-    budget_in = jnp.broadcast_to(jnp.asarray(budget_blocks, jnp.int32), lead)
-    smallest = _min_if_concrete(budget_in)
-    if smallest is not None and smallest < NUM_RESERVED:
-        raise ValueError(f"budget_blocks must be >= {NUM_RESERVED} (sink + 2 local blocks), "
-                         f"got min {smallest}")
-    budget = jnp.clip(budget_in, NUM_RESERVED, max_selected)
-    total = jnp.clip((lengths + block_size - 1) // block_size, 0, nb)
+    budget, total = _budget_and_total(scores, lengths, budget_blocks, max_selected=max_selected,
+                                      block_size=block_size)
     slots = jnp.arange(max_selected, dtype=jnp.int32)
 
     # Dense regime: 0..total-1, padded with total-1 (or 0 for an empty row).
@@ -340,12 +341,12 @@ def select_from_scores_reference(scores: jax.Array, lengths: jax.Array,
         top_ids = jnp.where(rank < (budget - NUM_RESERVED)[..., None], top_ids.astype(jnp.int32),
                             big)
     else:
-        top_ids = jnp.zeros(lead + (0,), jnp.int32)
+        top_ids = jnp.zeros(scores.shape[:-1] + (0,), jnp.int32)
     reserved = jnp.stack([jnp.zeros_like(total), total - 2, total - 1], axis=-1)
     parts = [reserved, top_ids]
     pad = max_selected - NUM_RESERVED - k_top
     if pad > 0:
-        parts.append(jnp.full(lead + (pad,), big, jnp.int32))
+        parts.append(jnp.full(scores.shape[:-1] + (pad,), big, jnp.int32))
     sparse_ids = jnp.sort(jnp.concatenate(parts, axis=-1), axis=-1)         # valid ones first
     last_valid = jnp.take_along_axis(sparse_ids, (budget - 1)[..., None], axis=-1)
     sparse_ids = jnp.where(slots < budget[..., None], sparse_ids, last_valid)

@@ -1,0 +1,218 @@
+"""What a `sparrow train` run will compile, logged before its first rollout.
+
+XLA compiles one program per distinct input shape, minutes each at full depth, and a run's
+first step compiles its rollout and learner programs before anything else is logged. The plan
+says which programs, how many at the start and at most how many in all, so that a user knows why
+step 1 takes minutes (each compile's seconds are logged as it happens:
+`sparrow_jax.runtime.compile_cache`; each new shape by `sparrow_jax.runtime.shapes.COMPILES`,
+under the same program names as here; "eval/..." are the rollout and teacher-forced programs at
+the held-out batch's shapes).
+
+The shapes come from the functions the engines themselves call: prompt widths from
+`RolloutConfig.prompt_width`, the learner's response lengths from `bucket_length` over its
+length buckets (`rollout.batching.trim_to_bucket`), the paged engine's row, prefill-width and
+page-table buckets from `rollout.scheduler` and its pool layout from `rollout.page_pool`.
+Prompt widths range over what the run can take (up to the longest prompt it keeps); a data set
+of short prompts touches only the first few.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Sequence
+
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.page_pool import pages_for
+from sparrow_jax.rollout.scheduler import page_bucket, pow2_bucket, prefill_width
+from sparrow_jax.runtime.shapes import bucket_length
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Planned", "CompilePlan", "distinct", "prompt_widths", "response_lengths",
+           "plan", "for_trainer", "log_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """Programs of one name (as `COMPILES` logs them): `first` of them compile before step 1
+    ends (an upper bound where the shapes depend on the data), `most` in the whole run."""
+    name: str
+    per: str          # what selects a new program of this name
+    first: int
+    most: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilePlan:
+    programs: tuple[Planned, ...]
+
+    @property
+    def first(self) -> int:
+        return sum(p.first for p in self.programs)
+
+    @property
+    def most(self) -> int:
+        return sum(p.most for p in self.programs)
+
+    def names(self) -> set[str]:
+        return {p.name for p in self.programs}
+
+    def lines(self) -> list[str]:
+        head = (f"compile plan: about {self.first} programs before step 1 ends, at most "
+                f"{self.most} in the run (a batch that reaches a new prompt-width or response-"
+                "length bucket compiles its own; each compile's seconds are logged, and the "
+                "compilation cache keeps them for a restart):")
+        return [head] + [f"  {p.name}: {p.first} at the start, at most {p.most} ({p.per})"
+                         for p in self.programs]
+
+
+def distinct(fn: Callable[[int], int], lo: int, hi: int) -> tuple[int, ...]:
+    """Every value of the monotone bucket function `fn` over the lengths lo..hi (each bucket
+    >= its argument: the next length past a bucket starts the next one)."""
+    out, n = [], max(lo, 1)
+    while n <= hi:
+        b = fn(n)
+        if b < n:
+            raise ValueError(f"bucket {b} of length {n} is below it: not a bucket function")
+        out.append(b)
+        n = b + 1
+    return tuple(out)
+
+
+def prompt_widths(rc: RolloutConfig, longest_prompt: int) -> tuple[int, ...]:
+    """The static prompt widths the rollout can be called with (`RolloutConfig.prompt_width`)."""
+    return distinct(rc.prompt_width, 1, longest_prompt)
+
+
+def response_lengths(buckets: Sequence[int], max_new_tokens: int, multiple: int
+                     ) -> tuple[int, ...]:
+    """The response widths the learner can see (`trim_to_bucket`: a bucket, at most the
+    generated width)."""
+    return tuple(sorted({min(b, max_new_tokens) for b in distinct(
+        lambda n: bucket_length(n, buckets, multiple=multiple), 1, max_new_tokens)}))
+
+
+def _span(values: Sequence[int]) -> str:
+    return (f"{len(values)}: {values[0]}..{values[-1]}" if len(values) > 1
+            else f"1: {values[0]}")
+
+
+def _paged(rc: RolloutConfig, widths: Sequence[int], rows: int, group_size: int, data: int
+           ) -> tuple[Planned, Planned]:
+    """The paged engine's prefill and decode programs (`rollout.scheduler`) for rollouts of
+    `rows` samples at the prompt `widths`. Decode: one program per (running-slot bucket,
+    page-table bucket); a rollout's slots only shrink while its rows grow, so one rollout
+    touches about slots + pages - 1 of them. Prefill: one per prompt width and group-row
+    bucket, and one per resume width (a preempted sample's prompt + generated tokens, one per
+    pool and call). With the default pool size (every row at full length) the pool's page count
+    follows the prompt width, so each width has its own programs; a fixed `pool_bytes` /
+    `pool_fraction` pool shares them."""
+    slots = (rc.max_slots or rows) // max(data, 1)
+    slot_buckets = len(distinct(lambda n: pow2_bucket(n, slots), 1, slots))
+    group_rows = len(distinct(lambda n: pow2_bucket(n, slots), 1, max(1, slots // group_size)))
+
+    def page_buckets(width: int) -> int:
+        cap = pages_for(width + rc.max_new_tokens - 1, rc.block_size)
+        return len(distinct(lambda n: page_bucket(n, cap), 1, cap))
+
+    def resumes(lo: int, hi: int) -> int:
+        return len(distinct(lambda n: prefill_width(rc, n), lo, hi + rc.max_new_tokens - 1))
+
+    fixed_pool = bool(rc.pool_bytes or rc.pool_fraction)
+    first_pages = page_buckets(widths[0])
+    if fixed_pool:
+        decode = slot_buckets * page_buckets(widths[-1])
+        prefill = group_rows * len(widths) + resumes(widths[0], widths[-1])
+    else:
+        decode = sum(slot_buckets * page_buckets(w) for w in widths)
+        prefill = sum(group_rows + resumes(w, w) for w in widths)
+    pool = "a fixed pool" if fixed_pool else "the default pool: programs per prompt width"
+    return (Planned("rollout/paged_prefill", f"paged engine, {rc.mode}; group-row buckets "
+                    f"{group_rows} x prompt widths ({_span(widths)}), and resume widths "
+                    f"after a preemption; {pool}", group_rows, prefill),
+            Planned("rollout/paged_decode", f"running-slot buckets {slot_buckets} x page-table "
+                    f"buckets {first_pages} at the first width; ~{slot_buckets + first_pages - 1}"
+                    " per rollout", slot_buckets + first_pages - 1, decode))
+
+
+def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per_step: int,
+         longest_prompt: int, length_buckets: Sequence[int], fused: bool, probe: bool = False,
+         distill: bool = False, eval_width: int | None = None,
+         eval_rows: int = 0, eval_modes: Sequence[str] = (), reference: bool = False,
+         data_shards: int = 1, micro_rows: int = 0) -> CompilePlan:
+    """The plan of a run (see the module docstring). `prompts_per_call`: prompts of one rollout
+    program call over all processes; `fused`: the learner's analysis runs inside its gradient
+    program (`Learner.fused`); `probe`: the controller's teacher-forced replay may run the
+    analysis program; `eval_width`, `eval_rows`: the held-out batch's prompt width (None: no
+    evaluation) and rows over all processes."""
+    widths = prompt_widths(rc, longest_prompt)
+    responses = response_lengths(length_buckets, rc.max_new_tokens, rc.block_size)
+    rows = prompts_per_call * group_size
+    w, r = len(widths), len(responses)
+    engine = f"{rc.engine} engine, {rc.mode}"
+    out = []
+    if rc.engine == "paged":
+        out += _paged(rc, widths, rows, group_size, data_shards)
+    else:
+        per = f"{engine}; {rows} rows; per prompt width ({_span(widths)})"
+        out += [Planned("rollout/prefill", per, 1, w), Planned("rollout/decode", per, 1, w)]
+    if calls_per_step > 1:
+        out.append(Planned("rollout/join", f"{calls_per_step} calls per step; per prompt width",
+                           1, w))
+    micro = f"micro-batches of {micro_rows} rows; " if micro_rows else ""
+    per = (f"{calls_per_step * rows} rows, {micro}per prompt width x response length "
+           f"({_span(responses)})")
+    if not fused or probe:
+        why = "" if not fused else "controller probe; "
+        out.append(Planned("learner/analyze", why + per, 0 if fused else 1, w * r))
+    out.append(Planned("learner/grads", ("analysis fused in; " if fused else "") + per, 1, w * r))
+    out.append(Planned("learner/apply", "the optimizer update", 1, 1))
+    if distill:
+        out.append(Planned("distill/update", per, 1, w * r))
+    if eval_width is not None and eval_modes:
+        n = len(eval_modes)
+        if rc.engine == "paged":
+            p, d = _paged(rc, (eval_width,), eval_rows or rows, 1, data_shards)
+            out.append(Planned("eval/rollout", f"{'/'.join(eval_modes)} at prompt width "
+                               f"{eval_width}, paged, about", n * (p.first + d.first),
+                               n * (p.most + d.most)))
+        else:
+            out.append(Planned("eval/rollout", f"prefill + decode per mode "
+                               f"({'/'.join(eval_modes)}) at prompt width {eval_width}",
+                               2 * n, 2 * n))
+        if reference:
+            out.append(Planned("eval/reference", "teacher-forced, dense and sparse", 2, 2))
+    return CompilePlan(tuple(out))
+
+
+def for_trainer(trainer) -> CompilePlan:
+    """The plan of a built `sparrow_jax.train.Trainer` (its configs, data and learner)."""
+    import jax
+
+    from sparrow_jax.runtime import faults
+    from sparrow_jax.train_config import gin_value
+
+    cfg, rc = trainer.cfg, trainer.rollout_cfg
+    longest = faults.prompt_capacity(trainer.model.config.max_position_embeddings,
+                                     rc.max_new_tokens,
+                                     gin_value("make_prompt_iterator.max_prompt_len"))
+    per_call = cfg.rollout_batch_prompts or cfg.prompts_per_step
+    step_rows = cfg.prompts_per_step * cfg.group_size * jax.process_count()
+    data = trainer.spec.mesh.shape["data"] if trainer.spec is not None else 1
+    lc = trainer.learner.cfg
+    eval_shape = None if trainer.eval_batch is None else trainer.eval_batch["prompt_ids"].shape
+    eval_width = None if eval_shape is None else rc.prompt_width(int(eval_shape[1]))
+    eval_rows = 0 if eval_shape is None else int(eval_shape[0]) * jax.process_count()
+    return plan(rc, group_size=cfg.group_size, prompts_per_call=per_call * jax.process_count(),
+                calls_per_step=cfg.prompts_per_step // per_call, longest_prompt=longest,
+                length_buckets=trainer.length_buckets, fused=trainer.learner.fused(step_rows),
+                probe=cfg.adapt_schedule and rc.mode == "sparse" and lc.alpha_mode == "full",
+                distill=trainer.distiller is not None, eval_width=eval_width,
+                eval_rows=eval_rows, eval_modes=trainer.eval_modes,
+                reference=trainer.reference is not None, data_shards=data, micro_rows=lc.micro_batch_size)
+
+
+def log_plan(p: CompilePlan) -> None:
+    for line in p.lines():
+        log.info("%s", line)
