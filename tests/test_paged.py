@@ -168,3 +168,29 @@ def test_bad_paged_settings(tiny):
     with pytest.raises(ValueError, match="pool_fraction"):
         generate(model, toks, lens, cfg=dataclasses.replace(cfg, pool_fraction=0.5),
                  budgets=BUDGETS)
+
+
+def test_whole_page_and_row_token_writes_give_equal_pools():
+    """The TPU form of the decode chunk's K/V write (whole pages) and the GPU/CPU form (one row
+    per token) write the same pool, incl. slots that do not write; the page form also returns
+    the written pages."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparrow_jax.rollout import paged
+
+    hkv, n_pages, bs, d, s = 2, 6, 4, 3, 4
+    k0, k1 = jax.random.split(jax.random.key(0))
+    pool = jax.random.normal(k0, (1, hkv, n_pages, bs, d), jnp.float32)
+    new = jax.random.normal(k1, (s, hkv, d), jnp.float32)
+    page = jnp.array([0, 3, 5, 2], jnp.int32)       # distinct pages: active slots never share one
+    offset = jnp.array([0, 2, 3, 1], jnp.int32)
+    write = jnp.array([True, True, False, True])
+    pages, by_page = paged._write_token(pool, new, page, offset, write)
+    by_row = paged._write_token_rows(pool, new, page, offset, write)
+    assert jnp.array_equal(by_page, by_row)
+    assert jnp.array_equal(by_row[0, :, 5], pool[0, :, 5])            # slot 2 does not write
+    assert jnp.array_equal(by_row[0, :, 3, 2], new[1])                  # slot 1's row
+    assert jnp.array_equal(pages[:, 1], by_row[0, :, 3])                # the written page
+    assert paged._writes_whole_pages("pallas_tpu") and not paged._writes_whole_pages("pallas_triton")
+    assert not paged._writes_whole_pages("xla")
