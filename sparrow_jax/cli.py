@@ -91,7 +91,10 @@ def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
     for module in ("sparrow_jax.train", "sparrow_jax.sft", "sparrow_jax.rollout.config",
                    "sparrow_jax.rl.learner", "sparrow_jax.rl.grpo", "sparrow_jax.sparsity.schedule",
                    "sparrow_jax.data.prompts", "sparrow_jax.rl.rewards", "sparrow_jax.runtime.sharding",
-                   "sparrow_jax.model.config", "sparrow_jax.calibrate"):
+                   "sparrow_jax.model.config", "sparrow_jax.calibrate",
+                   # ExperimentConfig: `sparrow experiment --parallel` runs each arm as `sparrow
+                   # train` on the experiment's own gin files
+                   "sparrow_jax.experiment"):
         importlib.import_module(module)
     gin.clear_config()  # a fresh configuration per command, also when called twice in-process
     try:

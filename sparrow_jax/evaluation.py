@@ -139,21 +139,28 @@ def summary_lines(first: dict[str, float], last: dict[str, float],
     """The end-of-run summary: held-out reward per decoding mode (first -> last) and the
     measured speed of the actor's mode vs dense. Returns (lines, last + the speed ratio)."""
     lines = []
+
+    def start(key: str, spec: str) -> str:      # no step-0 evaluation (eval_at_start = False)
+        return format(first[key], spec) if key in first else "(not evaluated at step 0)"
     for mode in modes:
         key = f"eval_{mode}/reward"
         if key in last:
-            lines.append(f"held-out reward ({mode} decoding): {first.get(key, math.nan):.3f} "
+            lines.append(f"held-out reward ({mode} decoding): {start(key, '.3f')} "
                          f"-> {last[key]:.3f}")
     for mode in modes:      # teacher-forced reference metrics (sparrow_jax.reference_eval)
         key = f"eval_{mode}/ref_p_exact"
         if key in last:
             lines.append(f"held-out p(T=1 sample = reference) ({mode}): "
-                         f"{first.get(key, math.nan):.4f} -> {last[key]:.4f} (+- "
+                         f"{start(key, '.4f')} -> {last[key]:.4f} (+- "
                          f"{last.get(key + '_se', math.nan):.4f}); greedy reproduces it: "
-                         f"{first.get(f'eval_{mode}/ref_greedy', math.nan):.3f} -> "
+                         f"{start(f'eval_{mode}/ref_greedy', '.3f')} -> "
                          f"{last.get(f'eval_{mode}/ref_greedy', math.nan):.3f}")
     actor = modes[-1]
-    if "eval_dense/tokens_per_s" in last and f"eval_{actor}/tokens_per_s" in last and (
+    if not first and actor != "dense" and f"eval_{actor}/tokens_per_s" in last:
+        # The only evaluation also compiled the eval programs: its speeds are not speeds.
+        lines.append("rollout speed not measured: the only evaluation compiled its programs "
+                     "(TrainConfig.eval_at_start = False)")
+    elif "eval_dense/tokens_per_s" in last and f"eval_{actor}/tokens_per_s" in last and (
             actor != "dense"):
         ratio = last[f"eval_{actor}/tokens_per_s"] / last["eval_dense/tokens_per_s"]
         lines.append(f"measured rollout speed, {actor} vs dense (same prompts, one run): "

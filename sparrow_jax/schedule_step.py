@@ -63,8 +63,9 @@ def budget_metrics(schedule: Schedule) -> dict[str, float]:
 
 def step_metrics(info: dict[str, Any], quantile: float) -> dict[str, float]:
     """The controller's per-step record: ``schedule/bins_dense`` (bins at the dense rung),
-    ``bins_failing_dense`` (failing even at dense: the tail is not caused by sparsity, e.g.
-    the dense-vs-dense noise floor is above the target), ``bins_below_target`` (the live
+    ``bins_failing_dense`` (failing even at dense: the sparse bins before it are the cause -
+    they are raised, ``bins_raised_upstream`` - or, with none left, the rollout's numerical
+    noise floor is above the target), ``bins_below_target`` (the live
     budget fails by the upper bound), ``saturated`` (= bins_failing_dense: nowhere higher to
     go), ``bins_undecided`` (not enough pooled evidence), raised/lowered/probe_failed and
     ``ub_ratio_max`` (the largest decided bound / q; <= 1 = every decided bin passes)."""
@@ -80,6 +81,8 @@ def step_metrics(info: dict[str, Any], quantile: float) -> dict[str, float]:
         "schedule/bins_raised": float(np.sum(info["raised"])),
         "schedule/bins_lowered": float(np.sum(info["lowered"])),
         "schedule/probe_failed": float(np.sum(info["probe_failed"])),
+        "schedule/bins_replay_failing": float(np.sum(info["replay_failing"])),
+        "schedule/bins_raised_upstream": float(np.sum(info["raised_upstream"])),
         "schedule/ub_ratio_max": float(ub[decided].max() / quantile) if decided.any() else 0.0,
     }
     return out

@@ -385,7 +385,7 @@ class Trainer:
         compile_plan.log_plan(compile_plan.for_trainer(self))   # why step 1 takes minutes
         timer = StepTimer()
         history = {}
-        if self.step == 0 and self.eval_batch is not None:
+        if self.step == 0 and self.eval_batch is not None and cfg.eval_at_start:
             # One evaluation: it also compiles the eval programs, so its timings are compile
             # time, not speed - they are dropped (later evaluations are warm and keep theirs).
             history["first"] = {k: v for k, v in self.evaluate().items()

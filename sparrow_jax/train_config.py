@@ -33,6 +33,10 @@ class TrainConfig:
     eval_every: int = 10
     eval_prompts: int = 32
     eval_temperature: float = 0.0     # 0 = greedy validation
+    # Evaluate once before step 1 (the run's starting point). False skips it - the last
+    # evaluation still runs, and its tokens/s then include the eval programs' compile time. An
+    # experiment's arms start from the same checkpoint, so one arm's step-0 evaluation serves all.
+    eval_at_start: bool = True
     checkpoint_every: int = 10
     max_to_keep: int = 3
     seed: int = 0

@@ -1,6 +1,7 @@
 """sparrow_jax.sparsity.controller + evidence: pooled exceedance evidence, a confidence bound,
 a dense rung at the end of every ladder, lowering only after a replay passes."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -67,13 +68,20 @@ def test_lowers_only_after_replay_passes_and_returns_to_last_pass():
     probe = state.replay_budgets()
     assert probe is not None and (probe < 512).all()
     lower = int(probe[0])
-    # The replay at the lower rung: bin 0 passes, bin 1 fails.
+    # The replay at the lower rungs: bin 0 passes, bin 1 fails. Bin 1's failure may come from
+    # bin 0's lower budget (sparsity propagates downstream): neither is lowered yet.
     ph, pt = counts(rng, [0.0, 0.5])
     state, info = controller_update(state, *counts(rng, [0.0, 0.0]), CFG,
                                     probe_hits=ph, probe_tokens=pt)
+    assert state.schedule.budgets == (512, 512)
+    assert info["probe_failed"].tolist() == [False, True] and info["replay_failing"][1]
+    assert state.probe_budgets == (lower, 0)             # bin 1's failed rung is not retried
+    # The next replay tests bin 0's rung alone, bin 1 (at 512) as its witness: both pass.
+    ph, pt = counts(rng, [0.0, 0.0])
+    state, info = controller_update(state, *counts(rng, [0.0, 0.0]), CFG,
+                                    probe_hits=ph, probe_tokens=pt)
     assert state.schedule.budgets == (lower, 512)
-    assert info["lowered"].tolist() == [True, False] and info["probe_failed"].tolist() == [False, True]
-    assert state.replay_budgets()[1] == 512 or state.probe_budgets[1] == 0   # failed rung blocked
+    assert info["lowered"].tolist() == [True, False]
     # Without a replay nothing is lowered, however good the live evidence.
     for _ in range(3):
         state, info = controller_update(state, *counts(rng, [0.0, 0.0]), CFG)
@@ -81,6 +89,63 @@ def test_lowers_only_after_replay_passes_and_returns_to_last_pass():
     # A live failure at the lowered rung returns to the rung it passed at, not to dense.
     state, info = controller_update(state, *counts(rng, [0.4, 0.0]), CFG)
     assert state.schedule.budgets[0] == 512 and info["raised"][0]
+
+
+def test_lowering_bar_is_stricter_than_holding():
+    """A probe whose replay rate sits between lower_margin * q and q neither lowers the bin nor
+    counts as failed (it keeps pooling); a clean replay lowers it."""
+    rng = np.random.default_rng(7)
+    state = ControllerState.initial(Schedule.constant(512, num_bins=1, bin_size=4096))
+    state, _ = controller_update(state, *counts(rng, [0.0]), CFG)
+    for step in range(6):        # 0.7 q in 2048 tokens a step: passes q, never 0.5 q
+        ph, pt = counts(rng, [0.7 * Q])
+        state, info = controller_update(state, *counts(rng, [0.0]), CFG,
+                                        probe_hits=ph, probe_tokens=pt)
+        assert state.schedule.budgets == (512,) and not info["probe_failed"][0], step
+    for step in range(6):        # clean replays: the pooled bound falls below 0.5 q
+        ph, pt = counts(rng, [0.0])
+        state, info = controller_update(state, *counts(rng, [0.0]), CFG,
+                                        probe_hits=ph, probe_tokens=pt)
+        if info["lowered"][0]:
+            break
+    assert state.schedule.budgets[0] < 512
+    with pytest.raises(ValueError, match="lower_margin"):
+        ControllerConfig(lower_margin=0.0)
+
+
+def test_witness_failing_downstream_blocks_and_implicates_the_nearest_probe():
+    """A bin without a probe (its lower rung failed recently) that fails in the replay at its
+    own budget: the probes before it are not taken, and the nearest one is marked failed."""
+    rng = np.random.default_rng(5)
+    state = ControllerState.initial(Schedule.constant(512, num_bins=3, bin_size=4096))
+    state, _ = controller_update(state, *counts(rng, [0.0, 0.0, 0.0]), CFG)
+    state = dataclasses.replace(state, probe_budgets=(384, 384, 0))    # bin 2: the witness
+    ph, pt = counts(rng, [0.0, 0.0, 0.3])
+    state, info = controller_update(state, *counts(rng, [0.0, 0.0, 0.0]), CFG,
+                                    probe_hits=ph, probe_tokens=pt)
+    assert state.schedule.budgets == (512, 512, 512) and not info["lowered"].any()
+    assert info["probe_failed"].tolist() == [False, True, False]
+    assert state.last_fail[1] == 384 and state.probe_budgets[1] == 0
+    # With bin 1's probe gone the replay passes everywhere: bin 0 is lowered (bin 2, probed
+    # now, too), bin 1 is not.
+    ph, pt = counts(rng, [0.0, 0.0, 0.0])
+    state, info = controller_update(state, *counts(rng, [0.0, 0.0, 0.0]), CFG,
+                                    probe_hits=ph, probe_tokens=pt)
+    assert state.schedule.budgets[:2] == (384, 512) and info["lowered"][0]
+
+
+def test_failing_at_dense_raises_the_sparse_bins_before_it():
+    """Bin 2 at the dense rung fails live: bins 0-1 (lowered earlier) return to the rungs they
+    passed at; a bin after it is not touched."""
+    rng = np.random.default_rng(6)
+    sched = Schedule((256, 192, DENSE_BUDGET, 128), bin_size=4096, block_size=16)
+    state = dataclasses.replace(ControllerState.initial(sched),
+                                last_pass=(384, DENSE_BUDGET, DENSE_BUDGET, 192))
+    state, info = controller_update(state, *counts(rng, [0.0, 0.0, 0.4, 0.0]), CFG)
+    assert info["failing_dense"].tolist() == [False, False, True, False]
+    assert state.schedule.budgets == (384, DENSE_BUDGET, DENSE_BUDGET, 128)
+    assert info["raised_upstream"].tolist() == [True, True, False, False]
+    assert state.last_fail[:2] == (256, 192) and state.probe_budgets[0] == 0   # not retried
 
 
 def test_not_enough_rows_no_decision():

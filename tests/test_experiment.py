@@ -25,7 +25,7 @@ def base(tmp_path_factory):
 ExperimentConfig.output_dir = '{root / 'out'}'
 ExperimentConfig.arms = {{
     'dense': ["TrainConfig.rollout_mode = 'dense'"],
-    'fixed48': ["TrainConfig.adapt_schedule = False"],
+    'fixed48': ["TrainConfig.adapt_schedule = False", "TrainConfig.eval_at_start = False"],
 }}
 """)
     return root, cfg
@@ -55,9 +55,20 @@ def test_two_arms_write_comparison_and_resume(base, capsys):
     assert "operative_config" not in md
     ops = (out / "dense" / "operative_config.gin").read_text()
     assert "TrainConfig.rollout_mode = 'dense'" in ops
-    # Re-running finds both arms finished: no new steps, the report is rewritten.
+    # TrainConfig.eval_at_start = False skips the step-0 evaluation, not the last one.
+    assert [r["step"] for r in read_jsonl(out / "dense") if "eval_dense/reward" in r] == [0, 2]
+    assert [r["step"] for r in read_jsonl(out / "fixed48") if "eval_dense/reward" in r] == [2]
+    start = next(r["eval_dense/reward"] for r in read_jsonl(out / "dense") if r["step"] == 0)
+    assert f"| fixed48 | 2 | {start:.3f}* -> " in md and "no step-0 evaluation in this arm" in md
+    # Re-running finds both arms finished: no new steps, the report is rewritten. With
+    # --parallel 2 each arm is a `sparrow train` subprocess on the same gin files, which
+    # resumes the finished run at its last step and returns.
     assert _run([str(cfg)]) == 0
     assert [r["step"] for r in read_jsonl(out / "dense") if "reward/mean" in r] == [1, 2]
+    assert _run([str(cfg), "--parallel", "2"]) == 0
+    for arm in ("dense", "fixed48"):
+        assert [r["step"] for r in read_jsonl(out / arm) if "reward/mean" in r] == [1, 2]
+        assert "resumed from" in (out / f"{arm}.log").read_text()
     assert _run([str(cfg), "--report_only", "--arms", "fixed48"]) == 0
     assert "| dense |" not in (out / "comparison.md").read_text()
     with pytest.raises(SystemExit, match="unknown arm"):
@@ -71,6 +82,9 @@ def test_budget_mean_and_final_values():
     assert budget_mean(row) == pytest.approx((64 * 30 + 128 * 10) / 40)
     f = final_values([row], eval_prompts=32)
     assert f["eval_last"] == 0.25 and f["eval_se"] == pytest.approx((0.25 * 0.75 / 32) ** 0.5)
+    # The first value is the step-0 evaluation only (TrainConfig.eval_at_start = False: none).
+    assert "eval_first" not in f
+    assert final_values([{"step": 0, "eval_dense/reward": 0.5}, row], 32)["eval_first"] == 0.5
     assert f["budget_mean"] == pytest.approx(80.0)
 
 

@@ -163,12 +163,16 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
                     dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
 
 
-def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_bytes: int
+def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_bytes: int,
+                           pages_per_pool: int | None = None
                            ) -> tuple[list[Program], page_pool.PoolLayout]:
     """The paged engine's programs for one rollout call of `rows` samples (`rollout/paged.py`):
     prefill of new groups (every slot's prompt at once, the worst case), prefill of a resumed
     sample (its prompt + every new token but the last: the widest), and one decode chunk over
-    every slot at the widest page table; the page pool is their own (donated) argument."""
+    every slot at the widest page table; the page pool is their own (donated) argument.
+    pages_per_pool: the pool's pages instead of the configured size (a shallower copy of the
+    model compiled for a depth extrapolation keeps the full model's pages: a pool sized in
+    bytes would otherwise hold more pages of fewer layers)."""
     model, state, _, _ = abstract_policy(shape, spec)
     state = place(state, jax.tree.map(lambda x: x.sharding, state), shape.compute_dtype)
     graphdef, rc, n, m = nnx.graphdef(model), shape.rollout, shape.group_size, shape.model
@@ -176,6 +180,8 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
     layout = page_pool.pool_layout(m, rc, shape.compute_dtype, rows=rows,
                                    prompt_width=shape.prompt_len, group_size=n, data=data,
                                    model=spec.mesh.shape.get("model", 1), memory_limit=hbm_bytes)
+    if pages_per_pool is not None:
+        layout = dataclasses.replace(layout, pages_per_pool=pages_per_pool)
     kv = jax.eval_shape(lambda: paged.PagedKV(*(tuple(
         jnp.zeros(shp, shape.compute_dtype) for _ in range(m.num_hidden_layers))
         for shp in [(data, m.num_key_value_heads, layout.pages_per_pool, rc.block_size,

@@ -49,12 +49,13 @@ import jax.numpy as jnp
 
 from sparrow_jax.dryrun.programs import (Measured, StepShape, abstract_policy,
                                          abstract_trajectories, compile_program, decode_state,
-                                         device_bytes, gib, join_program, learner_programs, place,
+                                         device_bytes, join_program, learner_programs, place,
                                          paged_rollout_programs, rollout_programs, sds,
                                          step_shape)
 from sparrow_jax.dryrun.targets import (TARGETS, Target, get_target, target_devices,
                                         toolchain_name, toolchain_problem)
 from sparrow_jax.model.config import QWEN3_PRESETS, Qwen3Config, qwen3_preset
+from sparrow_jax.dryrun import report as report_text
 from sparrow_jax.rollout import page_pool
 from sparrow_jax.rollout.config import padded_length
 from sparrow_jax.runtime import multihost
@@ -68,13 +69,14 @@ _CHILD_ENV = "SPARROW_DRYRUN_CHILD"
 
 
 def measure_rollout(shape: StepShape, spec: ShardingSpec, target: Target, rows: int, *,
-                    probe: bool = False) -> list[Measured]:
+                    probe: bool = False, pages_per_pool: int | None = None) -> list[Measured]:
     """prefill + decode for `rows` rows per call; probe: also a decode recording one block of
     tokens over the same cache - XLA costs a while loop's body once, so that program's cost
-    analysis is one decode step (+ a small prologue/epilogue)."""
+    analysis is one decode step (+ a small prologue/epilogue). pages_per_pool: the paged
+    engine's pool size (see `paged_rollout_programs`)."""
     per_dev = rows / spec.mesh.shape["data"]
     if shape.rollout.engine == "paged":
-        progs, _ = paged_rollout_programs(shape, spec, rows, target.hbm_bytes)
+        progs, _ = paged_rollout_programs(shape, spec, rows, target.hbm_bytes, pages_per_pool)
         out = [compile_program(p, target.kernel_platform, per_dev)[0] for p in progs]
         if probe:                       # one decode step: its cost analysis is one token's
             d = progs[-1]
@@ -110,8 +112,8 @@ def at_depth(measure, shape: StepShape, depth: int, *args, **kw) -> list[Measure
     full = shape.model.num_hidden_layers
     if not depth or depth + 1 >= full:
         return measure(shape, *args, **kw)
-    log.warning("--depth %d: figures extrapolated from %d and %d layers, an estimate; only a "
-                "full-depth dryrun is a verdict", depth, depth, depth + 1)
+    log.warning("%s: figures extrapolated from %d and %d layers to %d", measure.__name__, depth,
+                depth + 1, full)
     a, b = (measure(dataclasses.replace(shape, model=dataclasses.replace(
         shape.model, num_hidden_layers=n)), *args, **kw) for n in (depth, depth + 1))
     out = []
@@ -165,7 +167,7 @@ def _fit(a: Measured, b: Measured, room: float) -> int | None:
 
 def fit_max_batches(shape: StepShape, spec: ShardingSpec, target: Target,
                     rollout: list[Measured], learn: list[Measured], room: float,
-                    depth: int = 0) -> dict:
+                    depth: int = 0, rollout_depth: int | None = None) -> dict:
     """Largest rollout rows per call and learner micro-batch (per device) that would fit."""
     data, out = spec.mesh.shape["data"], {}
     unit = math.lcm(shape.group_size * shape.hosts, data)
@@ -174,7 +176,8 @@ def fit_max_batches(shape: StepShape, spec: ShardingSpec, target: Target,
                                                                      shape.rows_step)
     if rows2:
         fits = [_fit(a, b, room) for a, b in zip(rollout[:2], at_depth(
-            measure_rollout, shape, depth, spec, target, rows2))]
+            measure_rollout, shape, depth if rollout_depth is None else rollout_depth, spec,
+            target, rows2))]
         best = out["rollout_rows_per_device"] = None if None in fits else min(fits)
         if best is not None:
             calls = [p for p in range(1, shape.rows_step // (shape.group_size * shape.hosts) + 1)
@@ -214,19 +217,41 @@ def cost_check(shape: StepShape, spec: ShardingSpec, probe: Measured | None) -> 
     return out
 
 
+def _depth_text(depth: int, rollout_depth: int, layers: int) -> str:
+    def one(d: int) -> str:
+        return (f"compiled at {d} and {d + 1} layers, extrapolated to {layers}"
+                if d and d + 1 < layers else f"compiled at full depth ({layers} layers)")
+    if rollout_depth == depth:
+        return one(depth)
+    return f"rollout {one(rollout_depth)}; learner {one(depth)}"
+
+
 def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
-               fit: bool = True, depth: int = 0) -> dict:
+               fit: bool = True, depth: int = 0, cost: bool = True,
+               rollout_depth: int | None = None) -> dict:
     """Compiles one RL step of the parsed gin configuration for `target_name`; the report.
     depth > 0: compile the model-sized programs at `depth` and `depth + 1` layers and
-    extrapolate (`at_depth`); 0: at full depth."""
+    extrapolate (`at_depth`); 0: at full depth. rollout_depth: the same for the rollout
+    programs only (default: `depth`) - their layers are unrolled, so their compile time grows
+    with depth, and their extrapolation is exact (measured; docs/dryrun.md), while the learner's
+    scanned layers compile at full depth. cost=False skips the 1-step decode compile that only
+    the cost check reads (not the memory verdict)."""
     target = get_target(target_name)
     log.info("dryrun target %s; toolchain %s", target.describe(), toolchain_name(target))
     t0 = time.perf_counter()
     shape = step_shape(model, target)
     spec = build_spec(shape, target)
     data, limit = spec.mesh.shape["data"], (1 - headroom) * target.hbm_bytes
-    rollout = at_depth(measure_rollout, shape, depth, spec, target, shape.rows_call, probe=True)
-    probe = rollout.pop()
+    rollout_depth = depth if rollout_depth is None else rollout_depth
+    pool = None
+    if shape.rollout.engine == "paged":
+        pool = page_pool.pool_layout(
+            model, shape.rollout, shape.compute_dtype, rows=shape.rows_call,
+            prompt_width=shape.prompt_len, group_size=shape.group_size, data=data,
+            model=spec.mesh.shape.get("model", 1), memory_limit=target.hbm_bytes)
+    rollout = at_depth(measure_rollout, shape, rollout_depth, spec, target, shape.rows_call,
+                       probe=cost, pages_per_pool=pool and pool.pages_per_pool)
+    probe = rollout.pop() if cost else None
     if shape.rows_call < shape.rows_step:
         rollout.append(compile_program(join_program(shape, spec), target.kernel_platform,
                                        shape.rows_step / data)[0])
@@ -263,16 +288,12 @@ def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
         "programs": [dataclasses.asdict(p) | {"transient": p.transient} for p in programs],
         "peak_bytes": peak,
         "fits": peak is not None and peak <= limit and not any(p.error for p in programs),
-        "cost_check": cost_check(shape, spec, probe) | {"probe_compile_s": probe.compile_s},
-        "depth": (f"compiled at {depth} and {depth + 1} layers, extrapolated to {model.num_hidden_layers}"
-                  if depth and depth + 1 < model.num_hidden_layers
-                  else f"compiled at full depth ({model.num_hidden_layers} layers)"),
+        "cost_check": cost_check(shape, spec, probe) | {
+            "probe_compile_s": probe.compile_s if probe else None},
+        "depth": _depth_text(depth, rollout_depth, model.num_hidden_layers),
     }
-    if shape.rollout.engine == "paged":
-        lay = page_pool.pool_layout(
-            model, shape.rollout, shape.compute_dtype, rows=shape.rows_call,
-            prompt_width=shape.prompt_len, group_size=shape.group_size, data=data,
-            model=spec.mesh.shape.get("model", 1), memory_limit=target.hbm_bytes)
+    if pool is not None:
+        lay = pool
         report["paged_pool"] = {
             "pages_per_pool": lay.pages_per_pool, "pools": lay.pools,
             "bytes_per_device": lay.bytes_per_device, "source": lay.source,
@@ -282,66 +303,12 @@ def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
             "chunk_steps": shape.rollout.chunk_steps}
     if fit:
         report["max_batches"] = fit_max_batches(shape, spec, target, rollout[:2], learn,
-                                                limit - base, depth)
+                                                limit - base, depth, rollout_depth)
     report["compile_s"] = time.perf_counter() - t0
     return report
 
 
-# -- report and command line -------------------------------------------------------------------------
-def format_report(r: dict) -> str:
-    s = r["shape"]
-    lines = [
-        f"target   {r['target_description']}; compiled with {r['toolchain']}; {r['depth']}",
-        f"model    {r['model_params'] / 1e9:.2f}B params, compute {s['compute_dtype']}, master "
-        f"{s['master_dtype']}, learner remat {s['remat']}; rollout {s['rollout_mode']} "
-        f"on the {s.get('rollout_engine', 'static')} engine "
-        f"(kernels: {s['backend']})",
-        f"mesh     {r['mesh']}; {s['rows_step']} rollouts/step in {s['rollout_calls']} call(s) of "
-        f"{s['rows_call']} rows ({s['rows_call_per_device']:g}/device); PPO mini-batch "
-        f"{s['ppo_mini_batch']}, micro-batch {s['micro_batch']} rows; prompt {s['prompt_len']} + "
-        f"{s['max_new_tokens']} new tokens",
-        "persistent per device (GiB): " + ", ".join(f"{k} {gib(v)}" for k, v in
-                                                    r["persistent"].items())
-        + f"; step data {gib(r['step_data'])}",
-        f"{'program (GiB per device)':30s}{'args':>7s}{'out':>7s}{'alias':>7s}{'temp':>7s}"
-        f"{'code':>6s}{'peak':>7s}{'trans.':>7s}{'TFLOP':>8s}{'GB moved':>9s}{'compile':>8s}"]
-    for p in r["programs"]:
-        tf = "-" if p["flops"] is None else f"{p['flops'] / 1e12:.2f}"
-        gb = "-" if p["bytes_accessed"] is None else f"{p['bytes_accessed'] / 1e9:.1f}"
-        lines.append(f"{p['name']:30s}" + "".join(f"{gib(p[k]):>{w}s}" for k, w in (
-            ("argument", 7), ("output", 7), ("alias", 7), ("temp", 7), ("code", 6), ("peak", 7),
-            ("transient", 7))) + f"{tf:>8s}{gb:>9s}{p['compile_s']:7.1f}s")
-        if p["error"]:
-            lines.append(f"  ! {p['error']}")
-    lines += [f"  largest in {p['name']}: " + "; ".join(p["largest"]) for p in r["programs"]]
-    pp = r.get("paged_pool")
-    if pp:
-        lines.append(
-            f"paged KV pool per device: {pp['pages_per_pool']} pages = {pp['tokens_per_pool']} "
-            f"tokens, {gib(pp['bytes_per_device'])} GiB ({pp['source']}); "
-            f"{pp['slots_per_device']} slots; a sample holds at most "
-            f"{pp['max_tokens_per_sample']} tokens; decode chunks of {pp['chunk_steps']} steps")
-    c = r["cost_check"]
-    if c["compiled_bytes"] is not None:
-        lines.append(
-            f"decode step bytes per device ({c['rows_per_device']:g} rows, context {c['context']}): "
-            f"compiled {c['compiled_bytes'] / 1e9:.2f} GB vs cost_model {c['model_sparse_bytes'] / 1e9:.2f}"
-            f" GB sparse at budget {c['budget']} / {c['model_dense_bytes'] / 1e9:.2f} GB dense "
-            "(the compiler counts whole operands of a kernel call, e.g. all of the KV cache)")
-    mb = r.get("max_batches") or {}
-    if mb:
-        lines.append(f"largest that fits: rollout {mb.get('rollout_rows_per_device')} rows/device "
-                     f"(TrainConfig.rollout_batch_prompts <= {mb.get('rollout_batch_prompts')}), "
-                     f"learner micro-batch {mb.get('micro_rows_per_device')} rows/device "
-                     f"(LearnerConfig.micro_batch_size <= {mb.get('micro_batch_size')})")
-    peak, hbm = r["peak_bytes"], r["hbm_bytes"]
-    head = "unknown" if peak is None else f"{gib(peak)} GiB ({1 - peak / hbm:.0%} of HBM free)"
-    lines.append(f"{'FITS' if r['fits'] else 'DOES NOT FIT'}: {r['target']} peak {head} per "
-                 f"device; HBM {gib(hbm)} GiB, limit {gib(r['limit_bytes'])} GiB with "
-                 f"{r['headroom']:.0%} headroom ({r['compile_s']:.0f}s)")
-    return "\n".join(lines)
-
-
+# -- command line ----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="one of: " + ", ".join(TARGETS))
     group = parser.add_mutually_exclusive_group()
@@ -354,8 +321,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'full' (default), or N: compile model-sized programs at N and N+1 "
                              "layers and extrapolate - a quick estimate, exact for the rollout "
                              "but NOT for the learner's backward (see docs/dryrun.md)")
+    parser.add_argument("--rollout_depth", default=None,
+                        help="like --depth, for the rollout programs only (default: --depth): "
+                             "their layers are unrolled (compile time grows with depth) and "
+                             "their extrapolation is exact (measured, docs/dryrun.md); the "
+                             "learner's scanned layers still compile at --depth")
     parser.add_argument("--no_fit", action="store_true",
                         help="skip the extra compiles that find the largest batches that fit")
+    parser.add_argument("--no_cost", action="store_true",
+                        help="skip the 1-step decode compile behind the per-step bytes check "
+                             "(the memory verdict does not read it; CI's shipped-config guard)")
 
 
 def _depth(value: str) -> int:
@@ -392,7 +367,8 @@ def _reexec(args: argparse.Namespace) -> int:
         argv += ["--gin_param", p]
     argv += ["--model_config", os.path.abspath(args.model_config)] if args.model_config else []
     argv += (["--preset", args.preset] if args.preset else []) + ["--json"] * args.json
-    argv += ["--no_fit"] * args.no_fit + ["--depth", args.depth]
+    argv += ["--no_fit"] * args.no_fit + ["--no_cost"] * args.no_cost + ["--depth", args.depth]
+    argv += ["--rollout_depth", args.rollout_depth] if args.rollout_depth else []
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=os.pathsep.join([str(COMPILE_ENV), str(REPO)]), JAX_PLATFORMS="cpu",
                **{_CHILD_ENV: "1"})
@@ -421,9 +397,12 @@ def main(args: argparse.Namespace) -> int:
         jax.config.update("jax_platforms", "cpu")
     try:
         report = run_dryrun(args.target, model_shape(args), headroom=args.headroom,
-                            fit=not args.no_fit, depth=_depth(args.depth))
+                            fit=not args.no_fit, depth=_depth(args.depth),
+                            cost=not args.no_cost,
+                            rollout_depth=None if args.rollout_depth is None
+                            else _depth(args.rollout_depth))
     except ValueError as e:
         raise SystemExit(f"sparrow dryrun: {e}") from None
-    print(json.dumps(report, indent=1, default=str) if args.json else format_report(report),
+    print(json.dumps(report, indent=1, default=str) if args.json else report_text.format_report(report),
           flush=True)
     return 0 if report["fits"] else 1

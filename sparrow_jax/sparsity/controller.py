@@ -13,8 +13,15 @@ above with a one-sided confidence bound. With enough evidence (``min_rows`` unit
   bin's tokens, and the rollout takes its dense path for rows whose budget covers their length),
   so a failing bin always has somewhere to go;
 - **lower** one rung only when a teacher-forced replay of the same batches at that rung (the
-  *probe*, ``probe_budgets``) passes by the same bound, while the current rung passes too.
-  Live rollouts never carry an untested cheaper budget.
+  *probe*, ``probe_budgets``) passes by a stricter bar (bound <= ``lower_margin`` * q;
+  between that and q the probe keeps pooling evidence), while the current rung passes too,
+  and no bin *after* it fails in that replay. Sparsity propagates downstream: a token's keys and
+  values in the later layers come from hidden states computed at its own bin's budget, so a
+  cheaper early bin can push a later bin below target even at the dense rung. A bin without a
+  probe that fails in the replay (a *witness*) marks the nearest probe upstream of it failed.
+  Live rollouts never carry an untested cheaper budget;
+- a bin failing **at the dense rung** is failing because of the bins before it: every sparse
+  bin upstream returns to the rung it last passed at (the next rung up when none).
 
 A rung that failed (live or in a probe) is not probed again for ``fail_memory`` steps. Pure
 ``controller_update`` on a frozen, JSON-able ``ControllerState`` plus a small mutable wrapper;
@@ -58,6 +65,9 @@ class ControllerConfig:
       ladder: explicit finite rungs (tokens) instead of the geometric ladder.
       fail_memory: steps during which a rung that failed is not probed again.
       probe: replay one rung lower each step (False: budgets only ever rise).
+      lower_margin: a probe passes only when its bound is at most lower_margin * q (holding a
+        rung needs <= q): the bar for lowering is stricter than for staying, so a rung that
+        barely passed one batch's replay is not taken live (hysteresis; 1 = the same bar).
     """
 
     target: float = 0.86
@@ -73,6 +83,7 @@ class ControllerConfig:
     ladder: tuple[int, ...] | None = None
     fail_memory: int = 10
     probe: bool = True
+    lower_margin: float = 0.5
 
     def __post_init__(self):
         if not 0.0 < self.target <= 1.0:
@@ -89,6 +100,8 @@ class ControllerConfig:
             raise ValueError(f"unit must be 'row' or 'prompt', got {self.unit!r}")
         if self.min_budget > self.max_budget:
             raise ValueError(f"min_budget {self.min_budget} > max_budget {self.max_budget}")
+        if not 0.0 < self.lower_margin <= 1.0:
+            raise ValueError(f"lower_margin must be in (0, 1], got {self.lower_margin}")
         if self.step_factor <= 1.0:
             raise ValueError(f"step_factor must be > 1, got {self.step_factor}")
         if self.ladder is not None:
@@ -202,12 +215,14 @@ def certify_tokens(config: ControllerConfig) -> float:
     return z * z * (1.0 - config.quantile) / config.quantile
 
 
-def _judge(ev: Evidence, config: ControllerConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(upper bound [nb], enough evidence [nb], failing [nb]) for pooled evidence."""
+def _judge(ev: Evidence, config: ControllerConfig, margin: float = 1.0
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(upper bound [nb], enough evidence [nb], failing [nb]) for pooled evidence, judged
+    against margin * q (and with the tokens that bar needs to certify a clean bin)."""
     ub = upper_bound(ev, config.confidence)
-    need = max(float(config.min_tokens), certify_tokens(config))
+    need = max(float(config.min_tokens), certify_tokens(config) / margin)
     enough = (np.asarray(ev.units) >= config.min_rows) & (np.asarray(ev.tokens) >= need)
-    return ub, enough, enough & (ub > config.quantile)
+    return ub, enough, enough & (ub > margin * config.quantile)
 
 
 def controller_update(state: ControllerState, hits, tokens, config: ControllerConfig, *,
@@ -225,8 +240,10 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
       (new state, info): NumPy ``budgets_before``, ``budgets``, ``upper_bound``, ``probe_upper``
       and bool masks ``failing`` (bound above q at the live budget: below target), ``undecided``
       (not enough evidence), ``raised``, ``lowered``, ``at_dense``, ``failing_dense``
-      (failing at the dense rung: sparse vs dense is not the cause), ``probe_failed``, plus
-      ``num_changed``.
+      (failing at the dense rung: the sparse bins before it are the cause, or the rollout's
+      numerical noise floor when none is left), ``probe_failed``, ``replay_failing`` (bins
+      failing in the replay), ``raised_upstream`` (raised because a later bin failed at
+      dense), plus ``num_changed``.
     """
     sched = state.schedule
     n = sched.num_bins
@@ -243,15 +260,36 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
     if probe_hits is not None:
         pev = pev.combine(Evidence.from_counts(probe_hits, probe_tokens), config.decay,
                           keep=probe > 0)
-    pub, penough, pfail = _judge(pev, config)
+    pub, penough, pfail = _judge(pev, config)          # the probed rung fails: ub > q
+    _, enough_m, above_m = _judge(pev, config, config.lower_margin)
+    ppass = enough_m & ~above_m                        # ... passes the lowering bar
+
     has_probe = (probe > 0) & (probe_hits is not None)
+    # The replay's verdict on every bin at its replay budget: probed bins by their pooled probe
+    # evidence, the others (witnesses at their current budget) by this step's replay alone.
+    # Sparsity propagates downstream - a token's K/V in later layers come from hidden states
+    # computed with the budget of *its* bin - so a lowered bin can push any later bin below
+    # target, also one at the dense rung. A probe is accepted only when no bin at or after it
+    # fails in the replay.
+    replay_fail = np.zeros(n, bool)
+    if probe_hits is not None:
+        replay_fail = np.where(has_probe, pfail,
+                               _judge(Evidence.from_counts(probe_hits, probe_tokens), config)[2])
+    blocked = np.flip(np.logical_or.accumulate(np.flip(replay_fail)))
+    # A witness failing in the replay implicates the probes upstream of it: the nearest one is
+    # marked failed, so the next replay tests a different set (one suspect fewer per step).
+    implicated = np.zeros(n, bool)
+    for k in np.flatnonzero(replay_fail & ~has_probe):
+        upstream = np.flatnonzero(has_probe[:k])
+        if upstream.size:
+            implicated[upstream[-1]] = True
     last_pass = np.asarray(state.last_pass, np.int64)
     last_fail = np.asarray(state.last_fail, np.int64)
     fail_age = np.asarray(state.fail_age, np.int64) + 1
     budgets = current.copy()
     reset = np.zeros(n, bool)          # evidence at the (new) budget starts empty
     carry = np.zeros(n, bool)          # evidence at the new budget = the probe's
-    probe_failed = has_probe & pfail
+    probe_failed = has_probe & (pfail | implicated)
     lowered = np.zeros(n, bool)
     for i in range(n):
         b = int(current[i])
@@ -261,11 +299,25 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
                 last_pass[i] = DENSE_BUDGET
                 reset[i] = True
             last_fail[i], fail_age[i] = b, 0
-        elif enough[i] and has_probe[i] and penough[i] and not pfail[i] and probe[i] < b:
+        elif (enough[i] and has_probe[i] and ppass[i] and not probe_failed[i]
+              and not blocked[i] and probe[i] < b):
             budgets[i], last_pass[i], carry[i], lowered[i] = probe[i], b, True, True
         if probe_failed[i]:       # the probed rung fails: remember it (with a live failure)
             recent = int(last_fail[i]) if fail_age[i] == 0 else 0
             last_fail[i], fail_age[i] = max(int(probe[i]), recent), 0
+    # A bin failing live at the dense rung is not failing because of its own budget: the
+    # sparse bins upstream of it return to the rung they last passed at (or the next rung up).
+    raised_upstream = np.zeros(n, bool)
+    dense_fail = failing & (current >= DENSE_BUDGET)
+    if dense_fail.any():
+        for j in range(int(np.flatnonzero(dense_fail)[-1])):
+            if budgets[j] >= DENSE_BUDGET or budgets[j] > current[j]:
+                continue            # dense, or already raised by its own failure
+            up = [r for r in ladders[j] if r > budgets[j]]
+            target = int(last_pass[j]) if last_pass[j] > budgets[j] else up[0]
+            last_fail[j], fail_age[j] = int(budgets[j]), 0
+            budgets[j], last_pass[j] = target, DENSE_BUDGET
+            reset[j], carry[j], lowered[j], raised_upstream[j] = True, False, False, True
     empty = Evidence.empty(n)
     new_ev = ev.select(~reset, empty).select(~carry, pev)
     # The next probe: one rung below the (new) budget, unless that rung failed recently.
@@ -290,7 +342,8 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
             "probe_upper": np.where(has_probe, pub, np.nan), "failing": failing,
             "undecided": ~enough, "raised": budgets > current, "lowered": lowered,
             "at_dense": at_dense, "failing_dense": failing & at_dense,
-            "probe_failed": probe_failed, "num_changed": int(np.sum(budgets != before))}
+            "probe_failed": probe_failed, "replay_failing": replay_fail,
+            "raised_upstream": raised_upstream, "num_changed": int(np.sum(budgets != before))}
     return new_state, info
 
 
