@@ -6,6 +6,7 @@ subprocesses."""
 import _thread
 import json
 import math
+import signal
 import sys
 import threading
 import time
@@ -244,12 +245,18 @@ def test_parallel_ctrl_c_terminates_the_arms(tmp_path):
               "time.sleep(60)\n")
     commands = {f"arm{i}": [sys.executable, "-c", script, str(tmp_path / f"arm{i}.saved")]
                 for i in range(3)}
+    # pytest-xdist workers ignore SIGINT (Ctrl-C belongs to the controller), and
+    # interrupt_main does nothing for an ignored signal: Python's own handler, for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(2.0, _thread.interrupt_main)
     timer.start()
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        experiment.run_parallel(commands, tmp_path, 2, poll_s=0.1)
-    timer.cancel()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            experiment.run_parallel(commands, tmp_path, 2, poll_s=0.1)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 30
     # The two running arms got SIGTERM and handled it; the third never started.
     assert sorted(p.name for p in tmp_path.glob("*.saved")) == ["arm0.saved", "arm1.saved"]
