@@ -156,11 +156,7 @@ def summary_lines(first: dict[str, float], last: dict[str, float],
                          f"{start(f'eval_{mode}/ref_greedy', '.3f')} -> "
                          f"{last.get(f'eval_{mode}/ref_greedy', math.nan):.3f}")
     actor = modes[-1]
-    if not first and actor != "dense" and f"eval_{actor}/tokens_per_s" in last:
-        # The only evaluation also compiled the eval programs: its speeds are not speeds.
-        lines.append("rollout speed not measured: the only evaluation compiled its programs "
-                     "(TrainConfig.eval_at_start = False)")
-    elif "eval_dense/tokens_per_s" in last and f"eval_{actor}/tokens_per_s" in last and (
+    if "eval_dense/tokens_per_s" in last and f"eval_{actor}/tokens_per_s" in last and (
             actor != "dense"):
         ratio = last[f"eval_{actor}/tokens_per_s"] / last["eval_dense/tokens_per_s"]
         lines.append(f"measured rollout speed, {actor} vs dense (same prompts, one run): "

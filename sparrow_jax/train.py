@@ -96,6 +96,7 @@ class Trainer:
                                          seed=cfg.seed, max_prompt_len=capacity)
         data_check.log_first_prompt(self.data.first_record, cfg.reward)  # what the model sees
         self.eval_batch = None
+        self._eval_warm = False          # set by the first evaluate(), which also compiles
         if cfg.eval_data:
             ds = PromptDataset.from_files(cfg.eval_data, tok, max_prompt_len=capacity)
             log.info("eval data: %s", ds.report.summary())
@@ -372,6 +373,11 @@ class Trainer:
                                    bin_size=sched.bin_size, max_budget=rc.max_budget,
                                    block_size=rc.block_size, dense_layers=tuple(rc.dense_layers))
                 out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
+        if not self._eval_warm:
+            # This process's first evaluation also compiled the eval programs: its timings are
+            # compile time, not speed - dropped (later evaluations are warm and keep theirs).
+            self._eval_warm = True
+            out = {k: v for k, v in out.items() if not k.endswith(("/tokens_per_s", "/seconds"))}
         return out
 
     # -- loop ------------------------------------------------------------------------------------
@@ -386,10 +392,7 @@ class Trainer:
         timer = StepTimer()
         history = {}
         if self.step == 0 and self.eval_batch is not None and cfg.eval_at_start:
-            # One evaluation: it also compiles the eval programs, so its timings are compile
-            # time, not speed - they are dropped (later evaluations are warm and keep theirs).
-            history["first"] = {k: v for k, v in self.evaluate().items()
-                                if not k.endswith(("/tokens_per_s", "/seconds"))}
+            history["first"] = self.evaluate()     # compiles: no speeds (see evaluate)
             self.writer.scalars(0, history["first"])
             log.info("eval at step 0: %s", evaluation.short_line(history["first"], self.eval_modes))
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")

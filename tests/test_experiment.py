@@ -58,6 +58,12 @@ def test_two_arms_write_comparison_and_resume(base, capsys):
     # TrainConfig.eval_at_start = False skips the step-0 evaluation, not the last one.
     assert [r["step"] for r in read_jsonl(out / "dense") if "eval_dense/reward" in r] == [0, 2]
     assert [r["step"] for r in read_jsonl(out / "fixed48") if "eval_dense/reward" in r] == [2]
+    # A run's first evaluation compiles its programs: no speeds from it, wherever it falls.
+    for arm, first_eval in (("dense", 0), ("fixed48", 2)):
+        row = next(r for r in read_jsonl(out / arm) if r["step"] == first_eval)
+        assert not any(k.endswith(("/tokens_per_s", "/seconds")) and k.startswith("eval_")
+                       for k in row), row
+    assert "eval_dense/tokens_per_s" in next(r for r in read_jsonl(out / "dense") if r["step"] == 2)
     start = next(r["eval_dense/reward"] for r in read_jsonl(out / "dense") if r["step"] == 0)
     assert f"| fixed48 | 2 | {start:.3f}* -> " in md and "no step-0 evaluation in this arm" in md
     # Re-running finds both arms finished: no new steps, the report is rewritten. With
