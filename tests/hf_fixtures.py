@@ -129,6 +129,15 @@ def gin_text(bindings: dict[str, str]) -> str:
 
 
 # -- several CPU devices -----------------------------------------------------------------------
+def cpu_devices_flags(devices: int) -> str:
+    """XLA_FLAGS for a subprocess with `devices` host CPU devices, keeping the session's other
+    flags (tests/conftest.py)."""
+    import os
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def run_on_cpu_devices(args: list[str], *, devices: int = 8, timeout: float = 900,
                        cwd: str | None = None, env: dict[str, str] | None = None
                        ) -> list[dict]:
@@ -141,7 +150,7 @@ def run_on_cpu_devices(args: list[str], *, devices: int = 8, timeout: float = 90
     import sys
 
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+                "XLA_FLAGS": cpu_devices_flags(devices), **(env or {})}
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full_env,
                           timeout=timeout, cwd=cwd)
     assert proc.returncode == 0, (f"{' '.join(args)} failed on {devices} CPU devices:\n"

@@ -17,6 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
+from hf_fixtures import cpu_devices_flags
 from sparrow_jax.runtime.checkpoint import (
     CheckpointManager,
     abstract_like,
@@ -220,7 +221,7 @@ def test_restore_onto_2x4_mesh_of_8_devices(tmp_path):
         np.testing.assert_array_equal(np.asarray(p1["kernel"][...]), np.asarray(k))
         print("MESH_OK")
     """
-    proc = _run_py(code, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    proc = _run_py(code, {"XLA_FLAGS": cpu_devices_flags(8)})
     assert proc.returncode == 0 and "MESH_OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
     got = np.load(tmp_path / "restored.npz")
     np.testing.assert_array_equal(got["kernel"], np.asarray(params["kernel"][...]))

@@ -94,7 +94,7 @@ def _report(r: subprocess.CompletedProcess) -> dict:
 def test_argument_bytes_are_the_sharded_shapes(tiny):
     """Compiled per-device argument bytes = the abstract shards the dryrun reports, and those are
     the parameter / optimizer / KV-cache sizes computed independently."""
-    r = run_dryrun(tiny["gin"], "--target", "h100x8", "--json", "--no_fit")
+    r = run_dryrun(tiny["gin"], "--target", "h100x8", "--json", "--no_fit", "--no_cost")
     report = _report(r)
     assert r.returncode == 0 and report["fits"], r.stderr[-3000:]
     progs = {p["name"]: p for p in report["programs"]}
@@ -168,17 +168,14 @@ def test_rollout_depth_extrapolation_equals_full_depth(tmp_path):
     gin.write_text(GIN.format(model=tmp_path / "m") + "RolloutConfig.engine = 'paged'\n"
                    "RolloutConfig.chunk_steps = 8\nRolloutConfig.pool_bytes = 1048576\n"
                    "RolloutConfig.max_slots = 32\n")   # v5e-8: 8 data shards x group 4
-    runs = {}
+    out = {}
     for name, extra in (("full", []), ("extrapolated", ["--rollout_depth", "3"])):
-        runs[name] = subprocess.Popen(      # side by side: each compile is single-threaded
+        r = subprocess.run(    # one after another: compiles side by side starve each other
             [sys.executable, "-m", "sparrow_jax.cli", "dryrun", str(gin), "--target", "v5e-8",
              "--json", "--no_fit", "--no_cost", *extra], cwd=tmp_path, env=_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = {}
-    for name, proc in runs.items():
-        stdout, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[name] = json.loads(stdout)
+            capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[name] = json.loads(r.stdout)
     full, est = ({p["name"]: p for p in out[k]["programs"]} for k in ("full", "extrapolated"))
     assert set(full) == set(est) and "rollout.paged_decode" in full
     assert out["extrapolated"]["depth"].startswith("rollout compiled at 3 and 4 layers")
@@ -199,7 +196,8 @@ def test_rollout_depth_extrapolation_equals_full_depth(tmp_path):
 
 def test_oversized_does_not_fit(tiny):
     """1.2B parameters with f32 master weights + AdamW, replicated on 16 GiB v5e chips."""
-    r = run_dryrun(tiny["gin"], "--target", "v5e-8", "--model_config", tiny["fat"], "--no_fit")
+    r = run_dryrun(tiny["gin"], "--target", "v5e-8", "--model_config", tiny["fat"], "--no_fit",
+                   "--no_cost")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "DOES NOT FIT" in r.stdout
     assert "FITS" not in r.stdout.replace("DOES NOT FIT", "")
@@ -217,32 +215,27 @@ def _shipped_configs() -> list[tuple[str, list[str]]]:
 
 @pytest.fixture(scope="module")
 def shipped_results(tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """Every shipped config's full-depth dryrun for its target (`--no_fit --no_cost`: the
-    memory verdict's compiles only), all started at
-    once: compiling is mostly single-threaded, so on CI's 2 cores the three take about as long
-    as the slowest one alone (a few minutes each since the learner's layers are scanned)."""
+    """Every shipped config's dryrun for its target (`--no_fit --no_cost`: the memory verdict's
+    compiles only), one after another. Not side by side: libtpu's and XLA's compiles are
+    multi-threaded, and three at once on CI's 2 cores took twice the CPU time of the three in a
+    row (measured 2026-11-25: 959 s wall and ~30 CPU-minutes side by side; 568 s wall and 15
+    CPU-minutes in a row), which the other pytest worker then lacked."""
     if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
         pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
     if not (COMPILE_ENV / ".sparrow-compile-env").exists():
         pytest.fail(f"compile environment missing at {COMPILE_ENV}: run `bash .ci/compile_env.sh`")
     root = tmp_path_factory.mktemp("shipped")
-    procs = {}
-    for config, argv in _shipped_configs():
-        log = open(root / f"{config}.log", "w+")
-        procs[config] = (subprocess.Popen(
-            [sys.executable, "-m", "sparrow_jax.cli", "dryrun", str(REPO / "configs" / config),
-             *argv, "--no_fit", "--no_cost"], cwd=root, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-            text=True), log)
     results = {}
-    for config, (proc, log) in procs.items():
+    for config, argv in _shipped_configs():
         try:
-            code = proc.wait(timeout=2400)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = -9
-        log.seek(0)
-        results[config] = (code, log.read())
-        log.close()
+            r = subprocess.run(
+                [sys.executable, "-m", "sparrow_jax.cli", "dryrun", str(REPO / "configs" / config),
+                 *argv, "--no_fit", "--no_cost"], cwd=root, env=_env(), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, timeout=1800)
+            results[config] = (r.returncode, r.stdout)
+        except subprocess.TimeoutExpired as e:
+            results[config] = (-9, (e.stdout or b"").decode(errors="replace")
+                               if isinstance(e.stdout, bytes) else (e.stdout or ""))
     return results
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_fixtures import make_tiny_synthetic_model
+from hf_fixtures import cpu_devices_flags, make_tiny_synthetic_model
 from sparrow_jax.data import synthetic
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -29,7 +29,7 @@ def _free_port() -> int:
 def _launch(role: str, root: Path, extra=(), timeout=900) -> None:
     """Runs NPROC workers to completion; each one's output goes to ROOT/<role>_<i>.log."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "XLA_FLAGS": cpu_devices_flags(4),
            "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
     port = _free_port()
     logs = [root / f"{role}_{i}.log" for i in range(NPROC)]

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from hf_fixtures import make_tiny_synthetic_model
+from hf_fixtures import cpu_devices_flags, make_tiny_synthetic_model
 from test_multihost import _free_port
 
 WORKER = Path(__file__).with_name("multihost_paged_worker.py")
@@ -36,7 +36,7 @@ def _launch(role: str, root: Path, timeout: float = 600
             ) -> tuple[list[int], list[str], list[float]]:
     """Runs NPROC workers; (exit codes, logs, wall-clock time each one exited)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "XLA_FLAGS": cpu_devices_flags(4),
            "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
            # Compiling dominates these tests: later launches reuse the first one's programs.
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",

@@ -248,9 +248,11 @@ def test_logprob_chunks_keep_one_chunk_of_logits_alive():
     assert temp < 6 * one_chunk < full / 2, (temp, one_chunk, full)
 
 
+# The sparse fn (three one-layer scans) is held exact in f32; bf16's rounding is checked on the
+# dense fn (one scan), whose compiles are a fraction of the sparse one's (CI time).
 @pytest.mark.parametrize("compute,sparse,remat", [(jnp.float32, False, "none"),
                                                   (jnp.float32, True, "full"),
-                                                  (jnp.bfloat16, True, "full")])
+                                                  (jnp.bfloat16, False, "full")])
 def test_scanned_layers_equal_unrolled_layers(ckpt, compute, sparse, remat):
     """Runs of alike layers are a `lax.scan` over stacked weights (`_scan_layers`); values and
     gradients equal the unrolled layers (whose attention fn declares no splits)."""
@@ -259,8 +261,8 @@ def test_scanned_layers_equal_unrolled_layers(ckpt, compute, sparse, remat):
     model = load_hf(ckpt, dtype=compute, param_dtype=jnp.float32)
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(3, VOCAB, (2, 40)), jnp.int32)
-    mask = jnp.asarray(np.arange(40)[None] < np.array([[40], [29]]), jnp.int32)
+    tokens = jnp.asarray(rng.integers(3, VOCAB, (2, 24)), jnp.int32)   # sparse from token 16
+    mask = jnp.asarray(np.arange(24)[None] < np.array([[24], [19]]), jnp.int32)
     if sparse:
         fn = sparse_attention_fn(budgets=jnp.full((8,), 16), bin_size=16,
                                  prompt_lengths=jnp.array([8, 8]), max_selected=4,
