@@ -57,8 +57,8 @@ import pytest  # noqa: E402
 # sorts them by their number of tests, which starts the many quick parametrized files first and
 # leaves the few-test, minutes-long ones (dryruns, multi-process runs) for the end, where one of
 # them alone sets the run's tail. Longest first, the quick files fill in beside them. The
-# in-process files come right after the dryruns (three compiles at once): the multi-process
-# files' own timeouts (a launch, a dead peer noticed) should not start beside them.
+# in-process files come right after the dryruns (one compile subprocess at a time): the
+# multi-process files' own timeouts (a launch, a dead peer noticed) should not start beside them.
 LONGEST_FIRST = (
     "test_dryrun.py", "test_train.py", "test_reference_eval.py", "test_multihost_paged.py",
     "test_faults.py", "test_decode_hlo.py", "test_compile.py", "test_doctor.py",
