@@ -262,6 +262,11 @@ _REGISTRY = {
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_paired.gin":
         (ByTest("tests/test_experiment_paired.py::test_paired_experiment_config_parses_every_arm"),
          ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_paired.gin --arms "
+    "dense@0,controller@0,dense@1,controller@1,dense@2,controller@2 --gin_param "
+    "\"ExperimentConfig.output_dir = 'runs/experiment_m025'\"":
+        (ByTest("tests/test_experiment_paired.py::test_paired_experiment_config_parses_every_arm"),
+         ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin":
         (ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume"),
          ByTest("tests/test_experiment.py::test_demo_experiment_config_parses_every_arm")),
