@@ -268,7 +268,10 @@ def test_damaged_latest_checkpoint_falls_back_and_none_is_a_clear_error(root, re
     data.write_bytes(bytes(raw))
     rc, err = _run(root, _argv(root, "damaged", 4))
     assert rc == 0, err[-3000:]
-    assert "checkpoints/3 does not restore" in err and "the files are corrupted" in err, err[-3000:]
+    # Flips orbax decodes silently are caught by the fingerprint ("the files are corrupted",
+    # unit-tested below); flips that land in a chunk's framing make orbax fail by itself (seen
+    # once in CI: the largest file differs between runs). Either way the step is set aside.
+    assert "checkpoints/3 does not restore" in err, err[-3000:]
     assert f"resumed from {run / 'checkpoints' / '2'} at step 2" in err
     assert len(list((run / "damaged_checkpoints").iterdir())) == 1      # kept for inspection
     # Steps 3-4 were (re)done from step 2: one line each, equal to the uninterrupted run's.
