@@ -233,9 +233,8 @@ def shipped_results(tmp_path_factory) -> dict[str, tuple[int, str]]:
                  *argv, "--no_fit", "--no_cost"], cwd=root, env=_env(), stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True, timeout=1800)
             results[config] = (r.returncode, r.stdout)
-        except subprocess.TimeoutExpired as e:
-            results[config] = (-9, (e.stdout or b"").decode(errors="replace")
-                               if isinstance(e.stdout, bytes) else (e.stdout or ""))
+        except subprocess.TimeoutExpired as e:     # its output arrives as bytes, text=True or not
+            results[config] = (-9, (e.stdout or b"").decode(errors="replace"))
     return results
 
 
