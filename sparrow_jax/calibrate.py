@@ -267,7 +267,7 @@ def format_tables(report: dict[str, Any]) -> str:
     sched, bin_size = report["schedule"]["budgets"], report["bin_size"]
     counts = np.asarray(report["counts"])
     used = [j for j in range(counts.shape[1]) if counts[:, j].max() > 0]
-    q = int(round(report["quantile"] * 100))
+    q = f"{report['quantile'] * 100:g}"      # q = 0.002 is p0.2, not p0
     lines += ["", f"tail alpha (p{q}) per bin of {bin_size} tokens; * = chosen budget",
               f"{'budget':>7} " + " ".join(f"{_bin_label(j, bin_size, counts.shape[1]):>7} "
                                            for j in used),

@@ -68,7 +68,8 @@ def main(role: str, root: Path, pid: int, nproc: int, port: int) -> None:
     tokens = prompts["tokens"][mine][:, : int(lengths.max())]   # ragged widths per process
     cases = json.loads((root / "cases.json").read_text())
     # `rollout`: every case, then the first again with its programs compiled (the steady-state
-    # cost of the cross-process coordination per decode chunk, printed by the test).
+    # cost of the cross-process coordination per decode chunk, printed by the test). The sync
+    # loop across processes: `sparrow bench rollout --processes 2` (its CPU twin in test_docs).
     runs = cases + [{**cases[0], "name": "again"}] if role == "rollout" else cases[:1]
     for case in runs:
         start = time.perf_counter()
@@ -84,11 +85,21 @@ def main(role: str, root: Path, pid: int, nproc: int, port: int) -> None:
         (root / f"{case['name']}_{pid}.json").write_text(json.dumps(
             {"global_rows": int(traj.tokens.shape[0]), "chunks": st.chunks,
              "prefills": st.prefills, "preemptions": st.preemptions, "pools": st.pools,
+             "overlapped_chunks": st.overlapped_chunks,
+             "host_ms_per_chunk": st.host_ms_per_chunk,
              "sync_ms_per_chunk": 1e3 * st.sync_seconds / max(st.chunks, 1),
              "guard_ms_per_chunk": 1e3 * st.guard_seconds / max(st.chunks, 1),
              "seconds": time.perf_counter() - start}))
     if role == "rollout":
         _time_coordination(root, pid, spec, slots=8, steps=8, topk=cfg.record_topk)
+        # A peer that never makes an exchange (process 1 skips this one): the others raise
+        # PeerTimeout naming it, instead of waiting forever.
+        if pid == 0:
+            try:
+                multihost.host_allgather("skipped_by_1", b"x", timeout_s=1)
+                (root / "peer_timeout.txt").write_text("no error")
+            except multihost.PeerTimeout as e:
+                (root / "peer_timeout.txt").write_text(str(e))
 
 
 def _time_coordination(root: Path, pid: int, spec, *, slots: int, steps: int, topk: int,

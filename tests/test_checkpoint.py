@@ -21,7 +21,6 @@ from hf_fixtures import cpu_devices_flags
 from sparrow_jax.runtime.checkpoint import (
     CheckpointManager,
     abstract_like,
-    abstract_with_shardings,
     decode_extra,
     encode_extra,
     save_json_atomic,

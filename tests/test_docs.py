@@ -302,8 +302,12 @@ _REGISTRY = {
         (Twin("bench_rollout_longtail"),),
     # docs/benchmarks.md: host ms per paged chunk with and without the overlap (issue 30)
     _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
-    "--chunk_steps 32 --repeats 2 --before":
+    "--chunk_steps 32 --repeats 5 --before":
         (Twin("bench_rollout_longtail"),),
+    # docs/benchmarks.md: the same across 2 local processes (issue 30's multi-process overlap)
+    _ROLLOUT_BENCH + "--workload longtail --processes 2 --modes sparse --samples 32 "
+    "--new_tokens 512 --chunk_steps 32 --repeats 5":
+        (Twin("bench_rollout_processes"),),
 }
 COMMANDS = {normalize(k): v for k, v in _REGISTRY.items()}
 assert len(COMMANDS) == len(_REGISTRY), "two registry keys normalize to the same command"
@@ -692,6 +696,28 @@ def test_twin_bench_rollout_longtail(capsys):
     assert paged["overlapped_chunks"] > 0 and sync["overlapped_chunks"] == 0
     assert paged["host_ms_per_chunk"] >= 0 and sync["host_ms_per_chunk"] > 0
     assert "response lengths: mean" in out
+
+
+def test_twin_bench_rollout_processes(capfd):
+    """The longtail bench across 2 local JAX processes at toy size: the paged engine overlapped
+    and sync, the same samples on every process, continuations only in the overlapped loop.
+    Process 0's output is the command's (the processes write to the inherited stdout: capfd)."""
+    from sparrow_jax import cli
+    argv = ["bench", "rollout", "--", "--json", "--workload", "longtail", "--processes", "2",
+            "--layers", "3", "--hidden", "32", "--heads", "4", "--kv_heads", "2", "--head_dim",
+            "16", "--vocab", "64", "--samples", "8", "--group", "2", "--static_batch", "4",
+            "--prompt_len", "32", "--new_tokens", "64", "--mean_len", "24", "--budget", "48",
+            "--chunk_steps", "8", "--repeats", "1", "--dtype", "float32", "--modes", "sparse"]
+    assert cli.main(argv) == 0
+    out = capfd.readouterr().out
+    records = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [r["engine"] for r in records] == ["paged/chunk8", "paged/chunk8/sync"], out
+    overlap, sync = records
+    assert all(r["processes"] == 2 and r["same_samples"] and r["tok_s"] > 0 for r in records)
+    assert overlap["overlapped_chunks"] > 0 and sync["overlapped_chunks"] == 0
+    assert overlap["generated_tokens"] == sync["generated_tokens"] > 0
+    assert sync["host_ms_per_chunk"] > 0 and sync["guard_ms_per_chunk"] > 0
+    assert "2 processes on this machine's CPU" in out
 
 
 def test_twin_bench_kernel(capsys):

@@ -135,6 +135,14 @@ def test_eight_way_data_parallel_rows_per_device(tiny):
     # The 1-step decode probe's cost analysis (skipped by --no_cost, as CI's shipped guard does).
     cost = report["cost_check"]
     assert cost["compiled_bytes"] > 0 and cost["probe_compile_s"] > 0, cost
+    # Per decode step, what block selection costs beside the attention's K/V reads (issue 30),
+    # for the one sparse layer (2 dense): both counted, the selection compiled for the target.
+    sel = report["decode_step_bytes"]
+    assert sel["sparse_layers"] == 1 and sel["max_selected"] == 4, sel
+    assert sel["rows_per_device"] == 1 and sel["blocks_per_row"] == 8, sel
+    assert sel["selection_sort_free"] > 0 and sel["selection_top_k_sort"] > 0, sel
+    kv_token = 2 * TINY.num_key_value_heads * TINY.head_dim * 2          # bf16 K and V
+    assert sel["attention_kv_at_max_budget"] == 1 * 4 * 16 * kv_token, sel
     assert "TPU v5 lite" in report["target_description"] or "V5E" in report["target_description"]
 
 

@@ -4,8 +4,11 @@ jax.distributed, as hosts of a pod slice are, each running the same host schedul
 - the rows each process gets back equal a one-process paged rollout of all prompts (sampled
   sparse with preemptions from a tight pool, a stop token mid-sequence and GRPO groups; greedy
   dense);
+- the host loop overlaps across processes (continuations dispatched while a chunk runs: the
+  digest check is exchanged on the host, not by a device program);
 - a process whose scheduler decides differently is caught before the next dispatch, with the
-  chunk and each process's digest, on every process;
+  chunk and each process's digest, on every process; one that skips a host exchange makes the
+  others raise PeerTimeout naming it;
 - a killed process makes the other exit non-zero within a stated bound (no hang).
 Training and resuming on the paged engine across processes: tests/test_multihost.py.
 """
@@ -146,8 +149,13 @@ def test_two_process_paged_rollout_equals_one_process(root):
                  for i in range(NPROC)]
         for st in stats:
             print(f"{case['name']}: {st}")
-            del st["sync_ms_per_chunk"], st["guard_ms_per_chunk"], st["seconds"]
+            for key in ("sync_ms_per_chunk", "guard_ms_per_chunk", "host_ms_per_chunk",
+                        "seconds"):
+                del st[key]
         assert stats[0] == stats[1], stats             # one schedule, replicated
+        # The host loop overlaps across processes too: continuations dispatched while their
+        # predecessor ran (the digest check does not wait for the running chunk).
+        assert stats[0]["overlapped_chunks"] > 0, stats
         assert stats[0]["global_rows"] == 8 and stats[0]["pools"] == 2
         lengths = np.asarray(ref.response_lengths)
         assert lengths.min() < MAX_NEW and lengths.max() == MAX_NEW    # a stop, a full row
@@ -165,11 +173,16 @@ def test_two_process_paged_rollout_equals_one_process(root):
         if case["name"] == "sampled":
             assert stats[0]["preemptions"] > 0          # the tight pool forced recomputes
             assert (np.asarray(ref.budgets) == 48).any()  # sparse selection really bound
-    # Compiled: what the coordination costs per decode chunk (2 processes on one CPU machine).
+    # Compiled: the same rows again, and what the coordination costs per decode chunk (2
+    # processes on one CPU machine).
     for i in range(NPROC):
+        rows, first = np.load(root / f"again_{i}.npz"), np.load(root / f"sampled_{i}.npz")
+        np.testing.assert_array_equal(rows["tokens"], first["tokens"])
         print(f"steady state, process {i}:", (root / f"again_{i}.json").read_text())
         print(f"coordination per chunk, process {i}:",
               (root / f"coordination_{i}.json").read_text())
+    timeout = (root / "peer_timeout.txt").read_text()
+    assert "'skipped_by_1' #0: process(es) [1] did not arrive within 1 s" in timeout, timeout
 
 
 @pytest.mark.slow

@@ -121,6 +121,25 @@ def test_paged_dense_equals_transformers_generate(tiny):
         assert np.asarray(traj.tokens[i]).tolist() == ref.tolist()
 
 
+def test_overlapped_loop_equals_sync_loop_without_an_empty_last_chunk(tiny):
+    """The overlapped host loop (chunk i+1 dispatched before chunk i is read) gives the sync
+    loop's samples in as many chunks: no continuation over samples that reach max_new_tokens in
+    the running chunk (it would run empty: every row here ends at the cap)."""
+    _, model = tiny
+    toks, lens = _prompts([5, 19, 33], seed=0)
+    cfg = RolloutConfig(max_new_tokens=40, temperature=1.0, mode="sparse", backend="xla",
+                        max_budget=128, engine="paged", chunk_steps=8)
+    rng = jax.random.key(4)
+    sync = _run(model, dataclasses.replace(cfg, overlap_chunks=False), toks, lens, rng=rng)
+    sync_stats = scheduler.LAST_STATS
+    overlap = _run(model, cfg, toks, lens, rng=rng)
+    stats = scheduler.LAST_STATS
+    _assert_same(sync, overlap)
+    assert (np.asarray(overlap.response_lengths) == 40).all()
+    assert sync_stats.overlapped_chunks == 0 and stats.overlapped_chunks > 0
+    assert stats.chunks == sync_stats.chunks, (stats, sync_stats)
+
+
 def test_group_prompt_pages_are_stored_once(tiny):
     """8 samples of one 100-token prompt: its 6 full pages exist once, not 8 times."""
     _, model = tiny

@@ -5,7 +5,6 @@ import json
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from sparrow_jax.sparsity.schedule import (

@@ -55,21 +55,31 @@ def _static_rollout(model, tokens, lengths, cfg, budgets, group: int, wave_promp
             np.concatenate([np.asarray(o.response_lengths) for o in outs]))
 
 
-def _paged_rollout(model, tokens, lengths, cfg, budgets, group: int, wave_prompts: int, key):
-    """Every prompt in one call: the pool admits what fits (same sample keys as the waves)."""
+def _paged_rollout(model, tokens, lengths, cfg, budgets, group: int, wave_prompts: int, key,
+                   spec=None):
+    """Every prompt in one call: the pool admits what fits (same sample keys as the waves).
+    With `spec` (several processes): this process's prompts; its rows come back."""
     from sparrow_jax.rollout import generate
-    out = generate(model, tokens, lengths, cfg=cfg, budgets=budgets, group_size=group, rng=key)
-    return np.asarray(out.tokens), np.asarray(out.response_lengths)
+    from sparrow_jax.runtime import multihost
+    out = generate(model, tokens, lengths, cfg=cfg, budgets=budgets, group_size=group, rng=key,
+                   spec=spec)
+    return multihost.local_rows(out.tokens), multihost.local_rows(out.response_lengths)
 
 
-def run(model, args, base_cfg, device: str, backend: str) -> int:
+def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
+    """spec: several processes (`--processes`, sparrow_jax.bench.processes): the paged engine
+    only, overlapped vs sync, each process passing its block of the prompts."""
     from sparrow_jax.rollout.kv_cache import cache_bytes
     from sparrow_jax.rollout import scheduler
+    from sparrow_jax.runtime import multihost
     mcfg = model.config
     if args.samples % args.group or args.static_batch % args.group:
         raise SystemExit("sparrow bench rollout: --samples and --static_batch must be multiples "
                          "of --group")
     tokens, lengths, stop_ids = _workload(args, mcfg.vocab_size, base_cfg.block_size)
+    if spec is not None:
+        from sparrow_jax.bench import processes
+        tokens, lengths = processes.my_prompts(tokens, lengths)
     t = args.new_tokens
     key = jax.random.key(args.seed)
     wave_prompts = args.static_batch // args.group
@@ -84,7 +94,9 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
           f"{len(stop_ids)} stop ids of {mcfg.vocab_size} (geometric lengths, mean ~"
           f"{args.mean_len}), sparse budget {budget}, backend {backend}, device {device}, "
           f"KV memory {static_bytes / 2**20:.1f} MiB for both engines (static: "
-          f"{args.static_batch} rows x {width + t} tokens)", flush=True)
+          f"{args.static_batch} rows x {width + t} tokens)"
+          + (f"; paged only, {jax.process_count()} processes, a pool that size on each"
+             if spec else ""), flush=True)
     header = (f"{'mode':>6} {'engine':>21} {'tok/s':>9} {'wall s':>8} {'ratio':>6} "
               f"{'KV alloc MiB':>13} {'KV peak MiB':>12} {'preempt':>8} {'same samples':>13} "
               f"{'chunks':>7} {'host ms/chunk':>14}")
@@ -92,21 +104,26 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
     for mode in args.modes:
         cfg = dataclasses.replace(base_cfg, mode=mode, max_new_tokens=t, temperature=1.0,
                                   stop_token_ids=stop_ids, max_budget=max(budget, 48))
-        engines: dict[str, Any] = {"static": (cfg, _static_rollout)}
+        # Several processes: the paged engine alone (one pool per process, each of the static
+        # engine's bytes), compared with its own sync loop.
+        engines: dict[str, Any] = {} if spec else {"static": (cfg, _static_rollout)}
         for c in args.chunk_steps:
-            for overlap in (True, False) if args.before else (True,):
+            for overlap in (True, False) if args.before or spec else (True,):
                 engines[f"paged/chunk{c}" + ("" if overlap else "/sync")] = (dataclasses.replace(
                     cfg, engine="paged", pool_bytes=static_bytes, max_slots=args.samples,
                     chunk_steps=c, overlap_chunks=overlap), _paged_rollout)
 
         def go(name):
             ecfg, fn = engines[name]
+            kw = {"spec": spec} if spec else {}
             t0 = time.perf_counter()
-            out = fn(model, tokens, lengths, ecfg, budgets, args.group, wave_prompts, key)
+            out = fn(model, tokens, lengths, ecfg, budgets, args.group, wave_prompts, key, **kw)
             return time.perf_counter() - t0, out, dataclasses.replace(scheduler.LAST_STATS)
 
         warm = {name: go(name) for name in engines}                 # compiles every program
-        ref_tokens, resp = warm["static"][1]
+        reference = next(iter(engines))                   # ratios and samples relative to it
+        ref_tokens, resp = warm[reference][1]
+        resp = multihost.all_rows(resp)                   # every process's rows
         generated = int(resp.sum())
         if mode == args.modes[0]:
             print(f"# response lengths: mean {resp.mean():.0f}, p50 {np.median(resp):.0f}, "
@@ -119,10 +136,11 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
                 w, _, st = go(name)
                 walls[name].append(w)
                 stats[name].append(st)
-        base = generated / statistics.median(walls["static"])
+        base = generated / statistics.median(walls[reference])
         for name in engines:
             rate = generated / statistics.median(walls[name])
-            same = bool(np.array_equal(ref_tokens, warm[name][1][0]))
+            same = bool(multihost.all_rows(np.asarray(
+                [np.array_equal(ref_tokens, warm[name][1][0])])).all())
             chunks = host_ms = overlapped = None
             if name == "static":
                 alloc = peak = static_bytes
@@ -139,6 +157,9 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
                   flush=True)
             if args.json:
                 print(json.dumps({"bench": "rollout", "workload": "longtail", "mode": mode,
+                                  "processes": jax.process_count(),
+                                  "guard_ms_per_chunk": None if chunks is None else
+                                  1e3 * st.guard_seconds / max(chunks, 1),
                                   "engine": name, "tok_s": rate, "ratio": rate / base,
                                   "wall_s": walls[name], "generated_tokens": generated,
                                   "kv_alloc_bytes": alloc, "kv_peak_bytes": peak,

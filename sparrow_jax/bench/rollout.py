@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="paged engine decode steps per compiled chunk (one run each)")
     lt.add_argument("--modes", nargs="+", choices=("dense", "sparse"),
                     default=["dense", "sparse"])
+    lt.add_argument("--processes", type=int, default=1,
+                    help="N > 1: the paged engine across N local JAX processes on the CPU, "
+                         "overlapped vs sync (sparrow_jax.bench.processes)")
+    lt.add_argument("--devices_per_process", type=int, default=1,
+                    help="with --processes: CPU devices per process (the mesh's model axis)")
     return p
 
 
@@ -298,6 +303,14 @@ def main(argv: Sequence[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
+    from sparrow_jax.bench import processes
+    spec = None
+    if args.processes > 1:
+        if args.workload != "longtail":
+            raise SystemExit("sparrow bench rollout: --processes needs --workload longtail")
+        if not processes.is_child():
+            return processes.launch(argv, args.processes, args.devices_per_process)
+        spec = processes.join()          # before anything touches the devices
     if args.new_tokens is None:
         args.new_tokens = 1024 if args.workload == "longtail" else 64
     from sparrow_jax.cli import parse_gin
@@ -328,9 +341,15 @@ def main(argv: Sequence[str]) -> int:
     model = Qwen3ForCausalLM(mcfg, dtype=dtype, rngs=nnx.Rngs(args.seed))
     dev = jax.devices()[0]
     device = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
+    if spec is not None:
+        from sparrow_jax.runtime.sharding import shard_model
+        # Every process built the same random weights; each places its devices' slices.
+        nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
+        shard_model(model, spec.mesh, spec.rules)
+        device += f" over {jax.process_count()} processes"
     if args.workload == "longtail":
         from sparrow_jax.bench import longtail as longtail_bench
-        return longtail_bench.run(model, args, base_cfg, device, backend)
+        return longtail_bench.run(model, args, base_cfg, device, backend, spec)
     shape = {k: getattr(mcfg, k) for k in ("num_hidden_layers", "hidden_size",
                                              "num_attention_heads", "num_key_value_heads",
                                              "head_dim", "intermediate_size", "vocab_size")}

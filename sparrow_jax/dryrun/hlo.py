@@ -22,7 +22,8 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
+
+from sparrow_jax.dryrun import selection_cost
 
 # Top-k widths XLA's GPU TopK kernel handles directly; a wider top-k becomes a sort.
 SMALL_TOPK = 16
@@ -79,34 +80,6 @@ def large_sorts(ops: dict[str, list]) -> list[str]:
             + [f"{name} k={k}" for k, name in ops["topk"] if k < 0 or k > SMALL_TOPK])
 
 
-def _selection_bytes(target, rows: int, hq: int, hkv: int, pages: int, d: int, dtype,
-                     max_selected: int, block_size: int) -> dict[str, float | None]:
-    """Bytes XLA counts for one layer's block selection (scores + selection, [rows, Hkv, pages]
-    blocks), sort-free vs the former top_k + sort, compiled alone for one device of `target`."""
-    from sparrow_jax.dryrun.programs import _cost, kernel_platform
-    from sparrow_jax.dryrun.targets import target_devices
-    from sparrow_jax.sparsity import selection
-    dev = jax.sharding.SingleDeviceSharding(target_devices(target)[0])
-
-    def sds(shape, dt):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=dev)
-
-    args = (sds((rows, hq, d), dtype), sds((rows, hkv, pages, d), dtype),
-            sds((rows,), jnp.int32), sds((rows,), jnp.int32))
-    out = {}
-    for name, select in (("sort_free", selection.select_from_scores),
-                         ("top_k_sort", selection.select_from_scores_reference)):
-        def fn(q, c, lengths, budget, select=select):
-            scores = selection.centroid_scores(q, c)
-            ln = jnp.broadcast_to(lengths[:, None], scores.shape[:2])
-            bb = jnp.broadcast_to(budget[:, None], scores.shape[:2])
-            return select(scores, ln, bb, max_selected=max_selected, block_size=block_size)
-        with kernel_platform(target.kernel_platform):
-            compiled = jax.jit(fn).lower(*args).compile()
-        out[name] = _cost(compiled)[1]
-    return out
-
-
 def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool = True) -> dict:
     """Compiles the configured rollout's decode program (the paged engine's decode chunk, or the
     static engine's decode loop) for `target_name`, at `layers` layers (0 = all); its sort/top-k
@@ -146,52 +119,31 @@ def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool =
                         for i in range(m.num_hidden_layers))
     full_sparse = sum(rc.mode == "sparse" and i not in rc.dense_layers
                       for i in range(model.num_hidden_layers))
-    max_selected = min(rc.max_budget // rc.block_size, pages)
-    heads = spec.mesh.shape.get("model", 1) if m.num_key_value_heads % spec.mesh.shape.get(
-        "model", 1) == 0 else 1
-    sel = {"sort_free": None, "top_k_sort": None}
-    if selection_bytes:
-        sel = _selection_bytes(target, rows, m.num_attention_heads // heads,
-                               m.num_key_value_heads // heads, pages, m.head_dim,
-                               shape.compute_dtype, max_selected, rc.block_size)
-    # Attention proper reads K and V of the selected blocks: budget tokens per row, per layer.
-    kv_token = 2 * (m.num_key_value_heads // heads) * m.head_dim * jnp.dtype(
-        shape.compute_dtype).itemsize
-    attention = rows * max_selected * rc.block_size * kv_token
+    per_step = selection_cost.decode_step_bytes(shape, spec, target, rows=rows, blocks=pages,
+                                                sparse_layers=full_sparse,
+                                                compile_selection=selection_bytes)
     return {
         "target": target.name, "program": decode.name, "engine": rc.engine,
         "layers_compiled": m.num_hidden_layers, "layers_model": model.num_hidden_layers,
         "sparse_layers_compiled": sparse_layers, "compile_s": time.perf_counter() - t0,
         "sort": ops["sort"], "topk": ops["topk"], "large_sorts": large_sorts(ops),
-        "rows_per_device": rows, "blocks_per_row": pages, "max_selected": max_selected,
-        "record_topk": rc.record_topk,
+        "rows_per_device": rows, "blocks_per_row": pages,
+        "max_selected": per_step["max_selected"], "record_topk": rc.record_topk,
         # Copies of a layer's pool or more (paged engine): none when the pool updates in place.
         "pool_copies": large_copies(hlo, pool_layer // 2) if pool_layer else [],
-        "per_step_bytes": {
-            "selection_sort_free": None if sel["sort_free"] is None
-            else sel["sort_free"] * full_sparse,
-            "selection_top_k_sort": None if sel["top_k_sort"] is None
-            else sel["top_k_sort"] * full_sparse,
-            "attention_kv_at_max_budget": attention * full_sparse,
-            "sparse_layers": full_sparse},
+        "per_step_bytes": per_step,
     }
 
 
 def format_report(r: dict) -> str:
-    b = r["per_step_bytes"]
-
-    def gb(x):
-        return "-" if x is None else f"{x / 1e9:.3f} GB"
     verdict = "none" if not r["large_sorts"] else "; ".join(r["large_sorts"])
     return "\n".join([
         f"{r['program']} for {r['target']} ({r['engine']} engine, compiled at "
         f"{r['layers_compiled']} of {r['layers_model']} layers, {r['compile_s']:.0f}s): "
         f"sorts / large-k top-k in the optimised HLO: {verdict}; small top-k: "
         f"{[k for k, _ in r['topk'] if 0 <= k <= SMALL_TOPK]}",
-        f"per decode step per device ({r['rows_per_device']} rows x {r['blocks_per_row']} blocks, "
-        f"{b['sparse_layers']} sparse layers), bytes XLA counts: selection {gb(b['selection_sort_free'])} "
-        f"sort-free (top_k + sort: {gb(b['selection_top_k_sort'])}) vs attention K/V reads at the "
-        f"full selection width {gb(b['attention_kv_at_max_budget'])}"])
+        selection_cost.format_line(r["rows_per_device"], r["blocks_per_row"],
+                                   r["per_step_bytes"])])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@ report dict `sparrow_jax.dryrun.run.run_dryrun` returns)."""
 
 from __future__ import annotations
 
+from sparrow_jax.dryrun import selection_cost
 from sparrow_jax.dryrun.programs import gib
 
 
@@ -46,6 +47,10 @@ def format_report(r: dict) -> str:
             f"compiled {c['compiled_bytes'] / 1e9:.2f} GB vs cost_model {c['model_sparse_bytes'] / 1e9:.2f}"
             f" GB sparse at budget {c['budget']} / {c['model_dense_bytes'] / 1e9:.2f} GB dense "
             "(the compiler counts whole operands of a kernel call, e.g. all of the KV cache)")
+    sel = r.get("decode_step_bytes")
+    if sel:
+        lines.append(selection_cost.format_line(sel["rows_per_device"], sel["blocks_per_row"],
+                                                sel))
     mb = r.get("max_batches") or {}
     if mb:
         lines.append(f"largest that fits: rollout {mb.get('rollout_rows_per_device')} rows/device "

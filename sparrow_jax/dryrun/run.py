@@ -56,6 +56,7 @@ from sparrow_jax.dryrun.targets import (TARGETS, Target, get_target, target_devi
                                         toolchain_name, toolchain_problem)
 from sparrow_jax.model.config import QWEN3_PRESETS, Qwen3Config, qwen3_preset
 from sparrow_jax.dryrun import report as report_text
+from sparrow_jax.dryrun import selection_cost
 from sparrow_jax.rollout import page_pool
 from sparrow_jax.rollout.config import padded_length
 from sparrow_jax.runtime import multihost
@@ -290,6 +291,7 @@ def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
         "fits": peak is not None and peak <= limit and not any(p.error for p in programs),
         "cost_check": cost_check(shape, spec, probe) | {
             "probe_compile_s": probe.compile_s if probe else None},
+        "decode_step_bytes": selection_cost.for_step(shape, spec, target, pool) if cost else None,
         "depth": _depth_text(depth, rollout_depth, model.num_hidden_layers),
     }
     if pool is not None:

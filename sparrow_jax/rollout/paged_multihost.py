@@ -13,8 +13,14 @@ each process copies only its own devices' slices).
 page tables: every host input of a program is hashed (64 bits: CRC-32 and Adler-32 over shapes,
 dtypes and bytes of slot tables, page tables, admitted samples' rows - accidental differences,
 not adversaries, and ~4x cheaper than blake2b), and before each dispatch the processes
-allgather their digests; on a mismatch every process raises `SchedulerDivergence` naming the
-program, the decode chunk and each process's digest.
+exchange their digests on the host (`multihost.host_allgather`: jax.distributed's coordination
+service, no device program - so a check made while a decode chunk runs does not wait for it,
+and the overlapped loop works across processes as on one); on a mismatch every process raises
+`SchedulerDivergence` naming the program, the decode chunk and each process's digest.
+
+The device programs every process dispatches - prefills, decode chunks and the replicating
+readbacks - are the same, in the same order, on every process (XLA launches programs with
+collectives one at a time, in dispatch order), so their collectives pair.
 """
 
 from __future__ import annotations
@@ -100,10 +106,14 @@ class Coordination:
             return
         digest = np.asarray([self._crc, self._adler], np.uint32).view(np.int32)
         self._crc, self._adler = 0, 1
-        # int32 words: without jax_enable_x64 a 64-bit array would be truncated in the gather.
+        # [check, chunk, crc, adler] as int32 words (the digest's two uint32s viewed as such).
         mine = np.concatenate([np.asarray([self.checks, chunk], np.int32), digest])
         start = time.perf_counter()
-        everyone = multihost.all_rows(mine[None])                       # [processes, 4]
+        # On the host (the coordination service), not a device allgather: a check made while a
+        # chunk runs must not queue behind it (the overlapped loop dispatches the next chunk
+        # before reading the running one back).
+        everyone = np.stack([np.frombuffer(b, np.int32) for b in
+                             multihost.host_allgather("paged_rollout", mine.tobytes())])
         self.check_seconds += time.perf_counter() - start
         self.checks += 1
         if (everyone != everyone[0]).any():

@@ -10,7 +10,7 @@ Loop, until every sample has finished:
      sample (its prompt + generated tokens recomputed, its recorded tokens and log-probs kept);
   3. one compiled decode chunk over the running samples (slots compacted and bucketed);
   4. harvest: finished samples' pages go back to their pool.
-Overlap (`RolloutConfig.overlap_chunks`; one process): while chunk i runs, the host
+Overlap (`RolloutConfig.overlap_chunks`): while chunk i runs, the host
 dispatches chunk i+1 as its continuation (the same slots, chunk i's output slot state fed back
 on the device, pages grown for a full chunk i) and only then reads back and records chunk i, so
 the device never waits for the host's bookkeeping. Where the next chunk needs chunk i's tokens
@@ -315,17 +315,20 @@ class _Rollout:
                                 self._rows(self._table(order, total)))
         else:
             order = [(row, s) for row, s in pending.order if s.pages]   # host: still running
-            # Several processes: not yet - every dispatch's digest check is a collective program,
-            # which would queue behind the running chunk (on XLA:CPU, gloo, it may even run
-            # beside it and pair its collectives differently on each process).
-            # And not where the running samples would compact into fewer slots (a bucket
-            # down): a continuation keeps its slots, finished or not.
-            live = max(sum(s.pool == p for _, s in order) for p in range(self.pools))
+            # Samples that reach max_new_tokens in the running chunk (it decodes chunk_steps
+            # tokens for each of its live rows) will have finished: a continuation would carry
+            # them as idle rows, and one of only such rows would run empty (measured: the extra
+            # chunk at the end of every rollout whose last samples end at the cap).
+            going = [s for _, s in order if s.generated + cfg.chunk_steps < self.t]
+            # Not where the running samples would compact into fewer slots (a bucket down): a
+            # continuation keeps its slots, finished or not. Several processes alike: every
+            # decision here is on host state all of them share (chunks harvested so far).
+            live = max(sum(s.pool == p for s in going) for p in range(self.pools))
             slots_now = pending.slots.token.shape[0] // self.pools
-            if (not cfg.overlap_chunks or self.sync.enabled or not order
+            if (not cfg.overlap_chunks or not going
                     or pow2_bucket(live, self.slots_per_pool) < slots_now
                     or (self.queue and len(order) < len(pending.order))
-                    or not self._grow_ahead([s for _, s in order])):
+                    or not self._grow_ahead(going)):
                 return None
             slots = dataclasses.replace(pending.slots, page_table=self._rows(
                 self._table(order, pending.slots.token.shape[0])))

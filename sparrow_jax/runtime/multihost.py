@@ -17,7 +17,9 @@ path of the callers does not change.
 
 from __future__ import annotations
 
+import collections
 import functools
+import os
 
 import jax
 import numpy as np
@@ -27,7 +29,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sparrow_jax.runtime.sharding import ShardingSpec
 
 __all__ = ["is_multiprocess", "check_mesh", "sync_max", "rows_to_global", "local_rows",
-           "all_rows", "host_to_global", "replicate", "to_host"]
+           "all_rows", "host_to_global", "replicate", "to_host", "host_allgather", "PeerTimeout"]
+
+# How long a host exchange waits for the slowest process (`host_allgather`). Long: a peer may be
+# compiling a program the others found in their compile caches. A dead peer is noticed sooner,
+# by jax.distributed's heartbeats. SPARROW_PEER_TIMEOUT_S overrides it.
+PEER_TIMEOUT_S = 3600.0
 
 
 def is_multiprocess() -> bool:
@@ -141,3 +148,66 @@ def to_host(tree, spec: ShardingSpec | None):
     if not is_multiprocess():
         return jax.tree.map(np.asarray, tree)
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), replicate(tree, spec))
+
+
+class PeerTimeout(RuntimeError):
+    """A host exchange in which some process did not take part within the timeout."""
+
+
+# Exchanges made per channel by this process (every process makes the same ones, in order, so
+# the counters agree and name the same keys), and the key this process last wrote per channel.
+_EXCHANGES: collections.Counter = collections.Counter()
+_LAST_KEY: dict[str, str] = {}
+
+
+def _coordination_client():
+    from jax._src import distributed       # no public API exposes the key-value store
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("host_allgather needs jax.distributed.initialize() in every process")
+    return client
+
+
+def host_allgather(channel: str, payload: bytes, *, timeout_s: float | None = None
+                   ) -> list[bytes]:
+    """Every process's `payload`, in process order, exchanged on the host through
+    jax.distributed's coordination service (its key-value store and a barrier: three RPCs to the
+    coordinator, whatever the number of processes) - no device program. So it never waits
+    behind programs still running on the devices, and it never pairs with their collectives
+    (a device allgather would do both). Every process must make the same exchanges on a
+    `channel` in the same order. One process: [payload].
+
+    Raises PeerTimeout if some process has not made the exchange within `timeout_s`
+    (default PEER_TIMEOUT_S)."""
+    if not is_multiprocess():
+        return [payload]
+    client = _coordination_client()
+    seq = _EXCHANGES[channel]
+    _EXCHANGES[channel] += 1
+    prefix = f"sparrow/{channel}/{seq}"
+    me, n = jax.process_index(), jax.process_count()
+    client.key_value_set_bytes(f"{prefix}/{me}", payload)
+    timeout = timeout_s if timeout_s is not None else float(
+        os.environ.get("SPARROW_PEER_TIMEOUT_S", PEER_TIMEOUT_S))
+    try:
+        client.wait_at_barrier(f"{prefix}/barrier", int(timeout * 1000))
+    except Exception as e:         # jaxlib's error type moves between releases
+        try:
+            arrived = sorted(int(k.rsplit("/", 1)[-1]) for k, _ in
+                             client.key_value_dir_get_bytes(prefix + "/"))
+        except Exception:          # the coordination service itself is gone
+            arrived = []
+        missing = sorted(set(range(n)) - set(arrived))
+        who = (f"process(es) {missing} did not arrive within {timeout:.0f} s"
+               if arrived and missing else "its barrier failed (a peer timed out first, or the "
+               "coordination service is gone)")
+        raise PeerTimeout(
+            f"host exchange {channel!r} #{seq}: {who} (arrived: {arrived}); a peer is stuck or "
+            f"runs a different sequence of exchanges ({type(e).__name__}: {e})") from e
+    values = dict(client.key_value_dir_get_bytes(prefix + "/"))
+    # Every process wrote #seq, so every process has read #seq - 1: drop this process's old key
+    # (the coordinator keeps the store in memory for the whole job).
+    if channel in _LAST_KEY:
+        client.key_value_delete(_LAST_KEY[channel])
+    _LAST_KEY[channel] = f"{prefix}/{me}"
+    return [values[f"{prefix}/{p}"] for p in range(n)]
