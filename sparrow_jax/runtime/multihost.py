@@ -162,9 +162,12 @@ _LAST_KEY: dict[str, str] = {}
 
 def _coordination_client():
     from jax._src import distributed       # no public API exposes the key-value store
-    client = distributed.global_state.client
+    client = getattr(getattr(distributed, "global_state", None), "client", None)
     if client is None:
-        raise RuntimeError("host_allgather needs jax.distributed.initialize() in every process")
+        raise RuntimeError(
+            "host_allgather needs jax.distributed.initialize() in every process (and jax's "
+            f"coordination client at jax._src.distributed.global_state.client; jax "
+            f"{jax.__version__})")
     return client
 
 
