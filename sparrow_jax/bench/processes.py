@@ -50,9 +50,15 @@ def launch(argv: Sequence[str], processes: int, devices_per_process: int) -> int
     for i in range(processes):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags),
                ENV: f"{i},{processes},{port},{devices_per_process}"}
-        out = None if i == 0 else open(logs / f"process_{i}.log", "w")
+        if i == 0:
+            out = None
+        else:
+            with open(logs / f"process_{i}.log", "w") as log:
+                out = os.dup(log.fileno())     # the child's copy; ours closes with the file
         procs.append(subprocess.Popen([sys.executable, "-m", "sparrow_jax.bench.rollout", *argv],
                                       env=env, stdout=out, stderr=subprocess.STDOUT))
+        if out is not None:
+            os.close(out)
     codes = [p.wait() for p in procs]
     if any(codes):
         for i in range(1, processes):

@@ -305,6 +305,9 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     from sparrow_jax.bench import processes
     spec = None
+    if args.processes < 1 or args.devices_per_process < 1:
+        raise SystemExit(f"sparrow bench rollout: --processes ({args.processes}) and "
+                         f"--devices_per_process ({args.devices_per_process}) must be >= 1")
     if args.processes > 1:
         if args.workload != "longtail":
             raise SystemExit("sparrow bench rollout: --processes needs --workload longtail")

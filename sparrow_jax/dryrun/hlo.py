@@ -115,10 +115,8 @@ def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool =
         raise RuntimeError(f"{decode.name} did not compile for {target.name}: {measured.error}")
     hlo = compiled.as_text()
     ops = sort_and_topk_ops(hlo)
-    sparse_layers = sum(rc.mode == "sparse" and i not in rc.dense_layers
-                        for i in range(m.num_hidden_layers))
-    full_sparse = sum(rc.mode == "sparse" and i not in rc.dense_layers
-                      for i in range(model.num_hidden_layers))
+    sparse_layers = rc.num_sparse_layers(m.num_hidden_layers)
+    full_sparse = rc.num_sparse_layers(model.num_hidden_layers)
     per_step = selection_cost.decode_step_bytes(shape, spec, target, rows=rows, blocks=pages,
                                                 sparse_layers=full_sparse,
                                                 compile_selection=selection_bytes)

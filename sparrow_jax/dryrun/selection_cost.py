@@ -74,8 +74,7 @@ def for_step(shape: StepShape, spec: ShardingSpec, target: Target,
     pool's slots and pages per slot, or the static engine's rows per device and cache blocks)
     and every sparse layer of the model, with the rows and blocks; None for a dense rollout."""
     rc, m = shape.rollout, shape.model
-    sparse = sum(rc.mode == "sparse" and i not in rc.dense_layers
-                 for i in range(m.num_hidden_layers))
+    sparse = rc.num_sparse_layers(m.num_hidden_layers)
     if not sparse:
         return None
     if pool is not None:                                # one page pool per data shard

@@ -104,6 +104,13 @@ class RolloutConfig:
         if not 0.0 <= self.rkv_lambda <= 1.0:
             raise ValueError(f"rkv_lambda must be in [0, 1], got {self.rkv_lambda}")
 
+    def sparse_layer(self, i: int) -> bool:
+        """Whether decoder layer i decodes block-sparse (sparse mode, not in dense_layers)."""
+        return self.mode == "sparse" and i not in self.dense_layers
+
+    def num_sparse_layers(self, num_layers: int) -> int:
+        return sum(self.sparse_layer(i) for i in range(num_layers))
+
     def for_alpha_mode(self, alpha_mode: str) -> "RolloutConfig":
         """This config recording the vocabulary top-k per token only where the learner reads it:
         `LearnerConfig.alpha_mode == "topk"` (the paper's lower bound) keeps `record_topk`; "full"

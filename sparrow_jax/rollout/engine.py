@@ -129,9 +129,6 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     max_selected = min(cfg.max_budget, s_max) // cfg.block_size
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
 
-    def sparse_layer(i):
-        return cfg.mode == "sparse" and i not in cfg.dense_layers
-
     attn_fns = {sp: _sharded(functools.partial(_decode_attention, sparse=sp, cfg=cfg,
                                                max_selected=max_selected), spec,
                              mcfg.num_key_value_heads) for sp in (False, True)}
@@ -150,7 +147,7 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         def attend(i, q, k, v):
             k_new[i] = write_token(k_new[i], k[:, 0], cache.lengths)
             v_new[i] = write_token(v_new[i], v[:, 0], cache.lengths)
-            out, c_new[i] = attn_fns[sparse_layer(i)](q[:, 0], k_new[i], v_new[i], c_new[i],
+            out, c_new[i] = attn_fns[cfg.sparse_layer(i)](q[:, 0], k_new[i], v_new[i], c_new[i],
                                                       lengths, budget_blocks, covered)
             return out[:, None]
 

@@ -329,7 +329,7 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
         ks, vs, cs = list(kv.k), list(kv.v), list(kv.centroids)
 
         def attend(i, q, k, v):
-            sparse = cfg.mode == "sparse" and i not in cfg.dense_layers
+            sparse = cfg.sparse_layer(i)
             out, ks[i], vs[i], cs[i] = attn[sparse](
                 q[:, 0], k[:, 0], v[:, 0], ks[i], vs[i], cs[i], sl.page_table, lengths,
                 sl.active, budget_blocks, covered)

@@ -171,6 +171,18 @@ def _coordination_client():
     return client
 
 
+def _peer_timeout() -> float:
+    text = os.environ.get("SPARROW_PEER_TIMEOUT_S", "")
+    try:
+        value = float(text) if text else PEER_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"SPARROW_PEER_TIMEOUT_S must be a positive number of seconds, got "
+                         f"{text!r}")
+    return value
+
+
 def host_allgather(channel: str, payload: bytes, *, timeout_s: float | None = None
                    ) -> list[bytes]:
     """Every process's `payload`, in process order, exchanged on the host through
@@ -190,8 +202,7 @@ def host_allgather(channel: str, payload: bytes, *, timeout_s: float | None = No
     prefix = f"sparrow/{channel}/{seq}"
     me, n = jax.process_index(), jax.process_count()
     client.key_value_set_bytes(f"{prefix}/{me}", payload)
-    timeout = timeout_s if timeout_s is not None else float(
-        os.environ.get("SPARROW_PEER_TIMEOUT_S", PEER_TIMEOUT_S))
+    timeout = timeout_s if timeout_s is not None else _peer_timeout()
     try:
         client.wait_at_barrier(f"{prefix}/barrier", int(timeout * 1000))
     except Exception as e:         # jaxlib's error type moves between releases
