@@ -25,4 +25,4 @@ shopt -u nullglob
 chips=${TPU_CHIPS_PER_HOST:-${#accels[@]}}
 [ "$chips" != 0 ] || chips=""
 sparrow_check_jax "$py" tpu "$chips"
-"$py" -m sparrow_jax.host_check "$@" || sparrow_die "the run's paths are not all on this host (above)"
+"$py" -m sparrow_jax.train.host_check "$@" || sparrow_die "the run's paths are not all on this host (above)"

@@ -18,15 +18,15 @@ from tqdm import tqdm
 
 # subcommand -> (module, function, help). Each function takes the parsed argparse namespace.
 COMMANDS = {
-    "train": ("sparrow_jax.train", "main", "sparse-rollout GRPO training (the main job)"),
-    "sft": ("sparrow_jax.sft", "main", "supervised warm-up of the synthetic demo model"),
-    "rollout": ("sparrow_jax.generate", "main", "generate completions for a JSONL prompt file"),
-    "calibrate": ("sparrow_jax.calibrate", "main", "offline per-bin budget sweep -> schedule"),
+    "train": ("sparrow_jax.train.command", "main", "sparse-rollout GRPO training (the main job)"),
+    "sft": ("sparrow_jax.train.sft", "main", "supervised warm-up of the synthetic demo model"),
+    "rollout": ("sparrow_jax.tools.generate", "main", "generate completions for a JSONL prompt file"),
+    "calibrate": ("sparrow_jax.experiment.calibrate", "main", "offline per-bin budget sweep -> schedule"),
     "dryrun": ("sparrow_jax.dryrun.run", "main", "compile one RL step for a TPU slice / GPU node: fits?"),
-    "export": ("sparrow_jax.export", "main", "a training checkpoint -> Hugging Face directory"),
-    "experiment": ("sparrow_jax.experiment", "main", "training arms side by side -> comparison"),
+    "export": ("sparrow_jax.tools.export", "main", "a training checkpoint -> Hugging Face directory"),
+    "experiment": ("sparrow_jax.experiment.runner", "main", "training arms side by side -> comparison"),
     "data": ("sparrow_jax.data.check", "main", "data check FILE --model DIR: rows, reasons, a prompt"),
-    "doctor": ("sparrow_jax.doctor", "main", "kernels vs the XLA reference + a rollout, on this device"),
+    "doctor": ("sparrow_jax.tools.doctor", "main", "kernels vs the XLA reference + a rollout, on this device"),
 }
 BENCHES = {
     "kernel": ("sparrow_jax.bench.kernels", "main", "dense vs block-sparse decode attention"),
@@ -88,13 +88,13 @@ def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
         if not os.path.exists(f):
             raise SystemExit(f"sparrow: gin file {f!r} does not exist")
     # Configurables must be registered before parsing: import every module that declares them.
-    for module in ("sparrow_jax.train", "sparrow_jax.sft", "sparrow_jax.rollout.config",
+    for module in ("sparrow_jax.train.trainer", "sparrow_jax.train.sft", "sparrow_jax.rollout.config",
                    "sparrow_jax.rl.learner", "sparrow_jax.rl.grpo", "sparrow_jax.sparsity.schedule",
                    "sparrow_jax.data.prompts", "sparrow_jax.rl.rewards", "sparrow_jax.runtime.sharding",
-                   "sparrow_jax.model.config", "sparrow_jax.calibrate",
+                   "sparrow_jax.model.config", "sparrow_jax.experiment.calibrate",
                    # ExperimentConfig: `sparrow experiment --parallel` runs each arm as `sparrow
                    # train` on the experiment's own gin files
-                   "sparrow_jax.experiment"):
+                   "sparrow_jax.experiment.runner"):
         importlib.import_module(module)
     gin.clear_config()  # a fresh configuration per command, also when called twice in-process
     try:

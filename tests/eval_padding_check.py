@@ -22,7 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 
-from sparrow_jax import cli, evaluation  # noqa: E402
+from sparrow_jax import cli  # noqa: E402
+
+from sparrow_jax.evaluation import heldout as evaluation
 from sparrow_jax.data import synthetic  # noqa: E402
 from sparrow_jax.data.prompts import PromptDataset  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402

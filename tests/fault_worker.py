@@ -59,7 +59,7 @@ def _install(faults: dict) -> None:
     global TRACE
     import numpy as np
 
-    from sparrow_jax import train
+    from sparrow_jax.train import trainer as train
     from sparrow_jax.runtime import checkpoint, metrics
     from sparrow_jax.rl.learner import Learner
 

@@ -61,11 +61,11 @@ def test_auto_is_off_on_cpu_and_on_for_accelerators(monkeypatch, tmp_path):
 
 
 def test_train_config_turns_it_on_by_default():
-    from sparrow_jax.train_config import TrainConfig
+    from sparrow_jax.train.config import TrainConfig
     import dataclasses
     field = {f.name: f for f in dataclasses.fields(TrainConfig)}["compile_cache_dir"]
     assert field.default == "auto"
-    assert "compile_cache.configure(cfg.compile_cache_dir)" in (REPO / "sparrow_jax/train.py").read_text()
+    assert "compile_cache.configure(cfg.compile_cache_dir)" in (REPO / "sparrow_jax/train/command.py").read_text()
 
 
 def test_auto_keeps_a_cache_jax_already_has():
@@ -128,7 +128,7 @@ def _check_plan_before_compiles(log: str) -> None:
     assert seen and all(name in most and n <= most[name] for name, n in seen.items()), (seen, most)
 
 
-# -- the start-up line that says what will compile (sparrow_jax.compile_plan) -------------------
+# -- the start-up line that says what will compile (sparrow_jax.train.compile_plan) -------------------
 
 
 def test_compile_plan_takes_its_shapes_from_the_engines_bucket_functions():
@@ -136,7 +136,7 @@ def test_compile_plan_takes_its_shapes_from_the_engines_bucket_functions():
     engines' own bucket functions give over every length (brute force here), not a list."""
     import dataclasses
 
-    from sparrow_jax import compile_plan
+    from sparrow_jax.train import compile_plan
     from sparrow_jax.rollout import scheduler
     from sparrow_jax.rollout.config import RolloutConfig
     from sparrow_jax.rollout.page_pool import pages_for
@@ -182,6 +182,6 @@ def test_compile_plan_takes_its_shapes_from_the_engines_bucket_functions():
 
 
 def test_compile_plan_rejects_a_function_that_is_no_bucket():
-    from sparrow_jax import compile_plan
+    from sparrow_jax.train import compile_plan
     with pytest.raises(ValueError, match="not a bucket function"):
         compile_plan.distinct(lambda n: n - 1, 2, 10)

@@ -250,7 +250,7 @@ def test_data_check_good_and_bad_files(tmp_path, model_dir, capsys, _restore_log
 def test_train_config_takes_a_list_of_data_paths(tmp_path, tok):
     """docs/data.md: a data path may be a list; gin's type check and TrainConfig accept one."""
     from sparrow_jax.runtime import config_check
-    from sparrow_jax.train_config import TrainConfig
+    from sparrow_jax.train.config import TrainConfig
 
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "one", "answer": "1"}])
     (tmp_path / "d").mkdir()

@@ -11,7 +11,7 @@ from flax import nnx
 
 from hf_fixtures import gin_argv, make_tiny_qwen3, make_tiny_run, tiny_train_bindings
 from sparrow_jax import cli
-from sparrow_jax.export import export
+from sparrow_jax.tools.export import export
 from sparrow_jax.model import load_hf
 from sparrow_jax.rl import distill
 from sparrow_jax.rl.distill import DistillConfig, Distiller, merge_lora, merge_lora_model

@@ -760,7 +760,7 @@ def test_library_loggers_quiet_by_default_and_restored_by_debug(_restore_logging
     cli.setup_logging("INFO")
     for name in ("absl", "orbax", "jax", "etils", "grain"):
         assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING, name
-    assert logging.getLogger("sparrow_jax.train").getEffectiveLevel() == logging.INFO
+    assert logging.getLogger("sparrow_jax.train.command").getEffectiveLevel() == logging.INFO
     cli.setup_logging("DEBUG")
     for name in ("absl", "orbax", "jax", "etils", "grain"):
         assert logging.getLogger(name).getEffectiveLevel() == logging.DEBUG, name
@@ -773,7 +773,7 @@ def test_warnings_start_with_their_level(_restore_logging):
     fmt = cli._ConsoleFormatter(color=False)
 
     def line(level):
-        return fmt.format(logging.LogRecord("sparrow_jax.train", level, __file__, 1, "msg", None, None))
+        return fmt.format(logging.LogRecord("sparrow_jax.train.command", level, __file__, 1, "msg", None, None))
 
     assert line(logging.WARNING).startswith("WARNING ") and line(logging.ERROR).startswith("ERROR ")
     assert not line(logging.INFO).startswith(("INFO", "WARNING"))

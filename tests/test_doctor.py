@@ -70,7 +70,7 @@ def test_doctor_fails_loudly_on_a_broken_kernel(capsys, monkeypatch, _restore_lo
 
 def test_backends_and_sizes_per_platform():
     """What the doctor runs where (no hardware needed to decide it)."""
-    from sparrow_jax import doctor
+    from sparrow_jax.tools import doctor
     runnable = {p: [n for n, _, skip in doctor.backends_for(p) if not skip]
                 for p in ("cpu", "gpu", "tpu")}
     assert runnable["cpu"] == ["pallas_tpu", "pallas_triton"]          # interpret mode

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hf_fixtures import run_on_cpu_devices
-from sparrow_jax import evaluation
+from sparrow_jax.evaluation import heldout as evaluation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

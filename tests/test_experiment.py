@@ -7,7 +7,7 @@ import pytest
 
 from hf_fixtures import gin_text, make_tiny_run, tiny_train_bindings
 from sparrow_jax import cli
-from sparrow_jax.experiment import budget_mean, final_values
+from sparrow_jax.experiment.runner import budget_mean, final_values
 from sparrow_jax.runtime.metrics import read_jsonl
 
 
@@ -95,7 +95,7 @@ def test_budget_mean_and_final_values():
 
 
 def test_demo_experiment_config_parses_every_arm():
-    from sparrow_jax import experiment
+    from sparrow_jax.experiment import runner as experiment
     repo = Path(__file__).resolve().parents[1]
     files = [str(repo / "configs/demo_cpu.gin"), str(repo / "configs/experiment_demo.gin")]
     cli.parse_gin(files, [])
@@ -113,7 +113,7 @@ def test_demo_experiment_config_parses_every_arm():
 def _stacked_arms(config: str, probe) -> tuple:
     """configs/<config>.gin on top of the demo experiment: its ExperimentConfig and, per arm,
     `probe()` with that arm's bindings parsed."""
-    from sparrow_jax import experiment
+    from sparrow_jax.experiment import runner as experiment
     repo = Path(__file__).resolve().parents[1]
     files = [str(repo / f"configs/{name}.gin") for name in ("demo_cpu", "experiment_demo", config)]
     cli.parse_gin(files, [])
@@ -138,7 +138,7 @@ def test_distill_experiment_config_shares_the_controller_arm():
 def test_replicate_experiment_config_adds_seeded_arms():
     """configs/experiment_replicate.gin on top of the demo experiment: the finished dense and
     controller arms plus the same two with TrainConfig.seed = 1, reported separately."""
-    from sparrow_jax.train_config import TrainConfig
+    from sparrow_jax.train.config import TrainConfig
     cfg, seeds = _stacked_arms("experiment_replicate", lambda: TrainConfig().seed)
     assert cfg.output_dir == "runs/experiment_demo" and cfg.report == "comparison_replicate"
     assert seeds == {"dense": (0, 64), "controller": (0, 64), "dense_seed1": (1, 64),

@@ -1,4 +1,4 @@
-"""sparrow_jax.experiment_paired: per-seed paired differences to dense with a 95% t-interval, the
+"""sparrow_jax.experiment.paired: per-seed paired differences to dense with a 95% t-interval, the
 per-prompt standard error, the shared start and the alpha columns; configs/experiment_paired.gin
 parses with every arm's bindings; `sparrow experiment --parallel N` runs the arms as
 subprocesses."""
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax import cli
-from sparrow_jax.experiment_paired import (paired_differences, paired_markdown, prompt_se,
+from sparrow_jax.experiment.paired import (paired_differences, paired_markdown, prompt_se,
                                            reference_scores, write_paired_report)
 
 
@@ -49,8 +49,8 @@ def test_paired_differences_and_report(tmp_path):
 
 
 def test_paired_experiment_config_parses_every_arm():
-    from sparrow_jax import experiment
-    from sparrow_jax.train_config import TrainConfig
+    from sparrow_jax.experiment import runner as experiment
+    from sparrow_jax.train.config import TrainConfig
     repo = Path(__file__).resolve().parents[1]
     files = [str(repo / "configs/demo_cpu.gin"), str(repo / "configs/experiment_paired.gin")]
     cli.parse_gin(files, [])
@@ -111,7 +111,7 @@ def test_report_shared_start_and_alpha_columns():
 
 
 def _reference_lines(step_logp: dict[int, list[float]], ids=("a", "b", "c", "d")) -> str:
-    """eval_reference.jsonl as sparrow_jax.reference_eval.append_rows writes it: one line per
+    """eval_reference.jsonl as sparrow_jax.evaluation.reference.append_rows writes it: one line per
     (step, mode) with the per-prompt logp; a sparse line that must be ignored."""
     out = []
     for step, logp in step_logp.items():
@@ -178,7 +178,7 @@ with open(os.path.join(stamps, name), "w") as f:
 @pytest.fixture
 def fake_arms(tmp_path, monkeypatch):
     """An experiment config of five arms (one failing) whose per-arm command is FAKE_ARM."""
-    from sparrow_jax import experiment
+    from sparrow_jax.experiment import runner as experiment
     stamps = tmp_path / "stamps"
     stamps.mkdir()
     calls = []
@@ -236,7 +236,7 @@ def test_parallel_runs_at_most_n_reports_a_failing_arm_and_exits_nonzero(fake_ar
 
 def test_parallel_ctrl_c_terminates_the_arms(tmp_path):
     """Ctrl-C while arms run: SIGTERM to each (they save and exit), wait, then re-raise."""
-    from sparrow_jax import experiment
+    from sparrow_jax.experiment import runner as experiment
     script = ("import signal, sys, time\n"
               "def stop(*_):\n"
               "    open(sys.argv[1], 'w').write('saved'); sys.exit(0)\n"
@@ -264,7 +264,7 @@ def test_parallel_ctrl_c_terminates_the_arms(tmp_path):
 
 
 def test_parallel_must_be_at_least_one(tmp_path):
-    from sparrow_jax import experiment
+    from sparrow_jax.experiment import runner as experiment
     with pytest.raises(ValueError, match="parallel must be an integer >= 1"):
         experiment.ExperimentConfig(arms={"a": []}, parallel=0)
     cfg = tmp_path / "exp.gin"
@@ -275,7 +275,7 @@ def test_parallel_must_be_at_least_one(tmp_path):
 
 
 def test_arm_command_is_sparrow_train_with_the_arm_bindings():
-    from sparrow_jax import experiment
+    from sparrow_jax.experiment import runner as experiment
     argv = experiment.arm_command(["a.gin", "b.gin"], ["X.y = 1"], ["X.z = 2", "T.r = 'd'"],
                                   "DEBUG")
     assert argv == [sys.executable, "-m", "sparrow_jax.cli", "--log_level", "DEBUG", "train",

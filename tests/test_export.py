@@ -18,7 +18,7 @@ from flax import nnx
 from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
-from sparrow_jax.export import ExportError, export, gin_binding
+from sparrow_jax.tools.export import ExportError, export, gin_binding
 from sparrow_jax.model import Qwen3ForCausalLM, load_hf, read_config
 from sparrow_jax.rl.rewards import register_reward
 from sparrow_jax.runtime import checkpoint as ckpt
@@ -67,7 +67,7 @@ def run(tmp_path_factory):
 
 def _checkpoint_params(run_dir, step=None):
     """The checkpoint's params as saved (f32 unless stored otherwise), restored independently of
-    sparrow_jax.export: the abstract target comes from orbax's metadata."""
+    sparrow_jax.tools.export: the abstract target comes from orbax's metadata."""
     with ckpt.CheckpointManager(run_dir, read_only=True) as m:
         meta = m.params_metadata(step)
         cfg = read_config(run_dir.parent / "model")
@@ -155,9 +155,9 @@ def test_bf16_stored_checkpoint_restores_in_its_dtype(run, tmp_path):
 
 
 def test_gin_binding_reads_wrapped_and_qualified_values():
-    text = ("import sparrow_jax.train\n"
+    text = ("import sparrow_jax.train.config\n"
             "TrainConfig.reward = @some_fn\n"
-            "sparrow_jax.train.TrainConfig.model_path = \\\n    '/a/very/long/path'\n"
+            "sparrow_jax.train.config.TrainConfig.model_path = \\\n    '/a/very/long/path'\n"
             "scope/TrainConfig.model_path = '/scoped'\n")
     assert gin_binding(text, "TrainConfig", "model_path") == "/a/very/long/path"
     assert gin_binding(text, "TrainConfig", "eval_data") is None

@@ -163,7 +163,7 @@ def test_tpu_setup_checks_jax_and_the_paths_on_the_worker(sandbox):
                TPU_CHIPS_PER_HOST="4")
     assert r.returncode == 0, r.stderr
     assert "pip install -q -c launch/constraints.txt -e .[tpu]" in r.stderr
-    assert "python -m sparrow_jax.host_check configs/qwen3_8b_tpu.gin" in \
+    assert "python -m sparrow_jax.train.host_check configs/qwen3_8b_tpu.gin" in \
         (tmp / "log").read_text()
     r = launch("tpu_setup.sh", ["configs/qwen3_8b_tpu.gin"], env, STUB_JAX="cpu 1")
     assert r.returncode == 1 and "jax runs on 'cpu', not 'tpu'" in last_line(r)
@@ -194,7 +194,7 @@ def test_tpu_pod_copies_tracked_files_and_starts_detached(sandbox):
 
 
 def test_host_check_names_the_missing_paths(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "sparrow_jax.host_check",
+    r = subprocess.run([sys.executable, "-m", "sparrow_jax.train.host_check",
                         "configs/qwen3_8b_tpu.gin", "--gin_param",
                         "TrainConfig.run_dir = '%s'" % (tmp_path / "run")],
                        cwd=REPO, capture_output=True, text=True, timeout=120,

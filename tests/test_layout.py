@@ -127,3 +127,39 @@ def test_kernels_and_benches_point_down():
             assert not any(t.startswith("sparrow_jax") for t in targets), (name, targets)
         if not name.startswith("sparrow_jax.bench"):
             assert not any(t.startswith("sparrow_jax.bench") for t in targets), (name, targets)
+
+
+# -- a tree a newcomer can read: one package per stage, modules of readable size ----------------
+
+# The only modules allowed directly under sparrow_jax/: the package face and the `sparrow` command.
+TOP_LEVEL_MODULES = {"__init__.py", "cli.py"}
+MAX_MODULE_LINES = 450
+
+
+def loose_modules(root: Path = REPO) -> list[str]:
+    return sorted(p.name for p in (root / "sparrow_jax").glob("*.py") if p.name not in TOP_LEVEL_MODULES)
+
+
+def oversized_modules(root: Path = REPO) -> dict[str, int]:
+    sizes = {str(p.relative_to(root)): len(p.read_text().splitlines())
+             for p in [*root.glob("sparrow_jax/**/*.py"), *root.glob("pallas_kernels/**/*.py")]}
+    return {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+
+
+def test_no_loose_top_level_modules():
+    assert not loose_modules(), (f"modules directly under sparrow_jax/ {loose_modules()}: put each "
+                                 "in the package of its stage (train/, evaluation/, tools/, ...)")
+
+
+def test_no_module_over_the_size_limit():
+    assert not oversized_modules(), (f"modules over {MAX_MODULE_LINES} lines (split them by "
+                                     f"responsibility): {oversized_modules()}")
+
+
+def test_layout_rules_fail_on_a_planted_violation(tmp_path):
+    (tmp_path / "sparrow_jax" / "stage").mkdir(parents=True)
+    (tmp_path / "sparrow_jax" / "cli.py").write_text("")
+    (tmp_path / "sparrow_jax" / "loose.py").write_text("")
+    (tmp_path / "sparrow_jax" / "stage" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert loose_modules(tmp_path) == ["loose.py"]
+    assert oversized_modules(tmp_path) == {"sparrow_jax/stage/long.py": MAX_MODULE_LINES + 1}

@@ -1,4 +1,4 @@
-"""sparrow_jax.reference_eval on the shipped demo checkpoint: the teacher-forced pass over the
+"""sparrow_jax.evaluation.reference on the shipped demo checkpoint: the teacher-forced pass over the
 reference equals greedy decoding (dense, and the sparse actor at a budget) token for token up
 to logit ties, and its exact p(T=1 sample = reference) matches T=1 sampling within 2 s.e."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.model import load_hf, load_tokenizer
-from sparrow_jax.reference_eval import reference_batch, score_references, summarize
+from sparrow_jax.evaluation.reference import reference_batch, score_references, summarize
 from sparrow_jax.rollout import RolloutConfig, generate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -320,7 +320,7 @@ def test_run_lock_names_the_holder_and_takes_over_a_stale_lock(tmp_path, caplog)
 
 @slow
 def test_export_never_writes_into_the_run_or_the_model(root, base, tmp_path):
-    from sparrow_jax.export import PROVENANCE_FILE, ExportError, export
+    from sparrow_jax.tools.export import PROVENANCE_FILE, ExportError, export
 
     steps = _checkpoints(base)
     for out, needle in ((base, "is the run directory"), (base / "hf", "is inside the run"),
@@ -354,7 +354,8 @@ def test_export_never_writes_into_the_run_or_the_model(root, base, tmp_path):
 
 
 def _train_error(argv: list[str], monkeypatch) -> str:
-    from sparrow_jax import cli, train
+    from sparrow_jax import cli
+    from sparrow_jax.train import trainer as train
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the configuration was checked")
@@ -407,7 +408,7 @@ def test_device_problems_of_meshes_hosts_and_rollout_rows():
     """`preflight.device_problems` with the device counts of real machines (no hardware)."""
     from types import SimpleNamespace
 
-    from sparrow_jax.preflight import device_problems
+    from sparrow_jax.train.preflight import device_problems
 
     def cfg(**kw):
         return SimpleNamespace(**{"mesh_model": 1, "rollout_batch_prompts": 0,
@@ -454,7 +455,7 @@ def test_model_directory_without_a_usable_tokenizer(root, tmp_path, monkeypatch)
 
 
 def test_user_reward_module_in_the_current_directory(tmp_path, monkeypatch):
-    from sparrow_jax import preflight
+    from sparrow_jax.train import preflight
 
     (tmp_path / "cwd_rewards_28.py").write_text(
         "from sparrow_jax.rl.rewards import register_reward\n"
@@ -471,7 +472,7 @@ def test_user_reward_module_in_the_current_directory(tmp_path, monkeypatch):
 
 def test_sft_does_not_overwrite_a_model_directory(tmp_path):
     from sparrow_jax import cli
-    from sparrow_jax.sft import SFTConfig, check_output_dir
+    from sparrow_jax.train.sft import SFTConfig, check_output_dir
 
     out = tmp_path / "model"
     out.mkdir()

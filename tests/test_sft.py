@@ -5,7 +5,7 @@ import numpy as np
 
 from sparrow_jax import cli
 from sparrow_jax.model import load_hf, load_tokenizer
-from sparrow_jax.sft import _crops
+from sparrow_jax.train.sft import _crops
 
 
 def test_crops_keep_real_positions_and_mask_missing_context():

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from hf_fixtures import make_tiny_synthetic_model
-from sparrow_jax import cli, evaluation
+from sparrow_jax import cli
+from sparrow_jax.evaluation import heldout as evaluation
 from sparrow_jax.data import synthetic
 from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids

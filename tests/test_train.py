@@ -84,7 +84,7 @@ def test_missing_model_path(setup):
     i = argv.index(f"TrainConfig.model_path = '{setup / 'model'}'")
     argv[i] = f"TrainConfig.model_path = '{setup / 'nope'}'"
     # Bad input is one clear line and exit status 1, not a traceback (sparrow_jax.runtime.faults).
-    # Checked with every other setting before anything loads (sparrow_jax.preflight).
+    # Checked with every other setting before anything loads (sparrow_jax.train.preflight).
     with pytest.raises(SystemExit, match="TrainConfig.model_path .*nope' does not exist"):
         _run(argv)
 

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.data.prompts import PromptDataset
-from sparrow_jax.evaluation import batch_records, decode_responses, score
+from sparrow_jax.evaluation.heldout import batch_records, decode_responses, score
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.model.attention import chunked_causal_attention
 from sparrow_jax.rl.rewards import RewardPool

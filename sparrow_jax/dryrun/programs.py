@@ -69,7 +69,7 @@ class StepShape:
 def step_shape(model: Qwen3Config, target: Target) -> StepShape:
     """Reads TrainConfig / RolloutConfig / LearnerConfig / the schedule as `Trainer` does."""
     from sparrow_jax.sparsity.controller import ControllerConfig
-    from sparrow_jax.train import TrainConfig
+    from sparrow_jax.train.config import TrainConfig
     tc = TrainConfig()
     sched, ctrl = make_schedule(), ControllerConfig()
     rc = dataclasses.replace(RolloutConfig(), mode=tc.rollout_mode)

@@ -351,7 +351,7 @@ def model_shape(args: argparse.Namespace) -> Qwen3Config:
     """--preset, --model_config, or the config's TrainConfig.model_path/config.json."""
     if args.preset:
         return qwen3_preset(args.preset)
-    from sparrow_jax.train import TrainConfig
+    from sparrow_jax.train.config import TrainConfig
     path = Path(args.model_config or TrainConfig().model_path)
     path = path / "config.json" if path.suffix != ".json" else path
     if not path.is_file():

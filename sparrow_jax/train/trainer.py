@@ -1,22 +1,20 @@
-"""`sparrow train`: the sparse-rollout GRPO loop.
+"""The trainer: builds every stage of one RL step from gin, checkpoints and resumes, evaluates.
 
   prompts (grain) -> rollout (sparse, budget per length bin from the schedule) -> rewards
   -> learner (dense logprobs + alpha per token, GRPO+TIS update) -> mismatch tail per bin
   -> schedule controller -> metrics (TensorBoard + metrics.jsonl) / checkpoint (orbax)
 
-Everything of a run lives in `run_dir`: checkpoints (params, optimizer, data-iterator position,
-controller state, step; the operative gin config beside each), TensorBoard events,
-operative_config.gin and metrics.jsonl. Re-running the same command resumes from the last
-checkpoint with the same data order.
+The step itself is `sparrow_jax.train.step.rl_step`; the `sparrow train` command around it is
+`sparrow_jax.train.command`. Everything of a run lives in `run_dir`: checkpoints (params,
+optimizer, data-iterator position, controller state, step; the operative gin config beside each),
+TensorBoard events, operative_config.gin and metrics.jsonl. Re-running the same command resumes
+from the last checkpoint with the same data order.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import logging
-import sys
 import time
 
 import gin
@@ -26,34 +24,29 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from sparrow_jax import compile_plan, evaluation, preflight, reference_eval, schedule_step
-from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
 from sparrow_jax.data import check as data_check
+from sparrow_jax.data import synthetic  # noqa: F401  (registers the synthetic rewards)
 from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
+from sparrow_jax.evaluation import heldout as evaluation
+from sparrow_jax.evaluation import reference as reference_eval
 from sparrow_jax.model import compute_copy, load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.rl.distill import DistillConfig, Distiller
 from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rl.rewards import RewardPool
-from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.runtime import checkpoint as ckpt
-from sparrow_jax.runtime import compile_cache
-from sparrow_jax.runtime import config_check, faults, multihost, resume_check, run_lock
+from sparrow_jax.runtime import faults, multihost, resume_check
 from sparrow_jax.runtime.metrics import MetricsWriter, StepTimer, gin_config_markdown
 from sparrow_jax.runtime.shapes import default_buckets
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
-from sparrow_jax.sparsity import mismatch
 from sparrow_jax.sparsity.controller import ControllerConfig, ScheduleController
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, make_schedule
-from sparrow_jax.train_config import TrainConfig, gin_value
+from sparrow_jax.train import compile_plan, step
+from sparrow_jax.train.config import TrainConfig, gin_value
 
-__all__ = ["TrainConfig", "Trainer", "train", "main"]
+__all__ = ["Trainer"]
 
 log = logging.getLogger(__name__)
-
-
-def _scalars(prefix: str, d: dict) -> dict[str, float]:
-    return {f"{prefix}/{k}": float(v) for k, v in d.items() if np.ndim(v) == 0}
 
 
 class Trainer:
@@ -143,7 +136,7 @@ class Trainer:
         # Held-out evaluation: the dense policy, and the actor as training samples it.
         self.eval_modes = ("dense", "compress" if rc.mode == "compress" else "sparse")
         # Teacher-forced reference evaluation (exact p(T=1 sample = reference), greedy
-        # reproduction; sparrow_jax.reference_eval), when ReferenceEvalConfig.data is set.
+        # reproduction; sparrow_jax.evaluation.reference), when ReferenceEvalConfig.data is set.
         self.reference = None
         ref_cfg = reference_eval.ReferenceEvalConfig()
         if ref_cfg.data:
@@ -262,94 +255,7 @@ class Trainer:
 
     # -- one RL step -------------------------------------------------------------------------
     def rl_step(self, timer: StepTimer) -> dict[str, float]:
-        cfg, sched = self.cfg, self.controller.schedule
-        budgets = np.asarray(sched.budgets, np.int32)
-        with timer("data"):
-            batch = next(self.data)
-        rng = jax.random.fold_in(jax.random.key(cfg.seed), self.step)
-        with timer("rollout"):
-            actor = self.rollout_model()
-
-            def generate(sub, i):
-                return evaluation.timed_generate(
-                    actor, sub, cfg=self.rollout_cfg, budgets=budgets, bin_size=sched.bin_size,
-                    group_size=cfg.group_size, rng=jax.random.fold_in(rng, i), spec=self.spec)
-            traj, seconds = rollout_in_sub_batches(generate, batch, cfg.rollout_batch_prompts)
-        n = cfg.group_size
-        answers = [a for a in batch["answers"] for _ in range(n)]
-        prompts = [p for p in batch["prompts"] for _ in range(n)]
-        metas = [m for m in batch["metas"] for _ in range(n)]
-        with timer("reward"):
-            texts = evaluation.decode_responses(self.tokenizer, traj)
-            rewards, info = evaluation.score(self.pool, texts, answers, prompts, metas)
-        if info["errors"] or info["timeouts"]:    # scored 0, counted in reward/errors|timeouts
-            log.warning("step %d: %d reward errors, %d timeouts (scored 0)%s", self.step + 1,
-                        info["errors"], info["timeouts"],
-                        f"; first error: {info['first_error']}" if "first_error" in info else "")
-        with timer("learner"):
-            # The learner works on the batch's longest sequence rounded up to a bucket.
-            traj = trim_to_bucket(traj, self.length_buckets, multiple=self.rollout_cfg.block_size)
-            # Advantages need whole groups; a process's rows are whole groups of its prompts.
-            rows = (multihost.rows_to_global(rewards.astype(np.float32), self.spec)
-                    if multihost.is_multiprocess() else rewards)
-            def distill(mini_batch, index, num_mini):
-                """The adapter's update after each base optimizer step (base frozen)."""
-                with timer("distill"):
-                    return self.distiller.update(mini_batch, index, num_mini, budgets)
-            probe = self._probe(traj, actor)       # before the update: the sampling policy
-            # The alpha replay runs the actor that sampled (merged adapter, if any).
-            analysis, loss_metrics = self.learner.step(
-                traj, self.learner.advantages(rows), budgets, self.replay,
-                sparse_model=actor if self.distiller else None,
-                after_step=distill if self.distiller else None)
-            self._rollout_copy = None      # the policy changed: recast before the next rollout
-        # Metrics over every process's rows.
-        rewards = multihost.all_rows(rewards)
-        lengths = multihost.all_rows(multihost.local_rows(traj.response_lengths))
-        counts = multihost.all_rows(np.asarray([[info["timeouts"], info["errors"]]]))
-        m = {"reward/mean": float(rewards.mean()), "reward/timeouts": int(counts[:, 0].sum()),
-             "reward/errors": int(counts[:, 1].sum()), "response/length_mean": float(lengths.mean()),
-             "response/length_max": float(lengths.max()),
-             "rollout/tokens_per_s": float(lengths.sum() / seconds), **loss_metrics}
-        for name, pool in self.diagnostics.items():
-            diag = evaluation.score(pool, texts, answers, prompts, metas)[0]
-            m[f"reward/{name}"] = float(multihost.all_rows(diag).mean())
-        if "alpha" in analysis:
-            summary = mismatch.mismatch_summary(
-                analysis["alpha"], traj.cached_lengths, traj.mask, bin_size=sched.bin_size,
-                num_bins=len(budgets), quantile=cfg.tail_quantile, logp_sparse=traj.logprobs,
-                logp_dense=analysis["logp_old"])
-            tail, counts = np.asarray(summary.pop("tail")), np.asarray(summary.pop("counts"))
-            m.update(_scalars("alpha", summary))
-            for b in np.nonzero(counts)[0]:
-                m[f"alpha_tail/bin_{b:02d}"] = float(tail[b])
-                m[f"alpha_count/bin_{b:02d}"] = float(counts[b])
-            # A skipped (non-finite) update's tails are not evidence about the policy.
-            if (cfg.adapt_schedule and cfg.rollout_mode == "sparse"
-                    and not loss_metrics.get("learner/skipped_updates")):
-                live = schedule_step.counts(self.controller, analysis["alpha"], traj, n)
-                replayed = (None, None) if probe is None else schedule_step.counts(
-                    self.controller, probe, traj, n)
-                info = self.controller.update(*live, *replayed)
-                m.update(schedule_step.step_metrics(info, self.controller.config.quantile))
-        if cfg.rollout_mode == "sparse":
-            m["schedule/kv_fraction"] = schedule_step.kv_fraction(traj.budgets,
-                                                                  traj.cached_lengths, traj.mask)
-        m.update(schedule_step.budget_metrics(self.controller.schedule))
-        return m
-
-    def _probe(self, traj, actor):
-        """alpha [B, T] of the batch replayed teacher-forced at the controller's probe budgets
-        (one rung lower in the bins being considered), or None: no bin is considered, or no
-        full-vocabulary alpha (lowering then never happens)."""
-        if not (self.cfg.adapt_schedule and self.rollout_cfg.mode == "sparse"
-                and self.learner.cfg.alpha_mode == "full"):
-            return None
-        budgets = self.controller.replay_budgets()
-        if budgets is None:
-            return None
-        return self.learner.analyze(traj, budgets.astype(np.int32), self.replay,
-                                    sparse_model=actor if self.distiller else None)["alpha"]
+        return step.rl_step(self, timer)
 
     def evaluate(self) -> dict[str, float]:
         if self.eval_batch is None:
@@ -447,74 +353,3 @@ class Trainer:
         for p in self.diagnostics.values():
             p.close()
 
-
-def train(cfg: TrainConfig | None = None) -> dict[str, float]:
-    # Every setting and what it names (model, tokenizer, data, rewards), all problems in one
-    # error (not TrainConfig's first), before anything heavy loads.
-    preflight.check_train(cfg)
-    cfg = cfg or TrainConfig()
-    if cfg.distributed:
-        if cfg.coordinator_address:
-            jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
-                                       process_id=cfg.process_id)
-        else:
-            jax.distributed.initialize()  # cluster auto-detection (TPU pod, SLURM, Open MPI, k8s)
-        log.info("process %d of %d", jax.process_index(), jax.process_count())
-    preflight.check_devices(cfg)   # the mesh against the devices, before the model loads
-    compile_cache.configure(cfg.compile_cache_dir)   # before the first compile; logs each one
-    faults.check_run_dir_writable(ckpt.resolve_run_dir(cfg.run_dir))
-    # One trainer per run directory (process 0 holds the lock for the run's processes).
-    lock = run_lock.RunLock(ckpt.resolve_run_dir(cfg.run_dir))
-    if jax.process_index() == 0:
-        lock.acquire()
-    try:
-        trainer = Trainer(cfg)
-    except BaseException:
-        lock.release()
-        raise
-    try:
-        return trainer.run()
-    except BaseException as e:
-        try:
-            trainer.close()     # reward workers, pending checkpoint writes, metrics files
-        except Exception:       # noqa: BLE001 - e.g. a full disk again: the first error counts
-            log.debug("close after an error", exc_info=True)
-        if isinstance(e, Exception) and not isinstance(e, faults.RunError) and (
-                faults.is_disk_full(e)):
-            raise faults.RunError(
-                f"the disk of {trainer.run_dir} is full ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200]}). Finalized checkpoints are intact (steps "
-                f"{trainer.ckpt.all_steps()}); free space and re-run the same command to "
-                f"resume.") from e
-        raise
-    finally:
-        lock.release()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser  # everything is configured through gin
-
-
-# Bad input and run-stopping faults (sparrow_jax.runtime.faults): one line `sparrow train: ...`, exit
-# status 1, no traceback; `--log_level DEBUG` logs the traceback (a bug raising one of these
-# types is shown the same way). Other exception types keep their traceback.
-USER_ERRORS = (faults.RunError, ValueError, TypeError, KeyError, OSError, MemoryError)
-
-
-def main(args: argparse.Namespace) -> int:
-    del args
-    faults.quiet_library_tracebacks()
-    try:
-        config_check.check_bindings()   # a gin value of the wrong type, before anything runs
-        result = train()
-    except USER_ERRORS as e:
-        log.debug("sparrow train stopped", exc_info=True)
-        message = str(e) if isinstance(e, faults.RunError) else f"{type(e).__name__}: {e}"
-        raise SystemExit(f"sparrow train: {message}") from None
-    except KeyboardInterrupt:   # Ctrl-C before the loop (loading, compiling): nothing to save
-        log.debug("interrupted", exc_info=True)
-        print("sparrow train: interrupted (Ctrl-C) outside the training loop; the run's "
-              "checkpoints are as they were", file=sys.stderr)
-        return 130
-    log.debug("done: %s", json.dumps({k: round(v, 4) for k, v in result.items()}))
-    return 0

@@ -85,7 +85,7 @@ def _data_problems(name: str, paths: Any) -> list[str]:
 
 def _reference_problems() -> list[str]:
     """`ReferenceEvalConfig.data`, loaded by the trainer only after the model."""
-    from sparrow_jax.reference_eval import ReferenceEvalConfig
+    from sparrow_jax.evaluation.reference import ReferenceEvalConfig
     try:
         data = ReferenceEvalConfig().data
     except (ValueError, TypeError) as e:
@@ -156,7 +156,7 @@ def train_problems(cfg: Any) -> list[str]:
 def unchecked_train_config() -> Any:
     """The gin-bound `TrainConfig` without its validation (so that `check_train` can list its
     problems together with the others instead of stopping at the first)."""
-    from sparrow_jax.train_config import TrainConfig, gin_value
+    from sparrow_jax.train.config import TrainConfig, gin_value
     values = {}
     for f in dataclasses.fields(TrainConfig):
         bound = gin_value(f"TrainConfig.{f.name}")
@@ -169,7 +169,7 @@ def unchecked_train_config() -> Any:
 
 def check_train(cfg: Any | None = None) -> None:
     """Raises one ConfigError listing every problem (see the module docstring)."""
-    from sparrow_jax.train_config import ConfigError
+    from sparrow_jax.train.config import ConfigError
     problems = train_problems(cfg if cfg is not None else unchecked_train_config())
     if problems:
         raise ConfigError(problems, f"{len(problems)} problem(s) in the configuration")
@@ -220,7 +220,7 @@ def check_devices(cfg: Any) -> None:
     loads."""
     import jax
 
-    from sparrow_jax.train_config import ConfigError, gin_value
+    from sparrow_jax.train.config import ConfigError, gin_value
     problems = device_problems(cfg, devices=jax.device_count(),
                                local_devices=jax.local_device_count(),
                                processes=jax.process_count(), platform=jax.default_backend(),

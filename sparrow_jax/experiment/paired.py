@@ -6,7 +6,7 @@ sampling keys (``TrainConfig.seed``), so each seed's difference ``arm - referenc
 the per-seed differences of a held-out metric at the last evaluation, their mean with a 95%
 t-interval over seeds, and the share of the KV cache the arm's rollouts read
 (``schedule/kv_fraction``: sum of min(budget, length) / sum of length; 1 for dense rollout).
-With both runs' ``eval_reference.jsonl`` (sparrow_jax.reference_eval), each seed's difference
+With both runs' ``eval_reference.jsonl`` (sparrow_jax.evaluation.reference), each seed's difference
 also gets its standard error over prompts (per-prompt exact probabilities, paired by prompt id).
 Per arm also: mean alpha, the smallest per-bin tail and the share of steps with a bin below the
 controller's target, over each run's steps after the controller's first five.

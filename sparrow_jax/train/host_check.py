@@ -1,10 +1,10 @@
-"""`python -m sparrow_jax.host_check CONFIG.gin [--gin_param ...]`: on this host, does
+"""`python -m sparrow_jax.train.host_check CONFIG.gin [--gin_param ...]`: on this host, does
 everything the run names exist?
 
 `launch/tpu_setup.sh` runs it on every TPU worker before training starts: on a pod each host
 reads the model and its share of the data from its own disk, and a path missing on one worker
 would otherwise surface only after the others loaded the model and wait for it. Checks
-`sparrow_jax.preflight` (settings, model directory and tokenizer, data paths, rewards) and that
+`sparrow_jax.train.preflight` (settings, model directory and tokenizer, data paths, rewards) and that
 the run directory is writable. Exit status 0 and one OK line, or 1 and every problem.
 """
 
@@ -16,11 +16,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparrow_jax.host_check")
+    parser = argparse.ArgumentParser(prog="python -m sparrow_jax.train.host_check")
     parser.add_argument("gin_files", nargs="*")
     parser.add_argument("--gin_param", action="append", default=[])
     args = parser.parse_args(argv)
-    from sparrow_jax import cli, preflight
+    from sparrow_jax import cli
+    from sparrow_jax.train import preflight
     from sparrow_jax.runtime import checkpoint, faults
 
     host = socket.gethostname()

@@ -312,7 +312,8 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
                    parallel: int | None = None, log_level: str | None = None) -> dict[str, Any]:
     """Runs (or resumes) each arm, then writes the comparison. Returns paths and final values.
     `parallel` overrides ExperimentConfig.parallel; `log_level` is passed to the arms' commands."""
-    from sparrow_jax import cli, train
+    from sparrow_jax import cli
+    from sparrow_jax import train
     from sparrow_jax.runtime.metrics import read_jsonl
 
     try:
@@ -371,8 +372,8 @@ def _write_reports(out: Path, results: Mapping[str, Sequence[Mapping[str, float]
                            stem=cfg.report)
     print(md.read_text(), flush=True)
     log.info("wrote %s and %s", png, md)
-    # Arms named arm@seed: per-seed paired differences to dense (sparrow_jax.experiment_paired).
-    from sparrow_jax import experiment_paired
+    # Arms named arm@seed: per-seed paired differences to dense (sparrow_jax.experiment.paired).
+    from sparrow_jax.experiment import paired as experiment_paired
     paired = experiment_paired.write_paired_report(out, results, stem=f"{cfg.report}_paired")
     if paired is not None:
         print(paired.read_text(), flush=True)

@@ -187,11 +187,11 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
 
 
 def for_trainer(trainer) -> CompilePlan:
-    """The plan of a built `sparrow_jax.train.Trainer` (its configs, data and learner)."""
+    """The plan of a built `sparrow_jax.train.trainer.Trainer` (its configs, data and learner)."""
     import jax
 
     from sparrow_jax.runtime import faults
-    from sparrow_jax.train_config import gin_value
+    from sparrow_jax.train.config import gin_value
 
     cfg, rc = trainer.cfg, trainer.rollout_cfg
     longest = faults.prompt_capacity(trainer.model.config.max_position_embeddings,

@@ -147,7 +147,7 @@ def summary_lines(first: dict[str, float], last: dict[str, float],
         if key in last:
             lines.append(f"held-out reward ({mode} decoding): {start(key, '.3f')} "
                          f"-> {last[key]:.3f}")
-    for mode in modes:      # teacher-forced reference metrics (sparrow_jax.reference_eval)
+    for mode in modes:      # teacher-forced reference metrics (sparrow_jax.evaluation.reference)
         key = f"eval_{mode}/ref_p_exact"
         if key in last:
             lines.append(f"held-out p(T=1 sample = reference) ({mode}): "

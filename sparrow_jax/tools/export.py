@@ -105,7 +105,7 @@ def gin_binding(config_text: str, selector: str, arg_name: str) -> Any:
     """The literal value bound to `selector.arg_name` (unscoped) in a gin config, or None.
 
     gin's own parser (not a regex): operative configs wrap long values onto continuation lines,
-    and a module-qualified selector (`sparrow_jax.train.TrainConfig`) names the same binding.
+    and a module-qualified selector (`sparrow_jax.train.config.TrainConfig`) names the same binding.
     """
     value = None
     for stmt in config_parser.ConfigParser(config_text, _Placeholder()):
