@@ -170,6 +170,24 @@ def test_compiles_are_bucketed(tiny):
     assert len(COMPILES.shapes("rollout/paged_prefill")) == 1
 
 
+def test_a_second_rollout_at_the_same_shapes_compiles_nothing(tiny):
+    """Every program of a paged rollout (page pools included) is compiled once per shape: the
+    same rollout again adds no compile, counted by jax's own compile events."""
+    from sparrow_jax.runtime.compile_cache import count_compiles
+    _, model = tiny
+    toks, lens = _prompts([20, 37], seed=6)
+    cfg = RolloutConfig(temperature=1.0, mode="sparse", engine="paged", **BASE)
+    run = lambda: generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, bin_size=48,  # noqa: E731
+                           group_size=2, rng=jax.random.key(2))
+    with count_compiles() as first:
+        a = run()
+    with count_compiles() as second:
+        b = run()
+    assert first, "the counter saw no compile of the first rollout"
+    assert second == [], second
+    _assert_same(a, b)
+
+
 def test_bad_paged_settings(tiny):
     _, model = tiny
     toks, lens = _prompts([20])

@@ -52,18 +52,26 @@ class PagedKV:
 
 def init_pages(cfg: Qwen3Config, pools: int, pages: int, block_size: int, dtype,
                spec: ShardingSpec | None = None) -> PagedKV:
-    """Zeroed page pools, `pages` per pool, created directly with their sharding."""
+    """Zeroed page pools, `pages` per pool, created directly with their sharding. The zeros
+    programs are cached per (shape, dtype, sharding): a rollout at shapes seen before compiles
+    nothing (a fresh jitted lambda per array recompiled 3 x layers programs every rollout)."""
     kv_shape = (pools, cfg.num_key_value_heads, pages, block_size, cfg.head_dim)
     c_shape = kv_shape[:3] + kv_shape[4:]
 
     def zeros(shape, axes):
         sharding = None if spec is None else spec.sharding(axes, shape)
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+        return _zeros_program(shape, jnp.dtype(dtype), sharding)()
 
     layers = range(cfg.num_hidden_layers)
     return PagedKV(k=tuple(zeros(kv_shape, POOL_AXES) for _ in layers),
                    v=tuple(zeros(kv_shape, POOL_AXES) for _ in layers),
                    centroids=tuple(zeros(c_shape, CENTROID_AXES) for _ in layers))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_program(shape: tuple[int, ...], dtype, sharding):
+    """One jitted zeros program per (shape, dtype, sharding), kept for the process."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 # -- prefill ----------------------------------------------------------------------------------

@@ -18,9 +18,11 @@ The cache is trusted code: never point it at a directory others can write.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from typing import Iterator
 
 import jax
 
@@ -31,6 +33,7 @@ _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _INFO_SECONDS = 1.0          # shorter compiles go to DEBUG (hundreds of tiny ones on CPU)
 _state = threading.local()
 _listening = False
+_counters: list[list[str]] = []      # open `count_compiles` blocks
 
 
 def default_dir() -> str:
@@ -59,6 +62,8 @@ def _on_duration(event: str, duration: float, **kwargs: object) -> None:
     if event != _COMPILE_EVENT:
         return
     name = kwargs.get("fun_name", "a program")
+    for names in _counters:
+        names.append(str(name))
     hit, _state.hit = getattr(_state, "hit", False), False
     level = logging.INFO if (duration >= _INFO_SECONDS or hit) else logging.DEBUG
     if hit:
@@ -73,6 +78,21 @@ def _listen() -> None:
         jax.monitoring.register_event_listener(_on_event)
         jax.monitoring.register_event_duration_secs_listener(_on_duration)
         _listening = True
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[str]]:
+    """The names of the programs jax compiles (or loads from the persistent cache) while the
+    block runs, in order: a program jax already holds in memory adds nothing. Tests use it to
+    check that a repeated call compiles nothing and that a run compiles what its plan says."""
+    _listen()
+    names: list[str] = []
+    _counters.append(names)
+    try:
+        yield names
+    finally:
+        # by identity: another open block's list may be equal
+        del _counters[next(i for i, c in enumerate(_counters) if c is names)]
 
 
 def _reset_if_switched(path: str | None) -> None:
