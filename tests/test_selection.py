@@ -1,4 +1,4 @@
-"""Block selection (SPEC.md section 1) vs NumPy brute force."""
+"""Block selection (docs/method.md) vs NumPy brute force."""
 
 from __future__ import annotations
 

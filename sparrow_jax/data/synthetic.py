@@ -1,4 +1,4 @@
-"""The CPU demo task: cyclic table lookup with a running sum (see shared DEMO_NOTES.md).
+"""The CPU demo task: cyclic table lookup with a running sum (docs/data.md, "The synthetic task").
 
 Text format (space-separated symbols, one token each; `n` letters, default 26):
 

@@ -1,4 +1,4 @@
-"""DistillSparse: a LoRA adapter that exists only in the sparse actor (SPEC.md section 1).
+"""DistillSparse: a LoRA adapter that exists only in the sparse actor (docs/method.md).
 
 The adapter is trained to make the block-sparse actor agree with the dense policy, so a cheaper
 KV budget meets the same tail acceptance rate. It lives beside the base weights, never inside the

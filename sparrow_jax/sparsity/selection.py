@@ -1,4 +1,4 @@
-"""Block top-k selection for sparse decode (SPEC.md section 1), in plain jit-friendly JAX.
+"""Block top-k selection for sparse decode (docs/method.md), in plain jit-friendly JAX.
 
 The KV cache is split into blocks of ``block_size`` (16) tokens. Each full block has a centroid
 (mean of its post-RoPE keys, accumulated in f32, stored in the cache dtype). Per KV head, a block's

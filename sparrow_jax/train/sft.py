@@ -1,7 +1,7 @@
 """`sparrow sft`: supervised warm-up of a small Qwen3 on the synthetic task, so the RL demo starts
 from a policy with non-zero reward and long (>= 1K token) generations.
 
-Two phases, measured to be the fast route (shared/DEMO_NOTES.md): short crops of full-length
+Two phases, measured to be the fast route (docs/data.md, "Warm-up"): short crops of full-length
 sequences learn the lookup mechanics quickly (every step copies from a constant offset); whole
 full-length sequences then teach late positions, which crop training does not generalise to. The result is a Hugging Face directory (config, safetensors,
 tokenizer) that `load_hf` and transformers both read.
