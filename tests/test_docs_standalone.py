@@ -181,3 +181,13 @@ def test_number_check_catches_a_planted_number():
                           "(arXiv 2606.08446)\n```bash\nsparrow x --n 512\n```\n") == []
     assert [n for _, n in readme_numbers("held out 0.085 -> 0.133 (+- 0.013), 4.2x, 24%")] == [
         "0.085", "0.133", "0.013", "4.2", "24"]
+
+
+def test_readme_is_a_five_minute_read():
+    """At most 220 lines; its first 40 say what the project is for (linking the method page),
+    give the two commands (tests/test_docs.py checks which) and what the demo shows, with its time."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 220, f"README.md has {len(lines)} lines (at most 220)"
+    first = "\n".join(lines[:40])
+    assert lines[0].startswith("# ") and "(docs/method.md)" in first, first
+    assert "## What the demo shows" in first and re.search(r"\d+ min", first), first
