@@ -169,7 +169,8 @@ def test_every_readme_number_is_in_a_dated_record():
     assert len(numbers) > 10, numbers
     missing = unrecorded(numbers, dated_sections(sorted((REPO / "docs").rglob("*.md"))))
     assert not missing, ("numbers in README.md that no dated docs/ section records (add the "
-                         "record with its date and command, or fix the number):\n" + "\n".join(missing))
+                         "record with its date and command, or fix the number):\n"
+                         + "\n".join(missing))
 
 
 def test_number_check_catches_a_planted_number():
@@ -185,9 +186,53 @@ def test_number_check_catches_a_planted_number():
 
 def test_readme_is_a_five_minute_read():
     """At most 220 lines; its first 40 say what the project is for (linking the method page),
-    give the two commands (tests/test_docs.py checks which) and what the demo shows, with its time."""
+    give the two commands (tests/test_docs.py checks which) and what the demo shows, with its
+    time."""
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 220, f"README.md has {len(lines)} lines (at most 220)"
     first = "\n".join(lines[:40])
     assert lines[0].startswith("# ") and "(docs/method.md)" in first, first
     assert "## What the demo shows" in first and re.search(r"\d+ min", first), first
+
+
+def test_method_page_states_the_code_defaults():
+    """docs/method.md quotes these settings; each is read here from the code, so a changed
+    default fails until the page says the new value."""
+    import inspect
+
+    from sparrow_jax.rl.distill import DistillConfig
+    from sparrow_jax.rl.grpo import LossConfig
+    from sparrow_jax.rollout.config import RolloutConfig
+    from sparrow_jax.sparsity import compression, mismatch
+    from sparrow_jax.sparsity.controller import ControllerConfig
+    from sparrow_jax.sparsity.schedule import NUM_RESERVED_BLOCKS, PAPER_SCHEDULES
+
+    text = (REPO / "docs" / "method.md").read_text()
+    loss, distill = LossConfig(), DistillConfig()
+    rollout, ctrl = RolloutConfig(), ControllerConfig()
+    tail = inspect.signature(mismatch.tail_by_bin).parameters
+    g = lambda x: f"{x:g}"   # noqa: E731 - 0.2, 3, 0.001 as the page writes them
+    expected = {
+        "asymmetric clip": f"clip(ratio, 1 - {g(loss.clip_low)}, 1 + {g(loss.clip_high)})",
+        "dual-clip": f"min( pg, {loss.dual_clip:.1f} |A| )",
+        "TIS cap": f"C = {g(loss.tis_cap)}",
+        "aggregation": loss.aggregation,
+        "block size": f"blocks of {rollout.block_size} tokens",
+        "dense layers": f"`RolloutConfig.dense_layers = {rollout.dense_layers}`",
+        "reserved blocks": f"at least {NUM_RESERVED_BLOCKS * rollout.block_size} tokens",
+        "tail bins": f"bin_size={tail['bin_size'].default}, quantile={g(tail['quantile'].default)}",
+        "confidence": f"level {g(ctrl.confidence)}",
+        "decay": f"({g(ctrl.decay)} by",
+        "lower margin": f"x q ({g(ctrl.lower_margin)} by default",
+        "unit": f'`ControllerConfig.unit = "{ctrl.unit}"`',
+        "adapter lr": f"`DistillConfig.lr_scale = {g(distill.lr_scale)}`",
+        "adapter kl": f"`DistillConfig.kl_coef` ({g(distill.kl_coef)})",
+        "compress every": f"`compress_every` ({rollout.compress_every})",
+        "kv budget": f"`kv_budget` ({rollout.kv_budget})",
+        "window": f"`window` ({rollout.window})",
+        "r-kv lambda": f"lambda = {g(rollout.rkv_lambda)}",
+        "pool kernel": f"(kernel {compression.POOL_KERNEL})",
+        "1.7b schedule": " | ".join(str(b) for b in PAPER_SCHEDULES["qwen3-1.7b-0.86"][:10]),
+    }
+    missing = {k: v for k, v in expected.items() if v not in text.replace("\n", " ")}
+    assert not missing, f"docs/method.md does not state the code's value of: {missing}"

@@ -47,7 +47,8 @@ def _copy(tmp: Path) -> Path:
 def our_deprecations(output: str) -> list[str]:
     """Lines of a build's output that report a deprecation about our project's configuration."""
     return [ln for ln in output.splitlines()
-            if re.search(r"deprecat", ln, re.I) and re.search(r"license|pyproject|project\.", ln, re.I)]
+            if re.search(r"deprecat", ln, re.I)
+            and re.search(r"license|pyproject|project\.", ln, re.I)]
 
 
 def test_build_is_quiet_and_the_license_is_spdx(tmp_path):
