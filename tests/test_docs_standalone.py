@@ -109,10 +109,12 @@ def test_link_checks_catch_planted_violations(tmp_path):
 # -- every number in the README is in a dated record -------------------------------------------
 
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+DURATION = re.compile(r"(?<![\w.])\d+ min(?: \d+ s)?\b")
 NUMBER = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*(?:\.\d+)?)(?![\d.]*\d)")
 # Numbers that are names, not measurements, each with why.
 NOT_MEASUREMENTS = {
     "2606.08446",   # the paper's arXiv id
+    "3.11",         # the oldest supported Python version
 }
 
 
@@ -138,6 +140,11 @@ def readme_numbers(text: str) -> list[tuple[int, str]]:
         # digits glued to letters or hyphen-names are identifiers: Qwen3-1.7B, v5p-32, 8B, 32K
         line = re.sub(r"[A-Za-z_][\w]*(?:[-.][\w]+)*", lambda w: " " if re.search(r"\d", w.group())
                       else w.group(), line)
+        line = DATE.sub(" ", line)                                # dates say when, not what
+        # a duration such as "4 min 9 s" is one claim: it must occur as written
+        for dur in DURATION.findall(line):
+            out.append((i, dur))
+        line = DURATION.sub(" ", line)
         line = re.sub(r"\b\d+(?:\.\d+)?(?!x\b)[A-Za-z]\w*", " ", line)  # 1.7B, 32K, 80GB, 4x
         for num in NUMBER.findall(line):
             if num not in NOT_MEASUREMENTS:
@@ -174,10 +181,11 @@ def test_every_readme_number_is_in_a_dated_record():
 
 
 def test_number_check_catches_a_planted_number():
-    text = (REPO / "README.md").read_text() + "\nThe demo reached 0.7312 in 17.5 min.\n"
+    text = (REPO / "README.md").read_text() + "\nThe demo reached 0.7312 in 3 min 7 s.\n"
     sections = dated_sections(sorted((REPO / "docs").rglob("*.md")))
     missing = unrecorded(readme_numbers(text), sections)
     assert any(m.endswith(": 0.7312") for m in missing), missing
+    assert any(m.endswith(": 3 min 7 s") for m in missing), missing
     assert readme_numbers("`configs/qwen3_1p7b_gpu.gin` on Qwen3-1.7B, v5p-32, H100 80GB "
                           "(arXiv 2606.08446)\n```bash\nsparrow x --n 512\n```\n") == []
     assert [n for _, n in readme_numbers("held out 0.085 -> 0.133 (+- 0.013), 4.2x, 24%")] == [
