@@ -18,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Spelled in pieces so that this file does not match its own checks.
 OUTSIDE_NOTES = ("SPEC" + ".md", "DEMO" + "_NOTES", "../" + "shared", "shared" + "/")
+MACHINE_ROOT = "/" + "work/"    # where this project was developed: no file may depend on it
 CODE_SUFFIXES = {".py", ".sh", ".gin", ".toml", ".cfg", ".txt", ".yml", ".yaml", ".json", ".md", ""}
 
 
@@ -59,7 +60,7 @@ def code_problems(files: list[Path], root: Path = REPO) -> list[str]:
             text = f.read_text()
         except (UnicodeDecodeError, OSError):
             continue
-        for note in (OUTSIDE_NOTES[2], OUTSIDE_NOTES[0], OUTSIDE_NOTES[1]):
+        for note in (OUTSIDE_NOTES[2], OUTSIDE_NOTES[0], OUTSIDE_NOTES[1], MACHINE_ROOT):
             if note in text:
                 bad.append(f"{f.relative_to(root)}: mentions {note}")
     return bad
@@ -103,7 +104,10 @@ def test_link_checks_catch_planted_violations(tmp_path):
     assert any("mentions " + OUTSIDE_NOTES[0] in b for b in bad), bad
     assert not any("ok.md" in b or "example.org" in b for b in bad), bad
     (tmp_path / "a.py").write_text("# see " + OUTSIDE_NOTES[2] + "/x\n")
-    assert code_problems([tmp_path / "a.py"], tmp_path), "a planted path was not found"
+    (tmp_path / "b.sh").write_text("cd " + MACHINE_ROOT + "main\n")
+    (tmp_path / "c.py").write_text("x = 1\n")
+    found = code_problems([tmp_path / n for n in ("a.py", "b.sh", "c.py")], tmp_path)
+    assert [f.split(":")[0] for f in found] == ["a.py", "b.sh"], found
 
 
 # -- every number in the README is in a dated record -------------------------------------------
@@ -201,6 +205,9 @@ def test_readme_is_a_five_minute_read():
     first = "\n".join(lines[:40])
     assert lines[0].startswith("# ") and "(docs/method.md)" in first, first
     assert "## What the demo shows" in first and re.search(r"\d+ min", first), first
+    # how each command is checked is said in docs/ (tests/test_docs.py), not in the README
+    asides = re.findall(r"\((?:CPU twins? in tests|Checked in tests|Run in tests)\b", "\n".join(lines))
+    assert not asides, asides
 
 
 def test_method_page_states_the_code_defaults():
