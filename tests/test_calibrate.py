@@ -95,6 +95,17 @@ def test_calibrate_end_to_end(setup, capsys):
         assert row["pred_speedup"] >= 1.0
     floor = report["noise_floor"]
     assert floor["exact"] and floor["tail_min"] > 0.999  # f32 dense vs dense: ~identical
+    # The certified table (the controller's rule): every certified budget's bound is <= q.
+    cert = report["certified"]
+    certified = load_schedule(str(out / "certified_schedule.json"))
+    assert certified.bin_size == 32 and certified.num_bins == 6
+    ub = np.array([[np.nan if v is None else v for v in row] for row in cert["upper_bound"]])
+    for j, b in enumerate(certified.budgets):
+        if b in GRID:
+            assert cert["certified"][GRID.index(b)][j] and ub[GRID.index(b), j] <= report["quantile"]
+        else:
+            assert j in cert["dense_bins"] and not any(row[j] for row in cert["certified"])
+    assert "certified by the controller's rule" in printed
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -606,8 +606,12 @@ def _log_lines(stderr: str) -> list[tuple[str | None, str, str]]:
 def test_twin_demo(demo_run):
     run_dir, r = demo_run
     for line in ("held-out reward (dense decoding)", "held-out reward (sparse decoding)",
-                 "measured rollout speed, sparse vs dense", "final schedule (tokens per bin)"):
+                 "measured rollout speed, sparse vs dense", "final schedule (tokens per bin)",
+                 "KV read over the run's rollouts, whole model (2 of 4 layers sparse): "):
         assert line in r.stdout, r.stdout
+    assert "1073741824" not in r.stdout            # a dense bin prints `dense`
+    kv = float(r.stdout.split("layers sparse): ")[1].split()[0])
+    assert 0.5 <= kv <= 1.0, r.stdout              # 2 of 4 layers always read everything
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [0, 1, 2]
     for name in ("operative_config.gin", "summary.json"):

@@ -39,7 +39,9 @@ from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rollout import RolloutConfig, generate
 from sparrow_jax.rollout.config import padded_length
 from sparrow_jax.sparsity import calibration, cost_model, mismatch
-from sparrow_jax.sparsity.schedule import Schedule
+from sparrow_jax.sparsity.controller import ControllerConfig
+from sparrow_jax.sparsity.evidence import exceedance_counts
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
 
 log = logging.getLogger(__name__)
 THRESHOLDS = (0.5, 0.8, 0.9, 0.99)
@@ -313,13 +315,16 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
 
     learner = Learner(model, LearnerConfig(alpha_mode="full"), group_size=cfg.group_size,
                       sampling=rcfg.sampling)
-    per_budget, lengths = [], None
+    per_budget, lengths, exceed = [], None, []
     bar = tqdm(total=len(grid) + int(cfg.noise_floor), desc="calibrate", unit="run")
     for b in grid:
         bar.set_postfix(budget=b)
         # alpha_mode "full" reads no top-k record: the sweep's rollouts record none.
         data = _measure(model, learner, batches, rcfg.for_alpha_mode("full"), cfg, b, replay)
         per_budget.append(_summarize(data, cfg))
+        exceed.append(exceedance_counts(data["alpha"], data["positions"], data["mask"],
+                                        target=cfg.target, bin_size=cfg.bin_size,
+                                        num_bins=cfg.num_bins))
         lengths = data["lengths"]  # the largest budget's lengths, unless the dense run follows
         bar.update(1)
     del learner
@@ -350,6 +355,12 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
     schedule, info = calibration.pick_schedule(
         pick_tails, grid, cfg.target, cfg.fallback, bin_size=cfg.bin_size,
         block_size=rcfg.block_size, name=name)
+    # The controller's own rule (its gin ControllerConfig, at this target and q): the table a
+    # training run can start from and only hold or raise (docs/mismatch.md).
+    rule = dataclasses.replace(ControllerConfig(), target=cfg.target, quantile=cfg.quantile)
+    certified, cert = calibration.certify_schedule(
+        np.stack([h for h, _ in exceed]), np.stack([t for _, t in exceed]), grid, rule,
+        bin_size=cfg.bin_size, block_size=rcfg.block_size, name=f"certified-{name}")
     hw = cost_model.get_hardware(cfg.hardware)
     cost_kw = dict(batch=cfg.cost_batch, group_size=cfg.group_size)
     speedup = cost_model.predict_speedup(shape, hw, schedule, lengths, **cost_kw)
@@ -360,8 +371,10 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
 
     os.makedirs(cfg.output_dir, exist_ok=True)
     paths = {k: os.path.join(cfg.output_dir, f) for k, f in (
-        ("schedule", "schedule.json"), ("heatmap", "heatmap.png"), ("report", "report.json"))}
+        ("schedule", "schedule.json"), ("heatmap", "heatmap.png"), ("report", "report.json"),
+        ("certified", "certified_schedule.json"))}
     schedule.to_json(paths["schedule"])
+    certified.to_json(paths["certified"])
     # A short title: the default one is clipped on the narrow figures of few-bin sweeps.
     calibration.write_heatmap(paths["heatmap"], tails, grid, schedule, cfg.bin_size,
                               target=cfg.target, title=f"tail alpha (p{cfg.quantile * 100:g}); "
@@ -373,6 +386,10 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
         "per_budget": per_budget, "noise_floor": floor, "schedule": schedule.to_dict(),
         "picked": info["picked"], "unmet_bins": info["unmet_bins"],
         "no_data_bins": info["no_data_bins"], "ok": info["ok"],
+        "certified": {"schedule": certified.to_dict(), **cert,
+                      "rule": {k: getattr(rule, k) for k in (
+                          "target", "quantile", "confidence", "min_rows", "min_tokens",
+                          "lower_margin")}},
         "predicted_speedup": speedup, "hardware": hw.name, "cost_batch": cfg.cost_batch,
         "model_shape": dataclasses.asdict(shape),
         "lengths": {"source": "dense" if floor else f"budget {grid[-1]}",
@@ -399,6 +416,11 @@ def main(args: argparse.Namespace) -> int:
     unmet = report["unmet_bins"]
     print(f"\nschedule {report['schedule']['name']} (bins of {report['bin_size']}): "
           f"{report['schedule']['budgets']}")
+    cert = report["certified"]
+    labels = ["dense" if b >= DENSE_BUDGET else str(b) for b in cert["schedule"]["budgets"]]
+    print(f"certified by the controller's rule (95% bound <= {cert['margin']:g} x q = "
+          f"{cert['margin'] * cert['quantile']:g}, rows as units): [{', '.join(labels)}] -> "
+          f"{report['files']['certified']} (start a run there: make_schedule.path)")
     if unmet:
         print(f"WARNING: no budget met tail >= {report['target']} in bins {unmet} "
               f"(given the {cfg.fallback!r} fallback); extend the grid")

@@ -13,9 +13,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sparrow_jax.sparsity.controller import ControllerConfig, certifies
+from sparrow_jax.sparsity.evidence import Evidence
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
 
-__all__ = ["pick_schedule", "write_heatmap"]
+__all__ = ["pick_schedule", "certify_schedule", "write_heatmap"]
 
 
 def pick_schedule(
@@ -83,6 +85,53 @@ def pick_schedule(
     schedule = Schedule(tuple(int(b) for b in chosen), bin_size, block_size, name)
     info = {"unmet_bins": unmet, "no_data_bins": [int(j) for j in np.flatnonzero(~has_data)],
             "ok": not unmet, "picked": picked, "target": target}
+    return schedule, info
+
+
+def certify_schedule(hits: Any, tokens: Any, budgets: Sequence[int], config: ControllerConfig,
+                     *, bin_size: int, block_size: int = 16, name: str = "certified"
+                     ) -> tuple[Schedule, dict[str, Any]]:
+    """Per bin, the cheapest budget that the controller's own lowering rule certifies.
+
+    The rule is ``controller.certifies`` - the one a probe replay must pass to lower a bin: the
+    same q, rows (units) as the statistical unit, the same one-sided bound, ``min_rows`` and the
+    tokens needed to certify; a bin no budget certifies starts at the dense rung. A controller
+    started from this table (``make_schedule.path``) then holds or raises it, and lowers only by
+    the same rule.
+
+    Args:
+      hits, tokens: ``[num_budgets, units, num_bins]`` per-unit exceedances (alpha < target) and
+        tokens at each budget (``evidence.exceedance_counts``; units = rows unless grouped).
+      budgets: ``[num_budgets]`` the budget of each sweep (every bin at that budget).
+      config: the controller's settings (target, quantile, confidence, min_rows, min_tokens,
+        lower_margin: those of the training run that starts from the table).
+    Returns:
+      (schedule, info): info ``upper_bound`` ``[num_budgets, num_bins]`` (NaN = no tokens),
+      ``certified`` (bool, same shape), ``dense_bins`` (bins no budget certifies) and the rule's
+      ``quantile``, ``margin`` and ``confidence``.
+    """
+    hits, tokens = np.asarray(hits), np.asarray(tokens)
+    budgets_arr = np.asarray(budgets, np.int64).reshape(-1)
+    if hits.ndim != 3 or hits.shape != tokens.shape or hits.shape[0] != budgets_arr.size:
+        raise ValueError(f"hits {hits.shape} / tokens {tokens.shape} must both be [num_budgets="
+                         f"{budgets_arr.size}, units, num_bins]")
+    order = np.argsort(budgets_arr, kind="stable")
+    ubs, oks = [], []
+    for i in order:
+        ub, ok = certifies(Evidence.from_counts(hits[i], tokens[i]), config)
+        ubs.append(ub)
+        oks.append(ok)
+    ub, ok = np.stack(ubs), np.stack(oks)
+    chosen = []
+    for j in range(hits.shape[2]):
+        rows = np.flatnonzero(ok[:, j])
+        chosen.append(int(budgets_arr[order][rows[0]]) if rows.size else DENSE_BUDGET)
+    schedule = Schedule(tuple(chosen), bin_size, block_size, name)
+    back = np.argsort(order, kind="stable")      # report rows in the caller's budget order
+    info = {"upper_bound": ub[back], "certified": ok[back],
+            "dense_bins": [j for j, b in enumerate(chosen) if b >= DENSE_BUDGET],
+            "quantile": config.quantile, "margin": config.lower_margin,
+            "confidence": config.confidence}
     return schedule, info
 
 

@@ -38,11 +38,11 @@ from typing import Any
 import gin
 import numpy as np
 
-from sparrow_jax.sparsity.evidence import Evidence, upper_bound
+from sparrow_jax.sparsity.evidence import Evidence, lower_bound, upper_bound
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, NUM_RESERVED_BLOCKS, Schedule
 
 __all__ = ["ControllerConfig", "ControllerState", "controller_update", "ScheduleController",
-           "bin_ladders", "certify_tokens"]
+           "bin_ladders", "certify_tokens", "certifies"]
 
 
 @gin.configurable
@@ -68,6 +68,12 @@ class ControllerConfig:
       lower_margin: a probe passes only when its bound is at most lower_margin * q (holding a
         rung needs <= q): the bar for lowering is stricter than for staying, so a rung that
         barely passed one batch's replay is not taken live (hysteresis; 1 = the same bar).
+      raise_on: when a held rung counts as failing (raised live; a probe marked failed):
+        "upper" - its upper bound exceeds q (not certified any more: holds rates well below q);
+        "lower" - its lower bound exceeds q (shown failing at ``confidence``): with
+        lower_margin = 1 a rung is taken when certified at q and left when shown above q, so
+        the rate held is q's order, not a tenth of it (docs/mismatch.md, "What the controller
+        guarantees").
     """
 
     target: float = 0.86
@@ -84,6 +90,7 @@ class ControllerConfig:
     fail_memory: int = 10
     probe: bool = True
     lower_margin: float = 0.5
+    raise_on: str = "upper"
 
     def __post_init__(self):
         if not 0.0 < self.target <= 1.0:
@@ -102,6 +109,8 @@ class ControllerConfig:
             raise ValueError(f"min_budget {self.min_budget} > max_budget {self.max_budget}")
         if not 0.0 < self.lower_margin <= 1.0:
             raise ValueError(f"lower_margin must be in (0, 1], got {self.lower_margin}")
+        if self.raise_on not in ("upper", "lower"):
+            raise ValueError(f"raise_on must be 'upper' or 'lower', got {self.raise_on!r}")
         if self.step_factor <= 1.0:
             raise ValueError(f"step_factor must be > 1, got {self.step_factor}")
         if self.ladder is not None:
@@ -217,12 +226,32 @@ def certify_tokens(config: ControllerConfig) -> float:
 
 def _judge(ev: Evidence, config: ControllerConfig, margin: float = 1.0
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(upper bound [nb], enough evidence [nb], failing [nb]) for pooled evidence, judged
-    against margin * q (and with the tokens that bar needs to certify a clean bin)."""
+    """(upper bound [nb], enough evidence [nb], above [nb]) for pooled evidence: enough to
+    certify a clean bin at margin * q, and the upper bound above margin * q."""
     ub = upper_bound(ev, config.confidence)
     need = max(float(config.min_tokens), certify_tokens(config) / margin)
     enough = (np.asarray(ev.units) >= config.min_rows) & (np.asarray(ev.tokens) >= need)
     return ub, enough, enough & (ub > margin * config.quantile)
+
+
+def certifies(ev: Evidence, config: ControllerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(upper bound [nb], certified [nb]): the rule a rung must pass to be taken - by a probe
+    replay here, by ``sparrow calibrate``'s starting table (``calibration.certify_schedule``):
+    at least ``min_rows`` units and the tokens to certify a clean bin, and the one-sided
+    ``confidence`` upper bound on the exceedance rate at most ``lower_margin * q``."""
+    ub, enough, above = _judge(ev, config, config.lower_margin)
+    return ub, enough & ~above
+
+
+def _failing(ev: Evidence, config: ControllerConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(upper bound [nb], enough [nb], failing [nb]) by ``config.raise_on``: "upper" = not
+    certified at q (the bound of ``_judge``), "lower" = the lower bound above q (min_rows units
+    and min_tokens tokens suffice: failure needs no certification volume)."""
+    ub, enough, above = _judge(ev, config)
+    if config.raise_on == "upper":
+        return ub, enough, above
+    basic = (np.asarray(ev.units) >= config.min_rows) & (np.asarray(ev.tokens) >= config.min_tokens)
+    return ub, enough, basic & (lower_bound(ev, config.confidence) > config.quantile)
 
 
 def controller_update(state: ControllerState, hits, tokens, config: ControllerConfig, *,
@@ -254,15 +283,14 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
     before = np.asarray(sched.budgets, np.int64)
     current = np.asarray([_snap(int(b), lad) for b, lad in zip(before, ladders)], np.int64)
     ev = state.evidence.combine(Evidence.from_counts(hits, tokens), config.decay)
-    ub, enough, failing = _judge(ev, config)
+    ub, enough, failing = _failing(ev, config)
     probe = np.asarray(state.probe_budgets, np.int64)
     pev = state.probe_evidence
     if probe_hits is not None:
         pev = pev.combine(Evidence.from_counts(probe_hits, probe_tokens), config.decay,
                           keep=probe > 0)
-    pub, penough, pfail = _judge(pev, config)          # the probed rung fails: ub > q
-    _, enough_m, above_m = _judge(pev, config, config.lower_margin)
-    ppass = enough_m & ~above_m                        # ... passes the lowering bar
+    pub, penough, pfail = _failing(pev, config)        # the probed rung fails (raise_on)
+    ppass = certifies(pev, config)[1]                  # ... passes the lowering bar
 
     has_probe = (probe > 0) & (probe_hits is not None)
     # The replay's verdict on every bin at its replay budget: probed bins by their pooled probe
@@ -274,7 +302,7 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
     replay_fail = np.zeros(n, bool)
     if probe_hits is not None:
         replay_fail = np.where(has_probe, pfail,
-                               _judge(Evidence.from_counts(probe_hits, probe_tokens), config)[2])
+                               _failing(Evidence.from_counts(probe_hits, probe_tokens), config)[2])
     blocked = np.flip(np.logical_or.accumulate(np.flip(replay_fail)))
     # A witness failing in the replay implicates the probes upstream of it: the nearest one is
     # marked failed, so the next replay tests a different set (one suspect fewer per step).

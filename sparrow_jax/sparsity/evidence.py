@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Evidence", "exceedance_counts", "group_units", "upper_bound"]
+__all__ = ["Evidence", "exceedance_counts", "group_units", "upper_bound", "lower_bound"]
 
 _FIELDS = ("units", "tokens", "hits", "hits2", "cross", "tokens2")
 
@@ -131,19 +131,17 @@ class Evidence:
         return cls(*(tuple(data[f]) for f in _FIELDS))
 
 
-def _wilson_upper(p: np.ndarray, n: np.ndarray, z: float) -> np.ndarray:
+def _wilson(p: np.ndarray, n: np.ndarray, z: float) -> np.ndarray:
+    """Wilson score bound: upper for z > 0, lower for z < 0 (clipped to [0, 1])."""
     n = np.maximum(n, 1e-12)
     z2 = z * z
     centre = p + z2 / (2 * n)
     spread = z * np.sqrt(np.maximum(p * (1 - p) / n + z2 / (4 * n * n), 0.0))
-    return np.minimum((centre + spread) / (1 + z2 / n), 1.0)
+    return np.clip((centre + spread) / (1 + z2 / n), 0.0, 1.0)
 
 
-def upper_bound(ev: Evidence, confidence: float) -> np.ndarray:
-    """``[nb]`` one-sided upper confidence bound on each bin's exceedance rate (NaN = no data).
-
-    Cluster-robust (the units are independent, their tokens not), see the module docstring.
-    """
+def _bound(ev: Evidence, confidence: float, sign: float) -> np.ndarray:
+    """Wilson's one-sided bound (sign +1 upper, -1 lower) at the cluster-robust n_eff."""
     if not 0.5 <= confidence < 1.0:
         raise ValueError(f"confidence must be in [0.5, 1), got {confidence}")
     z = NormalDist().inv_cdf(confidence)
@@ -156,6 +154,19 @@ def upper_bound(ev: Evidence, confidence: float) -> np.ndarray:
             np.maximum(n_tok, 1e-12) ** 2)
         binom = r * (1 - r) / np.maximum(n_tok, 1e-12)
         deff = np.where(binom > 0, np.maximum(var / np.maximum(binom, 1e-300), 1.0), 1.0)
-    ub = _wilson_upper(r, n_tok / deff, z)
-    return np.where(n_tok > 0, ub, np.nan)
+    b = _wilson(r, n_tok / deff, sign * z)
+    return np.where(n_tok > 0, b, np.nan)
 
+
+def lower_bound(ev: Evidence, confidence: float) -> np.ndarray:
+    """``[nb]`` one-sided lower confidence bound on each bin's exceedance rate (NaN = no data):
+    a bin whose lower bound exceeds q is shown failing at that confidence."""
+    return _bound(ev, confidence, -1.0)
+
+
+def upper_bound(ev: Evidence, confidence: float) -> np.ndarray:
+    """``[nb]`` one-sided upper confidence bound on each bin's exceedance rate (NaN = no data).
+
+    Cluster-robust (the units are independent, their tokens not), see the module docstring.
+    """
+    return _bound(ev, confidence, 1.0)

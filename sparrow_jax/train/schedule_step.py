@@ -16,9 +16,10 @@ import numpy as np
 from sparrow_jax.runtime import multihost
 from sparrow_jax.sparsity.controller import ScheduleController
 from sparrow_jax.sparsity.evidence import exceedance_counts, group_units
-from sparrow_jax.sparsity.schedule import Schedule
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
 
-__all__ = ["counts", "step_metrics", "kv_fraction", "budget_metrics"]
+__all__ = ["counts", "step_metrics", "kv_fraction", "kv_read", "run_kv_read", "budget_label",
+           "schedule_line", "budget_metrics"]
 
 
 def _host(x) -> np.ndarray:
@@ -40,15 +41,85 @@ def counts(ctrl: ScheduleController, alpha, traj, group_size: int
 
 
 def kv_fraction(budgets, cached_lengths, mask) -> float:
-    """The share of the KV cache the sparse actor read: sum of min(budget, length) / sum of
+    """The share of the KV cache the sparse layers read: sum of min(budget, length) / sum of
     length over generated tokens (length = cached tokens incl. the fed one; a recorded budget
-    of 0 = dense). budgets/cached_lengths/mask ``[B, T]``."""
+    of 0 = dense). budgets/cached_lengths/mask ``[B, T]``. Dense layers are not in it: see
+    ``kv_read`` for the whole model."""
     length = _host(cached_lengths).astype(np.float64) + 1
     budget = _host(budgets).astype(np.float64)
     mask = _host(mask).astype(bool)
     read = np.where(budget > 0, np.minimum(budget, length), length)
     total = float(length[mask].sum())
     return float(read[mask].sum() / total) if total else float("nan")
+
+
+def kv_read(budgets, cached_lengths, mask, *, num_layers: int, num_sparse_layers: int,
+            bin_size: int, num_bins: int) -> dict[str, float]:
+    """Whole-model KV read of one batch's decode steps, overall and per length bin.
+
+    Each generated token reads, per layer, ``min(budget, length)`` cached entries in a sparse
+    layer and ``length`` in a dense one (length = cached tokens incl. the fed one; a recorded
+    budget of 0 = dense), so the model reads
+    ``(num_dense * length + num_sparse * min(budget, length)) / (num_layers * length)`` of its
+    KV. budgets/cached_lengths/mask ``[B, T]``.
+
+    Returns:
+      ``kv/read_model`` (the whole model's share), ``kv/read_sparse_layers`` (the sparse
+      layers' share alone), ``kv/model_read_tokens`` and ``kv/model_total_tokens`` (numerator
+      and denominator in layer-token units, summed so a run's share pools over steps) and
+      ``kv/read_bin_XX`` per bin with tokens (the bin of a token = min(length // bin_size,
+      num_bins - 1), as the controller's).
+    """
+    if not 0 <= num_sparse_layers <= num_layers or num_layers < 1:
+        raise ValueError(f"num_sparse_layers = {num_sparse_layers} must be in [0, num_layers = "
+                         f"{num_layers}] and num_layers >= 1")
+    cached = _host(cached_lengths).astype(np.int64)
+    length = cached.astype(np.float64) + 1
+    budget = _host(budgets).astype(np.float64)
+    mask = _host(mask).astype(bool)
+    sparse_read = np.where(budget > 0, np.minimum(budget, length), length)
+    dense = num_layers - num_sparse_layers
+    read = (dense * length + num_sparse_layers * sparse_read)[mask]
+    total = (num_layers * length)[mask]
+    nan = float("nan")
+    out = {"kv/model_read_tokens": float(read.sum()), "kv/model_total_tokens": float(total.sum()),
+           "kv/read_model": float(read.sum() / total.sum()) if total.size else nan,
+           "kv/read_sparse_layers": (float(sparse_read[mask].sum() / length[mask].sum())
+                                     if total.size else nan)}
+    bins = np.clip(cached[mask] // bin_size, 0, num_bins - 1)
+    for b in np.unique(bins):
+        sel = bins == b
+        out[f"kv/read_bin_{int(b):02d}"] = float(read[sel].sum() / total[sel].sum())
+    return out
+
+
+def run_kv_read(records) -> float:
+    """The whole model's KV read over a run: pooled ``kv/model_read_tokens`` /
+    ``kv/model_total_tokens`` of its metric records (the last record per step counts, as the
+    metrics readers keep it); NaN when no step recorded them."""
+    last = {}
+    for r in records:
+        if r.get("kv/model_total_tokens") is not None and "step" in r:
+            last[int(r["step"])] = r
+    read = sum(float(r["kv/model_read_tokens"]) for r in last.values())
+    total = sum(float(r["kv/model_total_tokens"]) for r in last.values())
+    return read / total if total > 0 else float("nan")
+
+
+def budget_label(budget: int, bin_index: int, schedule: Schedule) -> str:
+    """A bin's budget for people: ``dense`` for the dense rung or any budget at or above the
+    bin's upper edge (dense attention for its tokens), else the number of tokens."""
+    edge = (bin_index + 1) * schedule.bin_size
+    last = bin_index == schedule.num_bins - 1
+    if budget >= DENSE_BUDGET or (not last and budget >= edge):
+        return "dense"
+    return str(int(budget))
+
+
+def schedule_line(schedule: Schedule) -> str:
+    """``[dense, dense, 256, ...]``: the schedule's budgets labelled by ``budget_label``."""
+    return "[" + ", ".join(budget_label(b, i, schedule)
+                           for i, b in enumerate(schedule.budgets)) + "]"
 
 
 def budget_metrics(schedule: Schedule) -> dict[str, float]:

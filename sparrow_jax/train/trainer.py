@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 
 import gin
@@ -36,12 +37,13 @@ from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.runtime import checkpoint as ckpt
 from sparrow_jax.runtime import faults, multihost, resume_check
+from sparrow_jax.runtime import metrics
 from sparrow_jax.runtime.metrics import MetricsWriter, StepTimer, gin_config_markdown
 from sparrow_jax.runtime.shapes import default_buckets
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 from sparrow_jax.sparsity.controller import ControllerConfig, ScheduleController
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, make_schedule
-from sparrow_jax.train import compile_plan, step
+from sparrow_jax.train import compile_plan, schedule_step, step
 from sparrow_jax.train.config import TrainConfig, gin_value
 
 __all__ = ["Trainer"]
@@ -340,8 +342,16 @@ class Trainer:
         first = history.get("first") or earlier.get("first", {})
         last = history.get("last") or earlier.get("last", {})
         lines, last = evaluation.summary_lines(first, last, self.eval_modes)
+        layers = self.model.config.num_hidden_layers
+        sparse = self.rollout_cfg.num_sparse_layers(layers)
+        # From metrics.jsonl (the writer's record, resumed runs included); only process 0 has it.
+        kv = (schedule_step.run_kv_read(metrics.read_jsonl(self.run_dir))
+              if jax.process_index() == 0 else math.nan)
         lines = [f"run directory: {self.run_dir}", *lines,
-                 f"final schedule (tokens per bin): {list(self.controller.schedule.budgets)}"]
+                 f"KV read over the run's rollouts, whole model ({sparse} of {layers} layers "
+                 f"sparse): {kv:.3f}",
+                 f"final schedule (tokens per bin): {schedule_step.schedule_line(self.controller.schedule)}"]
+        last = {**last, "kv/read_model_run": kv}
         print("\n".join(lines), flush=True)
         ckpt.save_json_atomic(self.run_dir / "summary.json", {"first": first, "last": last})
         return last
