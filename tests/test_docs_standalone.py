@@ -240,6 +240,7 @@ def test_method_page_states_the_code_defaults():
         "decay": f"({g(ctrl.decay)} by",
         "lower margin": f"x q ({g(ctrl.lower_margin)} by default",
         "unit": f'`ControllerConfig.unit = "{ctrl.unit}"`',
+        "raise rule": f'default, `raise_on = "{ctrl.raise_on}"`',
         "adapter lr": f"`DistillConfig.lr_scale = {g(distill.lr_scale)}`",
         "adapter kl": f"`DistillConfig.kl_coef` ({g(distill.kl_coef)})",
         "compress every": f"`compress_every` ({rollout.compress_every})",
@@ -249,5 +250,6 @@ def test_method_page_states_the_code_defaults():
         "pool kernel": f"(kernel {compression.POOL_KERNEL})",
         "1.7b schedule": " | ".join(str(b) for b in PAPER_SCHEDULES["qwen3-1.7b-0.86"][:10]),
     }
-    missing = {k: v for k, v in expected.items() if v not in text.replace("\n", " ")}
+    flat = re.sub(r"\s+", " ", text)
+    missing = {k: v for k, v in expected.items() if v not in flat}
     assert not missing, f"docs/method.md does not state the code's value of: {missing}"
