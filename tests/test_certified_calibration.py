@@ -45,6 +45,10 @@ def test_certified_by_the_controllers_own_rule():
     hits, tokens = _sweep(rng, rates)
     sched, info = certify_schedule(hits, tokens, BUDGETS, CFG, bin_size=4096)
     assert sched.budgets == (64, 128, DENSE_BUDGET) and info["dense_bins"] == [2]
+    # One grid budget lower per bin (bin 0 has none lower: it stays), and where that fails.
+    assert info["one_rung_lower"].budgets == (64, 64, 256)
+    assert info["one_rung_lower_failing_bins"] == [1, 2]
+    assert (info["lower_bound"] <= info["upper_bound"]).all()
     for i, b in enumerate(BUDGETS):       # the same verdict as a probe replay in the controller
         assert info["certified"][i].tolist() == _controller_takes(hits[i], tokens[i], b).tolist()
         assert (info["upper_bound"][i][info["certified"][i]] <= CFG.quantile).all()

@@ -372,9 +372,11 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
     os.makedirs(cfg.output_dir, exist_ok=True)
     paths = {k: os.path.join(cfg.output_dir, f) for k, f in (
         ("schedule", "schedule.json"), ("heatmap", "heatmap.png"), ("report", "report.json"),
-        ("certified", "certified_schedule.json"))}
+        ("certified", "certified_schedule.json"), ("one_lower", "one_rung_lower_schedule.json"))}
     schedule.to_json(paths["schedule"])
     certified.to_json(paths["certified"])
+    cert["one_rung_lower"].to_json(paths["one_lower"])
+    cert["one_rung_lower"] = cert["one_rung_lower"].to_dict()
     # A short title: the default one is clipped on the narrow figures of few-bin sweeps.
     calibration.write_heatmap(paths["heatmap"], tails, grid, schedule, cfg.bin_size,
                               target=cfg.target, title=f"tail alpha (p{cfg.quantile * 100:g}); "

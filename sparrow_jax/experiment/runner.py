@@ -377,6 +377,13 @@ def _write_reports(out: Path, results: Mapping[str, Sequence[Mapping[str, float]
     paired = experiment_paired.write_paired_report(out, results, stem=f"{cfg.report}_paired")
     if paired is not None:
         print(paired.read_text(), flush=True)
+    # A pre-registered experiment (PreregConfig.seeds bound in its gin file): its tests.
+    from sparrow_jax.experiment import prereg
+    pre = prereg.PreregConfig()
+    if pre.seeds:
+        path = out / f"{cfg.report}_prereg.md"
+        path.write_text(prereg.prereg_markdown(prereg.analyse(results, pre)))
+        print(path.read_text(), flush=True)
     return {"png": png, "md": md,
             "final": {n: final_values(r, eval_prompts) for n, r in results.items()}}
 
