@@ -3,7 +3,9 @@
 - static engine (engine.py): a cache row per sample, one decode `while_loop` per call;
 - paged engine (scheduler.py over paged.py): page pools and continuous batching,
   `RolloutConfig.engine = "paged"`;
-- compress mode (compress.py): KV eviction on the static engine's prefill, `mode = "compress"`.
+- compress mode (compress.py): KV eviction on the static engine's prefill, `mode = "compress"`;
+- exact sparse mode (exact.py): sparse drafts verified densely on the static engine,
+  `mode = "exact_sparse"`.
 The engines share rollout/state.py and never import each other; only this module knows them all.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import jax
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import compress, engine, scheduler
+from sparrow_jax.rollout import compress, engine, exact, scheduler
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.engine import start
 from sparrow_jax.rollout.state import DecodeState, Trajectories, check_budgets
@@ -56,4 +58,6 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     budgets = check_budgets(cfg, budgets)
     if cfg.mode == "compress":
         return compress.decode(model, state, cfg=cfg, spec=spec)
+    if cfg.mode == "exact_sparse":
+        return exact.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
     return engine.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)

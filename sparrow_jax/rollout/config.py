@@ -11,6 +11,9 @@ from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 from sparrow_jax.sparsity.compression import SCORERS
 
 
+MODES = ("sparse", "dense", "compress", "exact_sparse")
+
+
 def padded_length(n: int, block_size: int) -> int:
     return -(-n // block_size) * block_size
 
@@ -24,6 +27,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     mode: str = "sparse"                 # "sparse" | "dense" | "compress" (Sparse-RL's KV eviction)
+    #                                      | "exact_sparse" (sparse drafts, dense verify: exact.py)
+    gamma: int = 4                       # exact_sparse: tokens drafted per dense verify pass
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 16
     max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
@@ -56,17 +61,19 @@ class RolloutConfig:
     pool_fraction: float = 0.0   # every row at full length); or a fraction of device memory
 
     def __post_init__(self):
-        if self.mode not in ("sparse", "dense", "compress"):
-            raise ValueError(f"RolloutConfig.mode must be 'sparse', 'dense' or 'compress', got "
-                             f"{self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"RolloutConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.gamma < 1:
+            raise ValueError(f"RolloutConfig.gamma (tokens drafted per verify) must be >= 1, "
+                             f"got {self.gamma}")
         if self.mode == "compress":
             self._check_compress()
         if self.engine not in ("static", "paged"):
             raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
                              f"{self.engine!r}")
-        if self.engine == "paged" and self.mode == "compress":
-            raise ValueError("mode='compress' (KV eviction) runs on the static engine only; "
-                             "set engine='static'")
+        if self.engine == "paged" and self.mode in ("compress", "exact_sparse"):
+            raise ValueError(f"mode={self.mode!r} runs on the static engine only (the paged "
+                             "engine does not implement it); set engine='static'")
         if self.chunk_steps <= 0 or self.max_slots < 0 or self.pool_bytes < 0 or not (
                 0 <= self.pool_fraction < 1):
             raise ValueError(f"bad paged-engine settings chunk_steps={self.chunk_steps} "
@@ -105,8 +112,9 @@ class RolloutConfig:
             raise ValueError(f"rkv_lambda must be in [0, 1], got {self.rkv_lambda}")
 
     def sparse_layer(self, i: int) -> bool:
-        """Whether decoder layer i decodes block-sparse (sparse mode, not in dense_layers)."""
-        return self.mode == "sparse" and i not in self.dense_layers
+        """Whether decoder layer i decodes block-sparse (sparse mode, or exact_sparse's draft;
+        not in dense_layers)."""
+        return self.mode in ("sparse", "exact_sparse") and i not in self.dense_layers
 
     def num_sparse_layers(self, num_layers: int) -> int:
         return sum(self.sparse_layer(i) for i in range(num_layers))
@@ -129,8 +137,10 @@ class RolloutConfig:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
     def cache_slots(self, prompt_width: int) -> int:
-        """KV slots per row: prompt + generation; compress mode: its bound (see compress.py)."""
-        dense = padded_length(prompt_width + self.max_new_tokens, self.block_size)
+        """KV slots per row: prompt + generation; compress mode: its bound (see compress.py);
+        exact_sparse: gamma more (a draft runs gamma tokens past the last recorded one)."""
+        extra = self.gamma if self.mode == "exact_sparse" else 0
+        dense = padded_length(prompt_width + self.max_new_tokens + extra, self.block_size)
         if self.mode != "compress":
             return dense
         bound = max(prompt_width, self.kv_budget) + self.compress_every

@@ -36,6 +36,12 @@ class Trajectories:
     # compress mode only, [B, L, P + T] int32: per row, layer and sequence position, the first
     # query position that no longer sees that key (evicted; int32 max = never); replay input.
     evicted_at: jax.Array | None = None
+    # exact_sparse mode only (rollout/exact.py), [B, T]: whether the token is a draft token the
+    # dense verify accepted (False: sampled by the verify pass, as correction or bonus), and
+    # alpha = sum min(p, q) of the dense and draft distributions at the token's position (NaN
+    # where no draft was made: the first token and bonus tokens).
+    accepted: jax.Array | None = None
+    alpha: jax.Array | None = None
 
 
 def budget_for_lengths(budgets: jax.Array, lengths: jax.Array, bin_size: int) -> jax.Array:
@@ -99,7 +105,7 @@ def check_budgets(cfg: RolloutConfig, budgets) -> np.ndarray:
     # take the dense path whatever the selection width. A finite budget above the width
     # would be silently capped to it.
     finite = budgets[budgets < DENSE_BUDGET]
-    if cfg.mode == "sparse" and finite.size and finite.max() > cfg.max_budget:
+    if cfg.mode in ("sparse", "exact_sparse") and finite.size and finite.max() > cfg.max_budget:
         raise ValueError(f"schedule budget {finite.max()} exceeds RolloutConfig.max_budget="
                          f"{cfg.max_budget} (the static selection width); raise max_budget "
                          f"(DENSE_BUDGET = {DENSE_BUDGET} is always allowed: dense)")

@@ -1,0 +1,283 @@
+"""Exact sparse rollout on the static engine (`RolloutConfig.mode = "exact_sparse"`).
+
+Each round of the decode `while_loop`, per row:
+1. draft: gamma one-token decode steps with block-sparse attention at the bin's budget (the
+   static engine's decode attention), each sampling x_j from the draft distribution q_j;
+2. verify: one dense forward of the gamma + 1 tokens [x_0, x_1..x_gamma] over the full cache,
+   writing their *dense* K/V over the draft's (past the first sparse layer the draft's K/V
+   differ from the policy's), giving p_0..p_gamma;
+3. the speculative-sampling rule (rollout/speculative.py) keeps x_1..x_a and one token sampled
+   by the verify pass; the cache length advances past x_0..x_a only (rollback is the length:
+   K/V beyond it are overwritten before they are read), and the centroids of blocks the round
+   filled are recomputed from the dense keys.
+The tokens are distributed exactly as dense sampling; the recorded log-probs are the dense
+policy's (from the verify pass), so the learner's TIS weight of every token is 1 up to
+rounding, and `budgets` records 0 (dense). Per token the trajectories carry `accepted` and
+`alpha` (state.Trajectories).
+
+This mode extends the static engine: it reuses engine.py's prefill and per-layer decode
+attention (the paged engine does not implement it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparrow_jax.model.attention import _MASK_VALUE
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.rollout import speculative
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.engine import _decode_attention, _sharded
+from sparrow_jax.rollout.kv_cache import KVCache, write_token
+from sparrow_jax.rollout.sampling import first_argmax, sampling_logprobs, topk_logprobs
+from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain)
+from sparrow_jax.runtime.shapes import COMPILES
+from sparrow_jax.runtime.sharding import ShardingSpec
+
+
+def verify_attention(q, k_cache, v_cache, starts):
+    """Dense causal attention of C consecutive queries per row against the cache.
+    q [B, C, Hq, D] at positions starts[b] + i; k/v [B, Hkv, S, D] already hold the C keys.
+    Query i sees keys 0 .. starts[b] + i. Returns [B, C, Hq, D]."""
+    b, c, hq, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, c, hkv, hq // hkv, d)
+    scores = jnp.einsum("bckgd,bksd->bkgcs", qg, k_cache,
+                        preferred_element_type=jnp.float32) * d ** -0.5
+    last = starts[:, None] + jnp.arange(c)[None, :]                             # [B, C]
+    visible = jnp.arange(s)[None, None, :] <= last[..., None]                   # [B, C, S]
+    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
+    p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgcs,bksd->bckgd", p, v_cache, preferred_element_type=jnp.float32)
+    return out.reshape(b, c, hq, d).astype(q.dtype)
+
+
+def write_tokens(buf, new, starts):
+    """buf [B, H, S, D], new [B, C, H, D] -> buf with row b's C tokens at starts[b]..+C-1."""
+    def one(row, x, i):
+        return jax.lax.dynamic_update_slice(row, x.transpose(1, 0, 2).astype(row.dtype),
+                                            (0, i, 0))
+    return jax.vmap(one)(buf, new, starts)
+
+
+def refresh_centroids(centroids, k_cache, starts, new_len, *, span: int, block_size: int):
+    """Recomputes, from k_cache, the centroids of the blocks overlapping positions
+    starts .. starts + span - 1 that are full at new_len (per row). centroids [B, Hkv, NB, D],
+    k_cache [B, Hkv, S, D], starts/new_len [B]. Blocks not full keep their value: selection
+    never scores a block until it is full (and then this or update_centroid wrote it)."""
+    nb = centroids.shape[2]
+
+    def one_row(c, kc, start, length):
+        for m in range(span // block_size + 2):       # blocks a span can touch
+            blk = start // block_size + m
+            full = (blk + 1) * block_size <= length
+            safe = jnp.clip(blk, 0, nb - 1)
+            keys = jax.lax.dynamic_slice_in_dim(kc, safe * block_size, block_size, axis=1)
+            new = jnp.mean(keys.astype(jnp.float32), axis=1, keepdims=True).astype(c.dtype)
+            old = jax.lax.dynamic_slice_in_dim(c, safe, 1, axis=1)
+            c = jax.lax.dynamic_update_slice_in_dim(c, jnp.where(full & (blk < nb), new, old),
+                                                    safe, axis=1)
+        return c
+    return jax.vmap(one_row)(centroids, k_cache, starts, new_len)
+
+
+def _gumbel_rows(keys, shape):
+    return jax.vmap(lambda k: jax.random.gumbel(k, shape, jnp.float32))(keys)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "bin_size", "spec"),
+                   donate_argnames=("state",))
+def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
+                   bin_size: int, spec: ShardingSpec | None):
+    """The exact-sparse decode `while_loop` (one draft + verify round per iteration).
+    Returns (Trajectories, final carry) as engine.decode_program does."""
+    model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
+    mcfg = model.config
+    g, bs, greedy = cfg.gamma, cfg.block_size, cfg.temperature == 0
+    b, t_new = state.tokens.shape
+    s_max = state.cache.max_length
+    max_selected = min(cfg.max_budget, s_max) // bs
+    stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
+    samp = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    attn_fns = {sp: _sharded(functools.partial(_decode_attention, sparse=sp, cfg=cfg,
+                                               max_selected=max_selected), spec,
+                             mcfg.num_key_value_heads) for sp in (False, True)}
+    sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
+    rows = jnp.arange(b)[:, None]
+    j = jnp.arange(g + 1)[None, :]                                                # [1, G+1]
+
+    def draft(st: DecodeState):
+        """gamma sparse decode steps from st.token. Returns the cache (draft K/V written at
+        start..start+G-1), drafts [B, G] and the draft's log-probs [B, G, V]."""
+        start = st.cache.lengths
+
+        def step(carry, jj):
+            ks, vs, cs, tok = list(carry[0]), list(carry[1]), list(carry[2]), carry[3]
+            lengths = start + jj + 1
+            budget = budget_for_lengths(budgets, lengths, bin_size)
+            budget_blocks = jnp.minimum(budget // bs, max_selected).astype(jnp.int32)
+            covered = budget >= lengths
+
+            def attend(i, q, k, v):
+                ks[i] = write_token(ks[i], k[:, 0], start + jj)
+                vs[i] = write_token(vs[i], v[:, 0], start + jj)
+                out, cs[i] = attn_fns[sparse_layers[i]](q[:, 0], ks[i], vs[i], cs[i], lengths,
+                                                       budget_blocks, covered)
+                return out[:, None]
+
+            hidden = model.run_layers(model.embed(tok[:, None]), (start + jj)[:, None], attend)
+            logits = model.logits(hidden[:, 0])
+            q_logp = sampling_logprobs(logits, **samp)
+            if greedy:
+                x = first_argmax(logits.astype(jnp.float32))
+            else:
+                keys = speculative.token_keys(st.rng, st.sample_ids, st.response_lengths + jj,
+                                              speculative.DRAFT)
+                x = first_argmax(q_logp + _gumbel_rows(keys, q_logp.shape[-1:]))
+            return (tuple(ks), tuple(vs), tuple(cs), x), (x, q_logp)
+
+        c = st.cache
+        (ks, vs, cs, _), (xs, q_logp) = jax.lax.scan(step, (c.k, c.v, c.centroids, st.token),
+                                                     jnp.arange(g))
+        return (list(ks), list(vs), list(cs)), xs.T, q_logp.transpose(1, 0, 2)
+
+    def verify(st: DecodeState, ks, vs, drafts):
+        """Dense forward of [x_0, drafts] at start..start+G; writes dense K/V. -> logits."""
+        start = st.cache.lengths
+        seq = jnp.concatenate([st.token[:, None], drafts], axis=1)             # [B, G+1]
+
+        def attend(i, q, k, v):
+            ks[i] = write_tokens(ks[i], k, start)
+            vs[i] = write_tokens(vs[i], v, start)
+            return verify_attention(q, ks[i], vs[i], start)
+
+        hidden = model.run_layers(model.embed(seq), start[:, None] + j, attend)
+        return model.logits(hidden)                                              # [B, G+1, V]
+
+    def body(carry):
+        st, acc_buf, alpha_buf = carry
+        start, r, active = st.cache.lengths, st.response_lengths, ~st.done
+        (ks, vs, cs), drafts, q_logp = draft(st)
+        p_logits = verify(st, ks, vs, drafts)
+        p_logp = sampling_logprobs(p_logits, **samp)
+        # Drafted token j (1-based) lands at response index r - 1 + j.
+        idx = r[:, None] + j                                                     # [B, G+1]
+        if greedy:
+            num, nxt = speculative.greedy_accept(p_logits, drafts)
+            alpha = speculative.alpha(p_logp[:, :g], q_logp)
+        else:
+            u_keys = jax.vmap(lambda c: speculative.token_keys(
+                st.rng, st.sample_ids, c, speculative.ACCEPT), in_axes=1, out_axes=1)(idx[:, :g])
+            uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, ())))(u_keys)
+            c_keys = jax.vmap(lambda c: speculative.token_keys(
+                st.rng, st.sample_ids, c, speculative.CORRECT), in_axes=1, out_axes=1)(idx)
+            gumbel = jax.vmap(lambda k: _gumbel_rows(k, p_logp.shape[-1:]))(c_keys)
+            num, nxt, alpha = speculative.speculative_accept(p_logp, q_logp, drafts, uniforms,
+                                                             gumbel)
+        padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        new_tok = jnp.where(j < num[:, None], padded,
+                            jnp.where(j == num[:, None], nxt[:, None], cfg.pad_token_id))
+        lp = jnp.take_along_axis(p_logp, new_tok[..., None], axis=-1)[..., 0]
+        stop = jnp.isin(new_tok, stop_ids) & (j <= num[:, None])
+        first_stop = jnp.min(jnp.where(stop, j, g + 1), axis=1)
+        n_new = jnp.minimum(jnp.minimum(num + 1, first_stop + 1), t_new - r)
+        n_new = jnp.where(active, n_new, 0)
+        keep = j < n_new[:, None]
+        at = jnp.where(keep, idx, t_new)                             # t_new: dropped
+        top_v, top_i = topk_logprobs(p_logits, cfg.record_topk, temperature=cfg.temperature)
+
+        def put(buf, val):
+            return buf.at[rows, at].set(val, mode="drop")
+        new_len = start + n_new
+        last = jnp.take_along_axis(new_tok, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
+        stopped = jnp.any(stop & keep, axis=1)
+        done = st.done | (active & (stopped | (r + n_new >= t_new) | (new_len + g + 1 > s_max)))
+        cs = [refresh_centroids(c, k, start, new_len, span=g + 1, block_size=bs) if sp else c
+              for c, k, sp in zip(cs, ks, sparse_layers)]
+        st = dataclasses.replace(
+            st, step=st.step + 1, done=done, token=jnp.where(active, last, st.token),
+            tokens=put(st.tokens, new_tok), logprobs=put(st.logprobs, lp),
+            topk_logprobs=put(st.topk_logprobs, top_v), topk_ids=put(st.topk_ids, top_i),
+            response_lengths=r + n_new,
+            cache=KVCache(k=tuple(ks), v=tuple(vs), centroids=tuple(cs), lengths=new_len))
+        alpha_all = jnp.concatenate([alpha, jnp.full((b, 1), jnp.nan, jnp.float32)], axis=1)
+        alpha_tok = jnp.where(j <= num[:, None], alpha_all, jnp.nan)      # bonus: NaN
+        return st, put(acc_buf, j < num[:, None]), put(alpha_buf, alpha_tok)
+
+    def cond(carry):
+        return ~jnp.all(carry[0].done)
+
+    acc0 = jnp.zeros((b, t_new), bool)
+    alpha0 = jnp.full((b, t_new), jnp.nan, jnp.float32)
+    st, acc, alpha_buf = jax.lax.while_loop(cond, body, (state, acc0, alpha0))
+    steps = jnp.arange(t_new)
+    mask = steps[None, :] < st.response_lengths[:, None]
+    traj = Trajectories(
+        prompt_tokens=st.prompt_tokens, prompt_lengths=st.prompt_lengths, tokens=st.tokens,
+        logprobs=st.logprobs, topk_logprobs=st.topk_logprobs, topk_ids=st.topk_ids,
+        budgets=jnp.zeros_like(st.budgets),
+        cached_lengths=st.prompt_lengths[:, None] + steps[None, :], mask=mask,
+        response_lengths=st.response_lengths, accepted=acc & mask,
+        alpha=jnp.where(mask, alpha_buf, jnp.nan))
+    traj = jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
+    return traj, (st.cache, st.step, st.token, st.done, st.rng, st.sample_ids)
+
+
+def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, budgets,
+           bin_size: int = 2000, spec: ShardingSpec | None = None) -> Trajectories:
+    """Exact-sparse decode of `state` (from `start`, consumed); budgets [num_bins] int32 (the
+    draft's), already checked. The state must have been prefilled with an exact_sparse config
+    (its cache has gamma slots of slack: `RolloutConfig.cache_slots`)."""
+    plen, t_new = state.prompt_tokens.shape[1], state.tokens.shape[1]
+    need = cfg.cache_slots(plen)
+    if state.cache.max_length < need or t_new != cfg.max_new_tokens:
+        raise ValueError(f"exact_sparse decode needs a cache of {need} slots for prompt width "
+                         f"{plen} (max_new_tokens={cfg.max_new_tokens} + gamma={cfg.gamma}); the "
+                         f"state has {state.cache.max_length} slots and {t_new} new tokens: "
+                         "prefill with the exact_sparse config")
+    graphdef, params = nnx.split(model)
+    COMPILES.note("rollout/decode", rows=state.tokens.shape[0], prompt_width=plen,
+                  max_new_tokens=cfg.max_new_tokens, mode=cfg.mode, gamma=cfg.gamma,
+                  max_budget=cfg.max_budget, dtype=jnp.dtype(model.dtype).name)
+    traj, _ = decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
+                             bin_size=bin_size, spec=spec)
+    return traj
+
+
+def acceptance_by_bin(traj: Trajectories, *, gamma: int, bin_size: int) -> list[dict]:
+    """Per length bin (of the cache length when a verify round started): measured tokens per
+    verify pass beside the prediction (1 - a^(g+1)) / (1 - a) from the bin's mean alpha.
+    A round ends at each token the verify pass sampled (accepted False); rounds cut short by a
+    stop or max_new_tokens count with the tokens they gave."""
+    acc = np.asarray(traj.accepted)
+    alpha = np.asarray(traj.alpha)
+    mask = np.asarray(traj.mask)
+    cached = np.asarray(traj.cached_lengths)
+    per_bin: dict[int, list] = {}
+    for r in range(acc.shape[0]):
+        n = int(mask[r].sum())
+        t = 1
+        while t < n:                               # token 0 came from the prefill
+            e = t
+            while e < n - 1 and acc[r, e]:
+                e += 1
+            # The round started with cache length cached[r, t] - 1 (x_0 was fed).
+            rec = per_bin.setdefault(int((cached[r, t] - 1) // bin_size), [0, 0, []])
+            rec[0] += 1
+            rec[1] += e - t + 1
+            rec[2].extend(a for a in alpha[r, t:e + 1] if np.isfinite(a))
+            t = e + 1
+    out = []
+    for k in sorted(per_bin):
+        rounds, toks, alphas = per_bin[k]
+        a = float(np.mean(alphas)) if alphas else float("nan")
+        out.append({"bin": k, "rounds": rounds, "tokens_per_pass": toks / rounds,
+                    "mean_alpha": a,
+                    "predicted": float(speculative.expected_tokens_per_pass(a, gamma))})
+    return out
