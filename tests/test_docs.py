@@ -268,6 +268,20 @@ _REGISTRY = {
     "\"ExperimentConfig.output_dir = 'runs/experiment_m025'\"":
         (ByTest("tests/test_experiment_paired.py::test_paired_experiment_config_parses_every_arm"),
          ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
+    # docs/experiment.md: the pre-registered experiment of issue 41
+    "launch/local.sh sparrow calibrate configs/calibrate_demo.gin configs/controller_certified.gin "
+    "--gin_param 'CalibrateConfig.output_dir = \"runs/calibrate_promise\"'":
+        (ByTest("tests/test_calibrate.py::test_calibrate_end_to_end"),
+         ByTest("tests/test_certified_calibration.py::test_certified_by_the_controllers_own_rule")),
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/controller_certified.gin "
+    "configs/experiment_promise.gin":
+        (ByTest("tests/test_prereg.py::test_the_registered_config_parses_every_arm"),
+         ByTest("tests/test_prereg.py::test_the_experiment_runner_writes_the_registered_report"),
+         ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
+    # docs/benchmarks.md: the long-context shape of issue 41
+    _ROLLOUT_BENCH + "--layers 8 --hidden 128 --heads 4 --kv_heads 4 --head_dim 64 "
+    "--intermediate 256 --vocab 43 --context 4096 8192 --budget 256 512 --batch 8 "
+    "--new_tokens 32 --repeats 3 --dense_layers 0,1 --dtype float32": (Twin("bench_rollout"),),
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_demo.gin":
         (ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume"),
          ByTest("tests/test_experiment.py::test_demo_experiment_config_parses_every_arm")),

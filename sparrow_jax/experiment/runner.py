@@ -35,6 +35,9 @@ from typing import Any, Mapping, Sequence
 import gin
 import numpy as np
 
+# Registers PreregConfig with gin, so an experiment's gin file can bind it.
+from sparrow_jax.experiment import prereg
+
 log = logging.getLogger(__name__)
 
 # (metric key in metrics.jsonl, plot title) of comparison.png, in panel order.
@@ -378,7 +381,6 @@ def _write_reports(out: Path, results: Mapping[str, Sequence[Mapping[str, float]
     if paired is not None:
         print(paired.read_text(), flush=True)
     # A pre-registered experiment (PreregConfig.seeds bound in its gin file): its tests.
-    from sparrow_jax.experiment import prereg
     pre = prereg.PreregConfig()
     if pre.seeds:
         path = out / f"{cfg.report}_prereg.md"
