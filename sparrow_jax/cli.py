@@ -26,6 +26,7 @@ COMMANDS = {
     "export": ("sparrow_jax.tools.export", "main", "a training checkpoint -> Hugging Face directory"),
     "experiment": ("sparrow_jax.experiment.runner", "main", "training arms side by side -> comparison"),
     "data": ("sparrow_jax.data.check", "main", "data check FILE --model DIR: rows, reasons, a prompt"),
+    "eval": ("sparrow_jax.evaluation.command", "main", "eval MODEL DATA...: avg@n, pass@k, maj@k on math data"),
     "doctor": ("sparrow_jax.tools.doctor", "main", "kernels vs the XLA reference + a rollout, on this device"),
 }
 BENCHES = {

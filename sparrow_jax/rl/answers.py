@@ -97,3 +97,66 @@ def extract_answer(text: str, formats: Sequence[str] = ANSWER_FORMATS) -> str | 
         return None
     # An `Answer: \boxed{5}` line: both forms start on that line and agree.
     return max(found, key=lambda x: x[0])[1]
+
+
+# ----------------------------------------------------------------------------- the DAPO rule
+# verl's reward_score/math_dapo.py (DAPO's reference scorer), re-implemented: only the last
+# DAPO_TAIL_CHARS characters are read; the answer is the text after the last `Answer:` (any
+# case, spaces around the colon, to the end of that line); prediction and ground truth are
+# normalized alike (`normalize_dapo`) and compared as strings.
+DAPO_TAIL_CHARS = 300   # DAPO reads only this tail ("the longest answer in MATH-500 has 159")
+
+_ANSWER = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
+# Literal replacements, in order (the reference's table): articles and spaces go, `mbox`
+# becomes `text`, "and" inside \text{} becomes a comma, and metres lose their unit.
+_REPLACE = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
+            ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","),
+            ("\\text{m}", "\\text{}"))
+# Units, words and TeX spacing deleted wherever they occur (also inside words: "feet" goes
+# from "feetball" too - the reference's behaviour, kept so that scores match it).
+_DELETE = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units",
+           "\\ldots", "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm",
+           "gm", "pounds", "meters", "meals", "edges", "students", "childrentickets",
+           "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+           "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!",
+           "{,}", '"', "\\dots")
+_UNWRAP = tuple(re.compile(r"\\" + cmd + r"\{(.*?)\}") for cmd in ("text", "textbf", "overline"))
+_BOXED_GREEDY = re.compile(r"\\boxed\{(.*)\}")
+_FIRST_MATH = re.compile(r".*?\$(.*?)\$.*")
+_FRAC_SHORT = re.compile(r"frac([^{])(.)")
+_SQRT_SHORT = re.compile(r"sqrt([^{])")
+INVALID = "[INVALID]"
+
+
+def normalize_dapo(answer: str) -> str:
+    """The DAPO reference's normalization of a final answer (prediction or ground truth)."""
+    s = answer.split("=")[-1]               # "x = 5" -> " 5"
+    for old, new in _REPLACE:
+        s = s.replace(old, new)
+    for word in _DELETE:
+        s = s.replace(word, "")
+    # A line holding $...$ keeps only its first $...$ (`.` stops at a newline: per line).
+    s = _FIRST_MATH.sub(lambda m: f"${m.group(1)}$", s)
+    for pattern in _UNWRAP:
+        s = pattern.sub(lambda m: m.group(1), s)
+    s = _BOXED_GREEDY.sub(lambda m: m.group(1), s)
+    s = _FRAC_SHORT.sub(lambda m: "frac{" + m.group(1) + "}{" + m.group(2) + "}", s)
+    s = _SQRT_SHORT.sub(lambda m: "sqrt{" + m.group(1) + "}", s)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():        # "1,000" -> "1000"
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def dapo_prediction(response: str) -> str | None:
+    """The DAPO rule's extracted answer (before normalization), None when there is none."""
+    found = _ANSWER.findall(response[-DAPO_TAIL_CHARS:])
+    return found[-1] if found else None
+
+
+def dapo_score(response: str, ground_truth: str) -> float:
+    """+1 when the normalized last `Answer:` of the response's tail equals the normalized
+    ground truth, else -1."""
+    pred = dapo_prediction(response)
+    pred = normalize_dapo(INVALID if pred is None else pred)
+    return 1.0 if pred == normalize_dapo(str(ground_truth)) else -1.0

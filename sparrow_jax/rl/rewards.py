@@ -32,7 +32,8 @@ import gin
 import numpy as np
 
 # extract_last_boxed is re-exported: callers import it from here.
-from sparrow_jax.rl.answers import ANSWER_FORMATS, extract_answer, extract_last_boxed  # noqa: F401
+from sparrow_jax.rl.answers import (ANSWER_FORMATS, dapo_score, extract_answer,  # noqa: F401
+                                    extract_last_boxed)
 
 RewardFn = Callable[..., float]
 
@@ -183,6 +184,14 @@ def math_verify_answer_line_reward(
     """Only the last `Answer: ...` line counts (DAPO-style prompts, strictly)."""
     del prompt, meta
     return _math_verify(completion_text, ground_truth, ("answer_line",))
+
+
+@register_reward("dapo")
+def dapo_reward(completion_text: str, ground_truth: str, *, prompt: str = "",
+                meta: dict | None = None) -> float:
+    """The DAPO-Math rule (sparrow_jax.rl.answers.dapo_score): +1 / -1, no math-verify."""
+    del prompt, meta
+    return dapo_score(completion_text, ground_truth)
 
 
 # ----------------------------------------------------------------------------- worker pool

@@ -1,0 +1,255 @@
+"""`sparrow eval MODEL DATA... [CONFIG.gin]`: benchmark numbers (avg@n, pass@k, maj@k) for a
+Hugging Face model directory or a training run's checkpoint on math data files.
+
+    sparrow eval MODEL DATA [DATA ...] [CONFIG.gin ...] --out DIR [--n 8] [--k 1,4]
+        [--temperature T] [--top_p P] [--top_k K] [--max_new_tokens N] [--seed S]
+        [--schedule NAME|JSON] [--mode dense|sparse] [--engine paged|static]
+        [--scorer dapo|math_verify|REWARD] [--problems_per_chunk B] [--reward_processes W]
+
+Order of work: arguments, tokenizer, data (rows read, skipped by reason, duplicates dropped) -
+every input error is one line and exit status 1 before the weights load - then the model,
+then chunks of B problems x n samples on the paged engine (a problem's n samples share its
+prompt pages), scored, written per chunk (sparrow_jax.evaluation.results). Sample j of problem
+i (in data order after deduplication) is drawn with sampling key (seed, i*n + j, token index),
+so a rerun into the same --out resumes after the last whole chunk and writes the same eval.json.
+Sampling defaults: the flags, else the model's generation_config.json, else gin RolloutConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class EvalError(SystemExit):
+    """A user-facing input error: one line, exit status 1."""
+
+    def __init__(self, message: str):
+        super().__init__(f"sparrow eval: {message}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--out", required=True, help="output directory (eval.json; rerun to resume)")
+    a("--n", type=int, default=8, help="samples per problem")
+    a("--k", default="1", help="comma-separated k for pass@k and maj@k, each <= n")
+    a("--temperature", type=float, default=None)
+    a("--top_p", type=float, default=None)
+    a("--top_k", type=int, default=None)
+    a("--max_new_tokens", type=int, default=None)
+    a("--seed", type=int, default=0)
+    a("--schedule", default=None, help="budget schedule for sparse decoding (name or JSON)")
+    a("--mode", choices=("dense", "sparse"), default=None,
+      help="default: dense, or sparse when --schedule names a sparse schedule")
+    a("--engine", choices=("paged", "static"), default="paged")
+    a("--scorer", default=None, help="dapo, math_verify or a reward name for every row "
+      "(default: by each row's data_source, see sparrow_jax.evaluation.scorers)")
+    a("--problems_per_chunk", type=int, default=16, help="problems per generate call")
+    a("--reward_processes", type=int, default=2,
+      help="scoring worker processes (0: in this process, no timeout)")
+    a("--reward_timeout_s", type=float, default=10.0)
+    a("--step", type=int, default=None, help="checkpoint step of a run directory (latest)")
+
+
+def split_positionals(args: argparse.Namespace) -> None:
+    """Positionals: MODEL, then data paths; `.gin` files are gin files."""
+    items = list(args.gin_files)
+    if len(items) < 2:
+        raise EvalError("usage: sparrow eval MODEL DATA [DATA ...] [CONFIG.gin] --out DIR")
+    args.model = items[0]
+    args.gin_files = [p for p in items[1:] if p.endswith(".gin")]
+    args.data = [p for p in items[1:] if not p.endswith(".gin")]
+    if not args.data:
+        raise EvalError("name at least one data file after MODEL")
+
+
+def parse_ks(text: str, n: int) -> list[int]:
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise EvalError(f"--k must be comma-separated integers, got {text!r}") from None
+    if n < 1:
+        raise EvalError(f"--n must be >= 1, got {n}")
+    bad = [k for k in ks if not 1 <= k <= n]
+    if not ks or bad:
+        raise EvalError(f"--k {text!r}: every k must be between 1 and --n {n} (bad: {bad})")
+    return ks
+
+
+def _model_dirs(model: str, step: int | None) -> tuple[Path, int | None]:
+    """(directory whose tokenizer/config to read, run step or None for an HF directory)."""
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return path, None
+    if (path / "checkpoints").is_dir():
+        from sparrow_jax.runtime import checkpoint as ckpt
+        from sparrow_jax.tools import export
+        with ckpt.CheckpointManager(path, read_only=True) as mngr:
+            steps = mngr.all_steps()
+            if not steps or (step is not None and step not in steps):
+                raise EvalError(f"{model}: no checkpoint step {step if step else ''} "
+                                f"(available: {steps})")
+            step = steps[-1] if step is None else step
+            return export._model_dir(mngr, step, None), step
+    raise EvalError(f"MODEL {model!r} is neither a Hugging Face directory (config.json) nor a "
+                    "run directory (checkpoints/)")
+
+
+def _load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, Any]]:
+    """Records after deduplication, and the data report (also printed)."""
+    from sparrow_jax.data.prompts import load_prompt_records
+    from sparrow_jax.data.rows import expand_paths
+    from sparrow_jax.evaluation.results import file_sha256
+    try:
+        files = expand_paths(args.data)
+        records, report = load_prompt_records(files, tokenizer, max_prompt_len=capacity)
+    except (OSError, ValueError) as e:
+        raise EvalError(str(e)) from None
+    reasons = collections.Counter(why for _, _, why in report.skipped)
+    for why, count in reasons.most_common():
+        first = next((f"{f}:{r}" for f, r, w in report.skipped if w == why))
+        print(f"sparrow eval: skipped {count} row(s): {why} (first: {first})", file=sys.stderr)
+    seen: dict[str, dict] = {}
+    kept, dup, conflicting = [], 0, 0
+    for r in records:
+        first = seen.get(r["prompt"])
+        if first is not None:
+            dup += 1
+            conflicting += first["answer"] != r["answer"]
+            continue
+        seen[r["prompt"]] = r
+        kept.append(r)
+    if dup:
+        print(f"sparrow eval: dropped {dup} duplicate row(s) (prompt identical to an earlier "
+              f"row; {conflicting} with a different answer; the first is kept)", file=sys.stderr)
+    info = {"files": {f: file_sha256(f) for f in files}, "rows": report.rows,
+            "loaded": report.loaded, "skipped": dict(reasons), "too_long": len(report.too_long),
+            "duplicates_dropped": dup, "duplicates_conflicting": conflicting,
+            "problems": len(kept)}
+    return kept, info
+
+
+def _sampling(args, model_dir: Path) -> dict[str, Any]:
+    """temperature/top_p/top_k: flag, else generation_config.json, else None (gin's)."""
+    gen_file = model_dir / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    out = {}
+    for key in ("temperature", "top_p", "top_k"):
+        value = getattr(args, key)
+        out[key] = value if value is not None else gen.get(key)
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from sparrow_jax.data.prompts import PromptFormat
+    from sparrow_jax.evaluation import results, scorers
+    from sparrow_jax.model import load_tokenizer, read_config
+    from sparrow_jax.rollout.config import RolloutConfig
+    from sparrow_jax.runtime.faults import RunError, check_vocabulary, prompt_capacity
+
+    ks = parse_ks(args.k, args.n)
+    if args.problems_per_chunk < 1:
+        raise EvalError(f"--problems_per_chunk must be >= 1, got {args.problems_per_chunk}")
+    model_dir, step = _model_dirs(args.model, args.step)
+    try:
+        mcfg = read_config(model_dir)
+        tokenizer = load_tokenizer(model_dir)
+        check_vocabulary(tokenizer, mcfg.vocab_size, str(model_dir),
+                         {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id})
+        max_new = args.max_new_tokens or RolloutConfig().max_new_tokens
+        capacity = prompt_capacity(mcfg.max_position_embeddings, max_new, None)
+    except (OSError, ValueError, RunError) as e:
+        raise EvalError(str(e)) from None
+    if args.scorer:
+        try:
+            from sparrow_jax.rl.rewards import get_reward
+            get_reward(scorers.SCORER_REWARDS.get(args.scorer, args.scorer))
+        except (KeyError, ImportError) as e:
+            raise EvalError(f"--scorer {args.scorer!r}: {e}") from None
+    records, data_info = _load_data(args, tokenizer, capacity)
+    for r in records:
+        r["data_source"] = str((r["meta"] or {}).get("data_source") or "default")
+        r["scorer"] = scorers.scorer_for(r["data_source"], args.scorer)
+    print(f"sparrow eval: {len(records)} problems ({data_info['rows']} rows) x {args.n} samples; "
+          f"scorers: {dict(collections.Counter(r['scorer'] for r in records))}", file=sys.stderr)
+
+    from sparrow_jax.evaluation import run_samples
+    sampling = _sampling(args, model_dir)
+    settings = {"model": os.path.abspath(args.model), "step": step,
+                "model_fingerprint": results.model_fingerprint(model_dir),
+                "data": data_info["files"], "n": args.n, "seed": args.seed,
+                "sampling": sampling, "max_new_tokens": max_new, "schedule": args.schedule,
+                "mode": args.mode, "engine": args.engine, "scorer": args.scorer,
+                "problems_per_chunk": args.problems_per_chunk,
+                "prompt_format": dataclasses.asdict(PromptFormat())}
+    try:
+        done = results.check_settings(args.out, settings)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    if done:
+        print(f"sparrow eval: resuming: {done} chunk(s) of {args.problems_per_chunk} problems "
+              f"already in {args.out}", file=sys.stderr)
+    export_dir = None
+    try:
+        if step is not None:    # a run's checkpoint: its policy (LoRA merged) as an HF directory
+            from sparrow_jax.tools import export
+            export_dir = tempfile.mkdtemp(prefix="sparrow-eval-")
+            r = export.export(args.model, Path(export_dir) / "model", step=step,
+                              merge_lora=_has_adapter(args.model, step))
+            weights_dir = r.out
+        else:
+            weights_dir = model_dir
+        problems, timing = run_samples.run(args, weights_dir, tokenizer, records, sampling,
+                                           max_new, args.out)
+    finally:
+        if export_dir:
+            shutil.rmtree(export_dir, ignore_errors=True)
+    metrics = results.summarize(problems, args.n, ks)
+    results.write_json_atomic(Path(args.out) / "eval.json", {
+        "settings": settings, "k": ks, "data": data_info, "metrics": metrics,
+        "problems": problems})
+    results.write_json_atomic(Path(args.out) / "timing.json", timing)
+    _tensorboard(args.out, results.tensorboard_scalars(metrics, args.n, ks), step or 0)
+    _print_table(metrics, args.n, ks, timing)
+    return 0
+
+
+def _has_adapter(run_dir: str, step: int) -> bool:
+    from sparrow_jax.runtime import checkpoint as ckpt
+    from sparrow_jax.tools import export
+    with ckpt.CheckpointManager(Path(run_dir), read_only=True) as mngr:
+        rank = export.gin_binding(export._operative_config(mngr, step) or "", "DistillConfig",
+                                  "rank")
+    return isinstance(rank, int) and rank > 0
+
+
+def _tensorboard(out: str, scalars: dict[str, float], step: int) -> None:
+    from sparrow_jax.runtime.metrics import MetricsWriter
+    with MetricsWriter(out, enabled=True) as mw:
+        mw.scalars(step, scalars)
+
+
+def _print_table(metrics: dict[str, Any], n: int, ks: list[int], timing: dict) -> None:
+    cols = [f"avg@{n}"] + [f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks]
+    print(f"{'data_source':<24} {'problems':>8} " + " ".join(f"{c:>16}" for c in cols)
+          + f" {'length':>8} {'truncated':>9}")
+    rows = list(metrics["by_source"].items()) + [("overall", metrics["overall"])]
+    for name, m in rows:
+        print(f"{name:<24} {m['problems']:>8} " + " ".join(
+            f"{m[c]:>8.3f} ± {m[c + '_se']:<5.3f}" for c in cols)
+            + f" {m['response_length_mean']:>8.1f} {m['truncated_share']:>9.3f}")
+    print(f"generated {timing['tokens']} tokens in {timing['seconds']:.1f} s = "
+          f"{timing['tokens_per_s']:.1f} tokens/s this invocation ({timing['chunks_run']} "
+          f"chunk(s) run, {timing['chunks_resumed']} resumed)")
