@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--top_k", type=int, default=None)
     a("--max_new_tokens", type=int, default=None)
     a("--seed", type=int, default=0)
-    a("--schedule", default=None, help="budget schedule for sparse decoding (name or JSON)")
+    a("--schedule", default=None, help="budget schedule for sparse decoding: a name, JSON, or "
+      "'run' (a run directory's schedule at the evaluated step)")
     a("--mode", choices=("dense", "sparse"), default=None,
       help="default: dense, or sparse when --schedule names a sparse schedule")
     a("--engine", choices=("paged", "static"), default="paged")
@@ -142,13 +143,20 @@ def _load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, An
 
 
 def _sampling(args, model_dir: Path) -> dict[str, Any]:
-    """temperature/top_p/top_k: flag, else generation_config.json, else None (gin's)."""
+    """temperature/top_p/top_k: the flag, else a gin binding of RolloutConfig, else the model's
+    generation_config.json, else None (RolloutConfig's default)."""
+    import gin
     gen_file = model_dir / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     out = {}
     for key in ("temperature", "top_p", "top_k"):
         value = getattr(args, key)
-        out[key] = value if value is not None else gen.get(key)
+        if value is None:
+            try:
+                value = gin.query_parameter(f"RolloutConfig.{key}")
+            except ValueError:      # not bound
+                value = gen.get(key)
+        out[key] = value
     return out
 
 
@@ -163,6 +171,8 @@ def main(args: argparse.Namespace) -> int:
     if args.problems_per_chunk < 1:
         raise EvalError(f"--problems_per_chunk must be >= 1, got {args.problems_per_chunk}")
     model_dir, step = _model_dirs(args.model, args.step)
+    if args.schedule == "run":
+        args.schedule = _run_schedule(args.model, step)
     try:
         mcfg = read_config(model_dir)
         tokenizer = load_tokenizer(model_dir)
@@ -224,6 +234,17 @@ def main(args: argparse.Namespace) -> int:
     _tensorboard(args.out, results.tensorboard_scalars(metrics, args.n, ks), step or 0)
     _print_table(metrics, args.n, ks, timing)
     return 0
+
+
+def _run_schedule(run_dir: str, step: int | None) -> str:
+    """The controller's schedule saved with a run's checkpoint `step`, as JSON."""
+    if step is None:
+        raise EvalError("--schedule run needs MODEL to be a run directory (checkpoints/)")
+    from sparrow_jax.runtime import checkpoint as ckpt
+    from sparrow_jax.sparsity.controller import ControllerState
+    with ckpt.CheckpointManager(Path(run_dir), read_only=True) as mngr:
+        extra = mngr.restore(step)[2]
+    return ControllerState.from_dict(extra["controller"]).schedule.to_json()
 
 
 def _has_adapter(run_dir: str, step: int) -> bool:

@@ -1,0 +1,169 @@
+"""`sparrow eval` end to end on tiny models: bad inputs, duplicates, resume after kill -9, the
+demo checkpoint on a verl-layout Parquet file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hf_fixtures import make_tiny_synthetic_model
+from sparrow_jax import cli
+from sparrow_jax.data import synthetic
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+# verl rows hold a chat list; the synthetic tokenizer has no chat template, so the test models
+# get one that writes <bos> and the user's text, exactly what the task's plain prompts give.
+PASSTHROUGH = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+SMALL = ["--n", "2", "--k", "1,2", "--max_new_tokens", "16", "--problems_per_chunk", "2",
+         "--reward_processes", "0"]
+
+
+def verl_rows(problems, source="synthetic"):
+    return [{"data_source": source, "prompt": [{"role": "user", "content": p["prompt"]}],
+             "reward_model": {"ground_truth": p["answer"], "style": "rule"},
+             "extra_info": {"index": i}} for i, p in enumerate(problems)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    make_tiny_synthetic_model(root / "model", chat_template=PASSTHROUGH)
+    rows = verl_rows(synthetic.make_problems(7, 0, (1, 1), 4))
+    pq.write_table(pa.Table.from_pylist(rows + rows[:2]), root / "data.parquet")  # 2 duplicates
+    return root
+
+
+def run_eval(argv, capsys):
+    rc = cli.main(["eval", *map(str, argv)])
+    return rc, capsys.readouterr()
+
+
+def test_bad_inputs_fail_in_one_line_before_the_model_loads(tiny, tmp_path, capsys, monkeypatch):
+    import sparrow_jax.model as model_pkg
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load for a bad input")
+    monkeypatch.setattr(model_pkg, "load_hf", no_load)
+    no_answer = tmp_path / "no_answer.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data_source": "x", "prompt": "a 1 | 0 1 >"}]),
+                   no_answer)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_bytes(b'{"prompt": "a \xff", "answer": "1"}\n')
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(tiny / "model", mismatched)
+    cfg = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**cfg, "vocab_size": 20}))
+    data = tiny / "data.parquet"
+    cases = [
+        ([tiny / "model", no_answer], "missing answer field"),
+        ([tiny / "model", tmp_path / "empty.jsonl"], "no usable prompts"),
+        ([tiny / "model", tmp_path / "bad.jsonl"], "not UTF-8: byte 0xff"),
+        ([tiny / "model", data, "--n", "2", "--k", "1,4"], "every k must be between 1 and --n 2"),
+        ([mismatched, data], "vocab_size is 20"),
+        ([tmp_path / "nowhere", data], "neither a Hugging Face directory"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            run_eval([*argv, "--out", tmp_path / "out"], capsys)
+        text = str(e.value.code)
+        assert text.startswith("sparrow eval: ") and message in text, (argv, text)
+        assert "\n" not in text
+
+
+@pytest.mark.slow
+def test_resume_after_kill_gives_identical_eval_json(tiny, tmp_path, capsys):
+    """An uninterrupted run (in this process) vs a subprocess killed with SIGKILL after its
+    first chunk and resumed: the same eval.json, byte for byte; duplicates dropped."""
+    argv = [tiny / "model", tiny / "data.parquet", *SMALL, "--scorer",
+            "eval_worker_rewards:slow_exact"]
+    rc, out = run_eval([*argv, "--out", tmp_path / "a"], capsys)
+    assert rc == 0
+    assert "dropped 2 duplicate row(s)" in out.err
+    assert "synthetic" in out.out and "avg@2" in out.out
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "sparrow_jax.cli", "eval", *map(str, argv),
+                             "--out", str(tmp_path / "b")], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = tmp_path / "b" / "chunks" / "00000.json"
+    deadline = time.monotonic() + 240
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert first.exists(), err.decode()[-2000:]
+    chunks = sorted((tmp_path / "b" / "chunks").glob("*.json"))
+    assert 1 <= len(chunks) < 4 and not (tmp_path / "b" / "eval.json").exists()
+    rc, out = run_eval([*argv, "--out", tmp_path / "b"], capsys)
+    assert rc == 0 and "resuming" in out.err
+    a = (tmp_path / "a" / "eval.json").read_bytes()
+    assert a == (tmp_path / "b" / "eval.json").read_bytes()
+    result = json.loads(a)
+    assert result["data"]["duplicates_dropped"] == 2 and result["data"]["problems"] == 7
+    assert [p["index"] for p in result["problems"]] == list(range(7))
+    assert all(len(p["responses"]) == 2 for p in result["problems"])
+    # Other settings into the same directory: refused, naming the setting.
+    with pytest.raises(SystemExit, match="seed"):
+        run_eval([*argv, "--out", tmp_path / "b", "--seed", "1"], capsys)
+
+
+@pytest.mark.slow
+def test_demo_checkpoint_on_verl_parquet(tmp_path, capsys):
+    """The shipped demo checkpoint (with a pass-through chat template for the verl chat rows)
+    on a verl-layout Parquet file of demo prompts: the table and eval.json's metrics."""
+    model = tmp_path / "demo_sft"
+    shutil.copytree(REPO / "checkpoints" / "demo_sft", model)
+    tok = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tok,
+                                                             "chat_template": PASSTHROUGH}))
+    problems = [json.loads(line) for line in
+                (REPO / "data" / "demo" / "eval.jsonl").read_text().splitlines()[:3]]
+    pq.write_table(pa.Table.from_pylist(verl_rows(problems)), tmp_path / "demo.parquet")
+    rc, out = run_eval([model, tmp_path / "demo.parquet", "--out", tmp_path / "out", "--n", "2",
+                        "--k", "1,2", "--max_new_tokens", "64", "--problems_per_chunk", "3",
+                        "--reward_processes", "0"], capsys)
+    assert rc == 0
+    lines = out.out.splitlines()
+    assert lines[0].split()[:4] == ["data_source", "problems", "avg@2", "pass@1"]
+    assert lines[1].split()[:2] == ["synthetic", "3"] and lines[2].split()[:2] == ["overall", "3"]
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    m = result["metrics"]["by_source"]["synthetic"]
+    # 64 tokens cannot hold a ~1000-token solution: every response is cut, none is right.
+    assert m["truncated_share"] == 1.0 and m["avg@2"] == 0.0 and m["response_length_max"] == 64
+    # The demo model writes the task's format: a cycle label, then "a <digit> <sum>" ...
+    first = result["problems"][0]["responses"][0]["text"].split()
+    assert first[3] == "a" and first[4].isdigit()
+    scalars = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert scalars["val-core/synthetic/acc/mean@2"] == 0.0
+
+
+@pytest.mark.slow
+def test_run_directory_with_its_schedule(tmp_path, capsys):
+    """MODEL = a `sparrow train` run directory: its checkpoint's policy, sparse decoding at the
+    schedule saved with that step (`--schedule run`)."""
+    import gin
+
+    from hf_fixtures import gin_argv, make_tiny_run, tiny_train_bindings
+    root = make_tiny_run(tmp_path, train_rows=4, eval_rows=0)
+    binds = tiny_train_bindings(root, steps=2, TrainConfig__eval_data="''",
+                                TrainConfig__adapt_schedule="False")
+    gin.clear_config()
+    assert cli.main(["train", *gin_argv(binds)]) == 0
+    rc, out = run_eval([root / "run", root / "train.jsonl", "--out", tmp_path / "out",
+                        "--schedule", "run", "--mode", "sparse", "--scorer", "synthetic_exact",
+                        *SMALL], capsys)
+    assert rc == 0 and "mode=sparse" in out.err
+    settings = json.loads((tmp_path / "out" / "eval.json").read_text())["settings"]
+    assert settings["step"] == 2
+    assert json.loads(settings["schedule"])["budgets"] == [48] * 20
