@@ -236,6 +236,16 @@ _REGISTRY = {
     _DISTILL_DEMO + "--gin_param 'TrainConfig.run_dir = \"/tmp/distill_demo/lora\"' "
     "--gin_param 'DistillConfig.rank = 8' --gin_param 'DistillConfig.use_schedule = True'":
         (Twin("demo"), _DISTILL_TRAIN),
+    # docs/evaluation.md, README.md: `sparrow eval` (tests/test_eval_command.py runs it on a tiny
+    # model and on the demo checkpoint; the AIME command needs a GPU node and the data)
+    "sparrow eval /models/Qwen3-1.7B /data/aime2024.parquet configs/qwen3_1p7b_gpu.gin --out "
+    "runs/eval_aime24 --n 32 --k 1,8,32 --temperature 0.6 --top_p 0.95 --top_k 20 "
+    "--max_new_tokens 38912":
+        (ByTest("tests/test_eval_command.py::test_resume_after_kill_gives_identical_eval_json"),
+         ByTest("tests/test_eval_command.py::test_demo_checkpoint_on_verl_parquet")),
+    "sparrow eval checkpoints/demo_sft data/demo/eval.jsonl --out runs/eval_demo --n 8 --k 1,4,8 "
+    "--max_new_tokens 1072 --scorer synthetic_exact":
+        (ByTest("tests/test_eval_command.py::test_demo_checkpoint_on_verl_parquet"),),
     # docs/compression.md
     "python -m sparrow_jax.bench.compress":
         (ByTest("tests/test_compression.py::test_bench_command_prints_table"),),

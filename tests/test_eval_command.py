@@ -151,15 +151,21 @@ def test_demo_checkpoint_on_verl_parquet(tmp_path, capsys):
 @pytest.mark.slow
 def test_run_directory_with_its_schedule(tmp_path, capsys):
     """MODEL = a `sparrow train` run directory: its checkpoint's policy, sparse decoding at the
-    schedule saved with that step (`--schedule run`)."""
+    schedule saved with that step (`--schedule run`); the run itself evaluated with
+    `TrainConfig.eval_samples = 2`."""
     import gin
 
     from hf_fixtures import gin_argv, make_tiny_run, tiny_train_bindings
-    root = make_tiny_run(tmp_path, train_rows=4, eval_rows=0)
-    binds = tiny_train_bindings(root, steps=2, TrainConfig__eval_data="''",
-                                TrainConfig__adapt_schedule="False")
+    root = make_tiny_run(tmp_path, train_rows=4, eval_rows=2)
+    binds = tiny_train_bindings(root, steps=2, TrainConfig__eval_data=repr(str(root / "eval.jsonl")),
+                                TrainConfig__adapt_schedule="False", TrainConfig__eval_every="2",
+                                TrainConfig__eval_samples="2", TrainConfig__eval_temperature="1.0")
     gin.clear_config()
     assert cli.main(["train", *gin_argv(binds)]) == 0
+    # The train loop's evaluation with eval_samples = 2 logs avg@2 and pass@k (k = 1, 2).
+    logged = {k for line in (root / "run" / "metrics.jsonl").read_text().splitlines()
+              for k in json.loads(line)}
+    assert {"eval_dense/avg@2", "eval_dense/pass@2", "eval_dense/pass@2_se"} <= logged, logged
     rc, out = run_eval([root / "run", root / "train.jsonl", "--out", tmp_path / "out",
                         "--schedule", "run", "--mode", "sparse", "--scorer", "synthetic_exact",
                         *SMALL], capsys)
@@ -167,3 +173,35 @@ def test_run_directory_with_its_schedule(tmp_path, capsys):
     settings = json.loads((tmp_path / "out" / "eval.json").read_text())["settings"]
     assert settings["step"] == 2
     assert json.loads(settings["schedule"])["budgets"] == [48] * 20
+
+
+def test_training_evaluation_agrees_with_sparrow_eval(tiny, tmp_path, capsys):
+    """`TrainConfig.eval_samples = n` (heldout.evaluate) and `sparrow eval` on the same prompts,
+    seed, engine and sampling draw the same samples, so avg@n and pass@k agree exactly."""
+    import jax
+    import numpy as np
+
+    import eval_worker_rewards  # noqa: F401 - registers "parity"
+    from sparrow_jax.data.prompts import load_prompt_records
+    from sparrow_jax.evaluation.heldout import batch_records, evaluate
+    from sparrow_jax.model import load_hf, load_tokenizer
+    from sparrow_jax.rl.rewards import RewardPool
+    from sparrow_jax.rollout.config import RolloutConfig
+
+    rc, _ = run_eval([tiny / "model", tiny / "data.parquet", "--n", "4", "--k", "1,2,4",
+                      "--max_new_tokens", "16", "--problems_per_chunk", "7", "--engine",
+                      "static", "--seed", "3", "--reward_processes", "0", "--scorer",
+                      "eval_worker_rewards:parity", "--out", tmp_path / "e"], capsys)
+    assert rc == 0
+    want = json.loads((tmp_path / "e" / "eval.json").read_text())["metrics"]["overall"]
+    tok = load_tokenizer(tiny / "model")
+    records = load_prompt_records(str(tiny / "data.parquet"), tok)[0][:7]   # without duplicates
+    cfg = RolloutConfig(max_new_tokens=16, mode="dense", engine="static", record_topk=0,
+                        stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+    with RewardPool("parity", processes=0) as pool:
+        got = evaluate(load_hf(tiny / "model"), tok, pool, batch_records(records, tok.pad_token_id),
+                       cfg=cfg, budgets=np.array([2 ** 30], np.int32), bin_size=2000,
+                       rng=jax.random.key(3), samples=4)
+    assert 0 < want["avg@4"] < 1
+    for key in ("avg@4", "avg@4_se", "pass@1", "pass@2", "pass@4", "pass@4_se"):
+        assert got[key] == pytest.approx(want[key], abs=1e-12), key

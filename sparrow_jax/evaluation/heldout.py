@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from sparrow_jax.evaluation import metrics
 from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
 from sparrow_jax.runtime import multihost
@@ -90,17 +91,26 @@ def timed_generate(model, batch, *, cfg: RolloutConfig, budgets, bin_size: int, 
 
 
 def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: RolloutConfig,
-             budgets, bin_size: int, rng, spec=None, diagnostics: dict[str, RewardPool] | None = None
-             ) -> dict[str, float]:
-    """One pass over held-out prompts (group size 1) in cfg.mode; reward, length and tokens/s
-    over the rows that `batch["valid"]` marks real (all rows when the batch has no mask).
+             budgets, bin_size: int, rng, spec=None, diagnostics: dict[str, RewardPool] | None = None,
+             samples: int = 1) -> dict[str, float]:
+    """One pass over held-out prompts in cfg.mode; reward, length and tokens/s over the rows that
+    `batch["valid"]` marks real (all rows when the batch has no mask).
+
+    samples > 1: that many samples per prompt, and also `avg@n` and the unbiased `pass@k` for
+    k = 1, 2, 4, ... <= n with standard errors over prompts (sparrow_jax.evaluation.metrics, as
+    `sparrow eval` computes them; a sample is correct when its reward is > 0).
 
     The program is compiled by a first call, so callers that compare speeds should evaluate
     each mode once before timing (the train loop's evaluations after the first do that).
     """
     traj, seconds = timed_generate(model, batch, cfg=cfg, budgets=budgets, bin_size=bin_size,
-                                   group_size=1, rng=rng, spec=spec)
+                                   group_size=samples, rng=rng, spec=spec)
     texts = decode_responses(tokenizer, traj)
+    if samples > 1:     # rows are prompt-major groups: repeat the per-prompt fields
+        batch = {**{k: [x for x in batch[k] for _ in range(samples)]
+                    for k in ("answers", "prompts", "metas")},
+                 "valid": np.repeat(np.asarray(batch.get("valid", np.ones(len(texts) // samples,
+                                                                          bool)), bool), samples)}
     # Padding rows (batch["valid"] False, see shard_eval_batch) are neither scored nor counted.
     valid = np.asarray(batch.get("valid", np.ones(len(texts), bool)), bool)
     keep = np.flatnonzero(valid)
@@ -117,8 +127,15 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     # Means over every process's real prompts.
     mask = multihost.all_rows(valid)
     lengths = multihost.all_rows(multihost.local_rows(traj.response_lengths))[mask]
-    out = {"reward": float(scored(pool)[mask].mean()), "response_length": float(lengths.mean()),
+    rewards = scored(pool)
+    out = {"reward": float(rewards[mask].mean()), "response_length": float(lengths.mean()),
            "tokens_per_s": float(lengths.sum() / seconds), "seconds": seconds}
+    if samples > 1:
+        correct = (rewards[mask] > 0).reshape(-1, samples)
+        ks = [k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples]
+        per = [metrics.problem_metrics(list(c), [None] * samples, ks) for c in correct]
+        out.update({k: v for k, v in metrics.aggregate(per, samples).items()
+                    if not k.startswith("maj@")})
     for name, diag in (diagnostics or {}).items():
         out[f"reward_{name}"] = float(scored(diag)[mask].mean())
     return out

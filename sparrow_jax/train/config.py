@@ -33,6 +33,9 @@ class TrainConfig:
     eval_every: int = 10
     eval_prompts: int = 32
     eval_temperature: float = 0.0     # 0 = greedy validation
+    # Samples per held-out prompt; > 1 also logs avg@n and pass@k (k = 1, 2, 4, ... <= n) as
+    # `sparrow eval` computes them (use with eval_temperature > 0).
+    eval_samples: int = 1
     # Evaluate once before step 1 (the run's starting point). False skips it - the last
     # evaluation still runs, and its tokens/s then include the eval programs' compile time. An
     # experiment's arms start from the same checkpoint, so one arm's step-0 evaluation serves all.
@@ -81,7 +84,7 @@ class TrainConfig:
         # Counts and cadences where 0 (or less) means nothing: caught here instead of as a
         # ZeroDivisionError after a full RL step, a "disk full" or a silent no-op.
         for name in ("total_steps", "eval_every", "checkpoint_every", "max_to_keep",
-                     "prompts_per_step", "mesh_model", "eval_prompts"):
+                     "prompts_per_step", "mesh_model", "eval_prompts", "eval_samples"):
             value = getattr(self, name)
             if value < 1:
                 why = (" (0 would keep no checkpoint: the run could neither resume nor be "

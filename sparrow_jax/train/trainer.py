@@ -273,7 +273,8 @@ class Trainer:
                      else self.rollout_model())
             r = evaluation.evaluate(model, self.tokenizer, self.pool, self.eval_batch, cfg=rc,
                                     budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
-                                    rng=rng, spec=self.spec, diagnostics=self.diagnostics)
+                                    rng=rng, spec=self.spec, diagnostics=self.diagnostics,
+                                    samples=self.cfg.eval_samples)
             out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
             if self.reference is not None and mode in ("dense", "sparse"):
                 rc = self.rollout_cfg
