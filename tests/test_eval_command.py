@@ -50,11 +50,11 @@ def run_eval(argv, capsys):
 
 
 def test_bad_inputs_fail_in_one_line_before_the_model_loads(tiny, tmp_path, capsys, monkeypatch):
-    import sparrow_jax.model as model_pkg
+    from sparrow_jax.evaluation import run_samples
 
-    def no_load(*a, **k):
+    def no_load(*a, **k):     # the sampling stage is where the weights load
         raise AssertionError("the model must not load for a bad input")
-    monkeypatch.setattr(model_pkg, "load_hf", no_load)
+    monkeypatch.setattr(run_samples, "run", no_load)
     no_answer = tmp_path / "no_answer.parquet"
     pq.write_table(pa.Table.from_pylist([{"data_source": "x", "prompt": "a 1 | 0 1 >"}]),
                    no_answer)
