@@ -98,6 +98,7 @@ def test_the_registered_config_parses_every_arm():
 
     from sparrow_jax import cli
     from sparrow_jax.experiment import runner
+    from sparrow_jax.runtime import config_check
     repo = Path(__file__).resolve().parents[1]
     files = [str(repo / f"configs/{n}.gin")
              for n in ("demo_cpu", "controller_certified", "experiment_promise")]
@@ -109,6 +110,7 @@ def test_the_registered_config_parses_every_arm():
         assert {n.split("@")[1] for n in cfg.arms} == set(pre.seeds)
         for name in cfg.arms:
             cli.parse_gin(files, runner._arm_bindings(cfg, name))
+            config_check.check_bindings()          # as `sparrow train` does before it runs
             assert gin.query_parameter("ControllerConfig.raise_on") == "lower"
             assert gin.query_parameter("ControllerConfig.lower_margin") == 1.0
     finally:
