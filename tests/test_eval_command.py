@@ -172,6 +172,11 @@ def test_run_directory_with_its_schedule(tmp_path, capsys):
     assert rc == 0 and "mode=sparse" in out.err
     settings = json.loads((tmp_path / "out" / "eval.json").read_text())["settings"]
     assert settings["step"] == 2
+    # The fingerprint covers the step's parameters, not only the base model's files.
+    from sparrow_jax.evaluation.results import model_fingerprint
+    from sparrow_jax.evaluation.command import _step_checksums
+    assert settings["model_fingerprint"] != model_fingerprint(root / "model")
+    assert len(_step_checksums(str(root / "run"), 2)) > 100     # real checksums, not "null"
     assert json.loads(settings["schedule"])["budgets"] == [48] * 20
 
 

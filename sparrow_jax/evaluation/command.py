@@ -197,8 +197,11 @@ def main(args: argparse.Namespace) -> int:
 
     from sparrow_jax.evaluation import run_samples
     sampling = _sampling(args, model_dir)
+    fingerprint = results.model_fingerprint(model_dir)
+    if step is not None:    # the base model's files + the step's own parameter checksums
+        fingerprint = results.combine(fingerprint, _step_checksums(args.model, step))
     settings = {"model": os.path.abspath(args.model), "step": step,
-                "model_fingerprint": results.model_fingerprint(model_dir),
+                "model_fingerprint": fingerprint,
                 "data": data_info["files"], "n": args.n, "seed": args.seed,
                 "sampling": sampling, "max_new_tokens": max_new, "schedule": args.schedule,
                 "mode": args.mode, "engine": args.engine, "scorer": args.scorer,
@@ -245,6 +248,15 @@ def _run_schedule(run_dir: str, step: int | None) -> str:
     with ckpt.CheckpointManager(Path(run_dir), read_only=True) as mngr:
         extra = mngr.restore(step)[2]
     return ControllerState.from_dict(extra["controller"]).schedule.to_json()
+
+
+def _step_checksums(run_dir: str, step: int) -> str:
+    """The parameter checksums the train loop stored with checkpoint `step`, as JSON text."""
+    from sparrow_jax.runtime import checkpoint as ckpt
+    from sparrow_jax.runtime.faults import CHECKSUM_KEY
+    with ckpt.CheckpointManager(Path(run_dir), read_only=True) as mngr:
+        extra = mngr.restore(step)[2]
+    return json.dumps((extra.get(CHECKSUM_KEY) or {}).get("params"), sort_keys=True, default=str)
 
 
 def _has_adapter(run_dir: str, step: int) -> bool:

@@ -55,6 +55,11 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def combine(*parts: str) -> str:
+    """sha256 of several fingerprints / texts together."""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """JSON to `path` via a temporary file + fsync + rename (readers never see half a file)."""
     path = os.fspath(path)
