@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import math
 import re
+import resource
 import time
 from typing import Any, Callable
 
@@ -315,6 +316,8 @@ class Measured:
     name: str
     rows_per_device: float
     compile_s: float = 0.0
+    compile_cpu_s: float = 0.0         # CPU seconds of this process (all threads): less load-
+                                       # dependent than compile_s on a shared machine
     argument: int | None = None
     output: int | None = None
     alias: int | None = None
@@ -388,9 +391,14 @@ def _cost(compiled) -> tuple[float | None, float | None]:
     return cost.get("flops"), cost.get("bytes accessed")
 
 
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def compile_program(prog: Program, platform: str, rows_per_device: float):
     """Lowers and compiles `prog` for the target; returns (Measured, lowered, compiled or None)."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     with kernel_platform(platform):
         lowered = prog.fn.lower(*prog.args, **prog.static)
     m = Measured(prog.name, rows_per_device)
@@ -419,7 +427,8 @@ def compile_program(prog: Program, platform: str, rows_per_device: float):
     out = prog.step_out
     m.step_out = (m.output or 0) + (0 if out == "all" else out) if out == "all" or out < 0 else out
     m.largest = _largest(prog, hlo)
-    m.compile_s = time.perf_counter() - t0
-    log.info("%s: %.1fs, peak %s GiB/device%s", prog.name, m.compile_s, gib(m.peak),
+    m.compile_s, m.compile_cpu_s = time.perf_counter() - t0, _cpu_s() - c0
+    log.info("%s: %.1fs (%.1f CPU-s), peak %s GiB/device%s", prog.name, m.compile_s,
+             m.compile_cpu_s, gib(m.peak),
              f" ({m.error})" if m.error else "")
     return m, lowered, compiled

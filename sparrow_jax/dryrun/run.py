@@ -123,9 +123,11 @@ def at_depth(measure, shape: StepShape, depth: int, *args, **kw) -> list[Measure
             u, v = getattr(x, f), getattr(y, f)
             return None if u is None or v is None else type(u)(u + (full - depth) * (v - u))
         numeric = [f.name for f in dataclasses.fields(Measured)
-                   if f.name not in ("name", "rows_per_device", "compile_s", "largest", "error")]
+                   if f.name not in ("name", "rows_per_device", "compile_s", "compile_cpu_s",
+                                     "largest", "error")]
         out.append(dataclasses.replace(
             y, **{f: line(f) for f in numeric}, compile_s=x.compile_s + y.compile_s,
+            compile_cpu_s=x.compile_cpu_s + y.compile_cpu_s,
             error=x.error or y.error))
     return out
 
