@@ -108,8 +108,9 @@ def at_depth(measure, shape: StepShape, depth: int, *args, **kw) -> list[Measure
     """`measure(shape, ...)` for the model as it is (depth 0), or at `depth` and `depth + 1`
     layers, each figure extrapolated linearly to the model's depth: a quick estimate. Exact for
     the rollout programs (measured); the learner's layers are a scan whose body is the same at
-    any depth, but the compiler's scheduling is not guaranteed linear, so FITS from an
-    extrapolation is not a guarantee (the unrolled learner once compiled to 2x its estimate)."""
+    any depth (held to full depth on a tiny config, tests/test_dryrun.py), but the compiler's
+    scheduling is not guaranteed linear, and its compile time barely shrinks with depth (the
+    scan compiles one layer either way; docs/dryrun.md), so two shallow compiles cost more."""
     full = shape.model.num_hidden_layers
     if not depth or depth + 1 >= full:
         return measure(shape, *args, **kw)
@@ -323,8 +324,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of HBM kept free (default 0.1)")
     parser.add_argument("--depth", default="full",
                         help="'full' (default), or N: compile model-sized programs at N and N+1 "
-                             "layers and extrapolate - a quick estimate, exact for the rollout "
-                             "but NOT for the learner's backward (see docs/dryrun.md)")
+                             "layers and extrapolate - a quick estimate, exact for the rollout; "
+                             "the learner's is checked on a tiny model only and saves it no "
+                             "compile time (see docs/dryrun.md)")
     parser.add_argument("--rollout_depth", default=None,
                         help="like --depth, for the rollout programs only (default: --depth): "
                              "their layers are unrolled (compile time grows with depth) and "

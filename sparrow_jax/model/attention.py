@@ -23,7 +23,7 @@ class FullAttentionFn(Protocol):
 
 def alike_layers(fn: FullAttentionFn, splits: tuple[int, ...] = ()) -> FullAttentionFn:
     """Declares that `fn` treats every layer alike except that its behaviour may change at the
-    layer indices in `splits` (e.g. (0, 1, 2) for "layers 0 and 1 dense, the rest sparse"), so
+    layer indices in `splits` (e.g. (2,) for "layers 0 and 1 dense, the rest sparse"), so
     that `run_layers` may scan runs of alike layers, calling `fn` with the run's first index."""
     fn.layer_splits = tuple(splits)
     return fn

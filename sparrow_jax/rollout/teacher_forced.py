@@ -92,8 +92,12 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
         if not query_chunk:
             return rows(q, positions, 0, t)
         return map_causal_query_chunks(rows, query_chunk, q, positions)
-    # Dense layers and the sparse ones between them are separate runs (`run_layers` scans each).
-    return alike_layers(attend, tuple(sorted({j for i in dense_layers for j in (i, i + 1)})))
+    # Runs of dense layers and the sparse ones between them (`run_layers` scans each): a split
+    # only where dense-ness changes, so adjacent dense layers (the default 0, 1) share one scan -
+    # each run costs the compiler `CAUSAL_GROUPS` query-chunk scans whatever its length.
+    dense = set(dense_layers)
+    return alike_layers(attend, tuple(sorted({j for i in dense for j in (i, i + 1)
+                                              if (j in dense) != (j - 1 in dense)})))
 
 
 def trajectory_hidden(model: Qwen3ForCausalLM, traj: Trajectories, *, attention_fn=None,
