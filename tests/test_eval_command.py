@@ -210,3 +210,36 @@ def test_training_evaluation_agrees_with_sparrow_eval(tiny, tmp_path, capsys):
     assert 0 < want["avg@4"] < 1
     for key in ("avg@4", "avg@4_se", "pass@1", "pass@2", "pass@4", "pass@4_se"):
         assert got[key] == pytest.approx(want[key], abs=1e-12), key
+
+
+def test_data_sources_and_sampling_defaults(tiny, tmp_path):
+    """A row without data_source is reported under its file's name (its scorer still comes from
+    the row alone); a generation_config.json with do_sample false decodes greedily."""
+    import argparse
+
+    import gin
+
+    from sparrow_jax.evaluation import command
+    from sparrow_jax.model import load_tokenizer
+
+    plain = tmp_path / "bench_a.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n"
+                             for p in synthetic.make_problems(2, 9, (1, 1), 4)))
+    args = argparse.Namespace(data=[str(plain), str(tiny / "data.parquet")])
+    records, info = command._load_data(args, load_tokenizer(tiny / "model"), 1000)
+    assert [r["data_source"] for r in records] == ["bench_a"] * 2 + ["synthetic"] * 7
+    assert info["rows"] == 11 and info["duplicates_dropped"] == 2 and info["problems"] == 9
+    (tmp_path / "none.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit, match="none.jsonl"):
+        command._load_data(argparse.Namespace(data=[str(plain), str(tmp_path / "none.jsonl")]),
+                           load_tokenizer(tiny / "model"), 1000)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    gin.clear_config()
+    flags = argparse.Namespace(temperature=None, top_p=None, top_k=None)
+    assert command._sampling(flags, model) == {"temperature": 0.0, "top_p": 0.95, "top_k": 20}
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    flags.top_k = 5
+    assert command._sampling(flags, model) == {"temperature": 0.6, "top_p": None, "top_k": 5}

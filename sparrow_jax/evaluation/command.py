@@ -113,14 +113,24 @@ def _load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, An
     from sparrow_jax.data.prompts import load_prompt_records
     from sparrow_jax.data.rows import expand_paths
     from sparrow_jax.evaluation.results import file_sha256
+    records, skipped, rows, too_long = [], [], 0, 0
     try:
         files = expand_paths(args.data)
-        records, report = load_prompt_records(files, tokenizer, max_prompt_len=capacity)
+        # File by file: every DATA file is a benchmark and must hold usable rows, and a row
+        # without `data_source` is reported under its file's name.
+        for f in files:
+            part, report = load_prompt_records(f, tokenizer, max_prompt_len=capacity)
+            for r in part:
+                r["data_source"] = str((r["meta"] or {}).get("data_source")
+                                       or os.path.basename(f).split(".")[0])
+            records += part
+            skipped += report.skipped
+            rows, too_long = rows + report.rows, too_long + len(report.too_long)
     except (OSError, ValueError) as e:
         raise EvalError(str(e)) from None
-    reasons = collections.Counter(why for _, _, why in report.skipped)
+    reasons = collections.Counter(why for _, _, why in skipped)
     for why, count in reasons.most_common():
-        first = next((f"{f}:{r}" for f, r, w in report.skipped if w == why))
+        first = next((f"{f}:{r}" for f, r, w in skipped if w == why))
         print(f"sparrow eval: skipped {count} row(s): {why} (first: {first})", file=sys.stderr)
     seen: dict[str, dict] = {}
     kept, dup, conflicting = [], 0, 0
@@ -135,8 +145,8 @@ def _load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, An
     if dup:
         print(f"sparrow eval: dropped {dup} duplicate row(s) (prompt identical to an earlier "
               f"row; {conflicting} with a different answer; the first is kept)", file=sys.stderr)
-    info = {"files": {f: file_sha256(f) for f in files}, "rows": report.rows,
-            "loaded": report.loaded, "skipped": dict(reasons), "too_long": len(report.too_long),
+    info = {"files": {f: file_sha256(f) for f in files}, "rows": rows,
+            "loaded": len(records), "skipped": dict(reasons), "too_long": too_long,
             "duplicates_dropped": dup, "duplicates_conflicting": conflicting,
             "problems": len(kept)}
     return kept, info
@@ -144,7 +154,7 @@ def _load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, An
 
 def _sampling(args, model_dir: Path) -> dict[str, Any]:
     """temperature/top_p/top_k: the flag, else a gin binding of RolloutConfig, else the model's
-    generation_config.json, else None (RolloutConfig's default)."""
+    generation_config.json (`do_sample: false` there = greedy), else None (RolloutConfig's)."""
     import gin
     gen_file = model_dir / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -157,6 +167,9 @@ def _sampling(args, model_dir: Path) -> dict[str, Any]:
             except ValueError:      # not bound
                 value = gen.get(key)
         out[key] = value
+    if gen.get("do_sample") is False and args.temperature is None and out["temperature"] in (
+            None, gen.get("temperature")):
+        out["temperature"] = 0.0    # the model's generation config decodes greedily
     return out
 
 
@@ -190,8 +203,8 @@ def main(args: argparse.Namespace) -> int:
             raise EvalError(f"--scorer {args.scorer!r}: {e}") from None
     records, data_info = _load_data(args, tokenizer, capacity)
     for r in records:
-        r["data_source"] = str((r["meta"] or {}).get("data_source") or "default")
-        r["scorer"] = scorers.scorer_for(r["data_source"], args.scorer)
+        # By the row's own data_source only: a file's name says nothing about its prompt format.
+        r["scorer"] = scorers.scorer_for((r["meta"] or {}).get("data_source"), args.scorer)
     print(f"sparrow eval: {len(records)} problems ({data_info['rows']} rows) x {args.n} samples; "
           f"scorers: {dict(collections.Counter(r['scorer'] for r in records))}", file=sys.stderr)
 
