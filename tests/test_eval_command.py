@@ -221,6 +221,7 @@ def test_data_sources_and_sampling_defaults(tiny, tmp_path):
 
     from sparrow_jax.evaluation import command
     from sparrow_jax.model import load_tokenizer
+    from sparrow_jax.rollout import config  # noqa: F401 - registers RolloutConfig with gin
 
     plain = tmp_path / "bench_a.jsonl"
     plain.write_text("".join(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n"
@@ -237,9 +238,25 @@ def test_data_sources_and_sampling_defaults(tiny, tmp_path):
     model.mkdir()
     (model / "generation_config.json").write_text(json.dumps(
         {"do_sample": False, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    # A training config's sampling (T = 1) does not override the model's own.
     gin.clear_config()
+    gin.parse_config(["RolloutConfig.temperature = 1.0"])
     flags = argparse.Namespace(temperature=None, top_p=None, top_k=None)
     assert command._sampling(flags, model) == {"temperature": 0.0, "top_p": 0.95, "top_k": 20}
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
     flags.top_k = 5
     assert command._sampling(flags, model) == {"temperature": 0.6, "top_p": None, "top_k": 5}
+    gin.clear_config()
+
+
+def test_training_config_does_not_make_the_eval_sparse(tiny, tmp_path, capsys):
+    """A run's gin file names a sparse schedule and T = 1: `sparrow eval` with it still decodes
+    dense (no --schedule) at the model's generation config's temperature."""
+    (tmp_path / "train.gin").write_text("make_schedule.budgets = [48, 48]\nmake_schedule.bin_size"
+                                        " = 16\nRolloutConfig.temperature = 1.0\n")
+    model = tmp_path / "model"
+    shutil.copytree(tiny / "model", model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.5}))
+    rc, out = run_eval([model, tiny / "data.parquet", tmp_path / "train.gin", "--out",
+                        tmp_path / "out", "--scorer", "synthetic_exact", *SMALL], capsys)
+    assert rc == 0 and "mode=dense schedule=custom" in out.err and "temperature=0.5" in out.err

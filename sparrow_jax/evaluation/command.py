@@ -153,22 +153,14 @@ def _load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, An
 
 
 def _sampling(args, model_dir: Path) -> dict[str, Any]:
-    """temperature/top_p/top_k: the flag, else a gin binding of RolloutConfig, else the model's
-    generation_config.json (`do_sample: false` there = greedy), else None (RolloutConfig's)."""
-    import gin
+    """temperature/top_p/top_k: the flag, else the model's generation_config.json (`do_sample:
+    false` there = greedy), else None: gin's RolloutConfig (a training config's T = 1 for RL
+    exploration is not how the model is meant to be evaluated, so it comes last)."""
     gen_file = model_dir / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-    out = {}
-    for key in ("temperature", "top_p", "top_k"):
-        value = getattr(args, key)
-        if value is None:
-            try:
-                value = gin.query_parameter(f"RolloutConfig.{key}")
-            except ValueError:      # not bound
-                value = gen.get(key)
-        out[key] = value
-    if gen.get("do_sample") is False and args.temperature is None and out["temperature"] in (
-            None, gen.get("temperature")):
+    out = {key: getattr(args, key) if getattr(args, key) is not None else gen.get(key)
+           for key in ("temperature", "top_p", "top_k")}
+    if gen.get("do_sample") is False and args.temperature is None:
         out["temperature"] = 0.0    # the model's generation config decodes greedily
     return out
 

@@ -66,6 +66,8 @@ def run(args, weights_dir: Path, tokenizer, records: list[dict], sampling: dict[
 
     args.max_new_tokens = max_new
     schedule = resolve_schedule(args.schedule)
+    if args.mode is None:   # dense unless --schedule names a sparse one (never a gin default)
+        args.mode = "sparse" if args.schedule and not schedule.is_dense else "dense"
     stop_ids = stop_token_ids(tokenizer, weights_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(r["prompt_ids"]) for r in records)
