@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="scoring worker processes (0: in this process, no timeout)")
     a("--reward_timeout_s", type=float, default=10.0)
     a("--step", type=int, default=None, help="checkpoint step of a run directory (latest)")
+    a("--compile_cache_dir", default="auto", help="persistent XLA compilation cache: 'auto' "
+      "(on for GPU/TPU, see sparrow_jax.runtime.compile_cache), a directory, or '' (off)")
 
 
 def split_positionals(args: argparse.Namespace) -> None:
@@ -219,6 +221,8 @@ def main(args: argparse.Namespace) -> int:
     if done:
         print(f"sparrow eval: resuming: {done} chunk(s) of {args.problems_per_chunk} problems "
               f"already in {args.out}", file=sys.stderr)
+    from sparrow_jax.runtime import compile_cache
+    compile_cache.configure(args.compile_cache_dir)   # a resumed eval loads its programs
     export_dir = None
     try:
         if step is not None:    # a run's checkpoint: its policy (LoRA merged) as an HF directory
