@@ -166,19 +166,19 @@ def test_missing_toolchain_names_the_install(tiny):
 
 def test_depth_extrapolation_equals_full_depth(tmp_path):
     """`--rollout_depth 3 --depth 4` on a 7-layer paged config: the rollout programs compiled at
-    3 and 4 layers (the pool keeps the full model's pages), the learner's at 4 and 5, each
-    extrapolated, give the full-depth compile's arguments and outputs to 1%, temporaries never
-    under-estimated, the same step peak. CI's shipped-config guard relies on the rollout's; the
-    learner's holds on this tiny model only (at Qwen3-0.6B's shapes the update's temporaries came
-    out 22% low, docs/dryrun.md), so the guard compiles the learner at full depth."""
+    3 and 4 layers (the pool keeps the full model's pages), the learner's (gradients with the
+    fused alpha replay, update) at 4 and 5, each extrapolated, give the full-depth compile's
+    arguments and outputs to 1%, temporaries never under-estimated, the same step peak. CI's
+    shipped-config guard relies on the rollout's; the learner's holds on this tiny model only
+    (at Qwen3-0.6B's shapes the update's temporaries came out 22% low, docs/dryrun.md), so the
+    guard compiles the learner at full depth."""
     seven = dataclasses.replace(TINY, num_hidden_layers=7)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(seven.to_hf_dict()))
     gin = tmp_path / "paged.gin"
     gin.write_text(GIN.format(model=tmp_path / "m") + "RolloutConfig.engine = 'paged'\n"
                    "RolloutConfig.chunk_steps = 8\nRolloutConfig.pool_bytes = 1048576\n"
-                   "RolloutConfig.max_slots = 32\n"   # v5e-8: 8 data shards x group 4
-                   "LearnerConfig.ppo_mini_batch_size = 8\n")  # analyze + grads + apply
+                   "RolloutConfig.max_slots = 32\n")   # v5e-8: 8 data shards x group 4
     out = {}
     for name, extra in (("full", []), ("extrapolated", ["--rollout_depth", "3", "--depth", "4"])):
         r = subprocess.run(    # one after another: compiles side by side starve each other
@@ -188,7 +188,9 @@ def test_depth_extrapolation_equals_full_depth(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         out[name] = json.loads(r.stdout)
     full, est = ({p["name"]: p for p in out[k]["programs"]} for k in ("full", "extrapolated"))
-    assert set(full) >= {"rollout.paged_decode", "learner.analyze", "learner.grads",
+    # One mini-batch: the alpha replay is fused into the gradient program (no separate analysis
+    # compile, which CI time would pay three times).
+    assert set(full) >= {"rollout.paged_decode", "learner.grads[fused analysis]",
                          "learner.apply"} and set(full) == set(est)
     assert out["extrapolated"]["depth"] == ("rollout compiled at 3 and 4 layers, extrapolated "
                                             "to 7; learner compiled at 4 and 5 layers, "
