@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -101,7 +102,17 @@ def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
     try:
         gin.parse_config_files_and_bindings(list(config_files), list(params))
     except (ValueError, KeyError, SyntaxError, TypeError) as e:
-        raise SystemExit(f"sparrow: bad gin configuration: {e}") from None
+        # Python's literal parser names a bare word only as `<ast.Name object at 0x...>`.
+        text = " ".join(re.sub(r"malformed node or string on line \d+: <ast\.\w+ object at "
+                               r"0x[0-9a-f]+>", "not a value:", str(e)).split())
+        hint = "".join(f"; {b.strip()!r}: a string needs quotes ({k.strip()} = '{v.strip()}')"
+                       for b in params for k, _, v in [b.partition("=")]
+                       if _BARE.fullmatch(v.strip()))
+        raise SystemExit(f"sparrow: bad gin configuration: {text}{hint}") from None
+
+
+# A binding's value that is a bare word or path (an unquoted string), not a gin literal.
+_BARE = re.compile(r"(?!(True|False|None)$)[A-Za-z_./~][\w./~:-]*")
 
 
 def _add_gin_args(p: argparse.ArgumentParser) -> None:

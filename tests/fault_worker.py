@@ -24,7 +24,9 @@ import sys
 import time
 
 TRACE = None
-SLOW_REWARD_S = 0.0
+# Read here too: spawned reward workers import this module without running main().
+SLOW_REWARD_S = float(json.loads(os.environ.get("SPARROW_FAULTS") or "{}")
+                      .get("slow_reward_s", 0))
 
 
 def _trace(line: str) -> None:
@@ -49,10 +51,18 @@ def hostile(completion_text: str, ground_truth: str, *, prompt: str = "", meta=N
     return ["1", None, float("nan"), 0.5][kind]
 
 
-if __name__ != "__main__":   # imported as "fault_worker" (the reward names below resolve so)
+def wrong_signature(completion_text: str, ground_truth: str) -> float:
+    """Takes no prompt/meta keywords: the pool's call fails on every completion."""
+    return 1.0
+
+
+# Imported as "fault_worker" (the reward names below resolve so); not as __main__, nor as a
+# spawned reward worker's __mp_main__ (which then imports "fault_worker" to unpickle the reward).
+if __name__ == "fault_worker":
     from sparrow_jax.rl.rewards import register_reward
     register_reward("varied")(varied)
     register_reward("hostile")(hostile)
+    register_reward("wrong_signature")(wrong_signature)
 
 
 def _install(faults: dict) -> None:

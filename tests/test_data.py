@@ -193,3 +193,19 @@ def test_synthetic_rows_through_pipeline_and_gin(tmp_path):
         exact(m["solution"], a, prompt=p) == 1.0
         for m, a, p in zip(b["metas"], b["answers"], b["prompts"], strict=True)
     )
+
+
+def test_repeated_prompts_in_a_batch_are_announced(tmp_path, chat_tok, caplog):
+    """Issue #45 list 7: prompts_per_step above the data's rows repeated prompts in every
+    batch without a word."""
+    path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(3))
+    with caplog.at_level("WARNING"):
+        it = make_prompt_iterator(path, chat_tok, batch_size=6, seed=0)
+    assert "the batch of 6 prompts (TrainConfig.prompts_per_step) is larger than the 3" in (
+        caplog.text) and "repeats prompts (about 2.0 times each)" in caplog.text
+    ids = next(it)["ids"]
+    assert len(ids) == 6 and len(set(ids)) < 6          # what the warning says
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        make_prompt_iterator(path, chat_tok, batch_size=3, seed=0)
+    assert "repeats prompts" not in caplog.text

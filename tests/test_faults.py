@@ -54,7 +54,7 @@ def _argv(root: Path, run: str, steps: int, extra=()) -> list[str]:
 def _env(root: Path, faults: dict | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
-        "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONPATH": str(TESTS),
+        "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
         # Restarts reuse compiled programs (the same executables: no effect on the numbers): the
         # test session's shared cache (tests/conftest.py), which also holds test_run_safety's
         # programs (the same settings), else one of this module's own.
@@ -313,11 +313,31 @@ def test_prompts_longer_than_the_rollout_capacity_are_dropped(root):
 
 
 @slow
-def test_hostile_reward_function_is_counted_not_fatal(root):
-    rc, err = _run(root, _argv(root, "hostile", 2, ["TrainConfig.reward = 'fault_worker:hostile'"]))
+def test_reward_errors_stop_the_run_with_traceback_and_row_unless_allowed(root):
+    """Issue #45 list 7: a reward with the wrong signature is refused before the model loads;
+    one that raises in the first step stops the run before its update (its traceback and row
+    shown, nothing saved); TrainConfig.max_reward_error_share = 1.0 trains on, counting."""
+    rc, err = _run(root, _argv(root, "signature", 1,
+                               ["TrainConfig.reward = 'fault_worker:wrong_signature'"]))
+    _clean_error(rc, err, "TrainConfig.reward = 'fault_worker:wrong_signature': the reward "
+                 "function cannot be called as fn(completion_text, ground_truth",
+                 "its signature is wrong_signature(completion_text")
+    assert "precision:" not in err, "the model loaded"
+    hostile = "TrainConfig.reward = 'fault_worker:hostile'"
+    rc, err = _run(root, _argv(root, "hostile_stop", 2, [hostile]))
+    assert rc == 1, err[-3000:]
+    message = err[err.index("sparrow train: step 1: "):]
+    for needle in ("rewards raised an error", "nothing of it is saved", "First failure: row ",
+                   "(prompt id ", "Traceback (most recent call last)"):
+        assert needle in message, (needle, err[-3000:])
+    assert err.count("Traceback") == 1, err[-3000:]     # the reward's, inside the message
+    assert not list((root / "hostile_stop" / "checkpoints").glob("[0-9]*"))
+    rc, err = _run(root, _argv(root, "hostile", 2, [hostile,
+                                                    "TrainConfig.max_reward_error_share = 1.0"]))
     assert rc == 0, err[-3000:]
     rows = _metrics(root / "hostile")
     assert sum(r["reward/errors"] for r in rows) > 0
+    assert all(0 <= r["reward/error_share"] <= 1 for r in rows)
     assert all(r["reward/mean"] in (0.0, 0.125, 0.25, 0.375, 0.5) for r in rows)  # 0.5 or 0
     assert "reward errors" in err, err[-3000:]
 

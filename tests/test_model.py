@@ -153,6 +153,20 @@ def test_rope_scaling_rejected(tmp_path):
         load_hf(tmp_path)
 
 
+def test_yarn_rope_scaling_beside_default_rope_parameters_is_refused():
+    """Issue #45 list 7: transformers reads the YaRN rope_scaling even beside a default
+    rope_parameters; sparrow trained plain RoPE under it without a word."""
+    from sparrow_jax.model import Qwen3Config
+    cfg = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 48, "intermediate_size": 80,
+           "num_hidden_layers": 1, "num_attention_heads": 4,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+           "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="rope_scaling.rope_type='yarn' is not supported"):
+        Qwen3Config.from_hf_dict(cfg)
+    cfg["rope_scaling"] = {"type": "default"}
+    assert Qwen3Config.from_hf_dict(cfg).rope_theta == 1e6
+
+
 @pytest.mark.parametrize("chunk", [3, 8, 16, 64])   # 3: 13 chunks in 8 causal groups
 @pytest.mark.parametrize("left_pad", [False, True])
 def test_chunked_attention_equals_one_shot_values_and_grads(chunk, left_pad):

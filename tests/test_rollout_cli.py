@@ -1,6 +1,8 @@
 """`sparrow rollout` and `sparrow bench rollout` end to end through sparrow_jax.cli.main."""
 
 import json
+import os
+from pathlib import Path
 
 import gin
 import pytest
@@ -127,6 +129,50 @@ def test_clear_errors(model_dir, tmp_path, case, extra, message):
         prompts = str(tmp_path / "missing.jsonl")
     with pytest.raises(SystemExit, match=message):
         _rollout(model, prompts, tmp_path / "o.jsonl", *extra)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_out_never_replaces_its_inputs_a_run_or_a_model(model_dir, tmp_path):
+    """Issue #45 list 5 and 8: `--out` replaced its own --prompts, a run's metrics.jsonl, a
+    model's config.json; a directory crashed after the whole rollout. Refused before loading."""
+    import subprocess
+    import sys
+    prompts = _prompt_file(tmp_path / "p.jsonl", PROMPTS[:1])
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    kept = {p: p.read_bytes() for p in (Path(prompts), run / "metrics.jsonl",
+                                        Path(model_dir) / "config.json")}
+    # As the user ran it: the prompt file as --out.
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "sparrow_jax.cli", "rollout", "--model",
+                           str(model_dir), "--prompts", prompts, "--out", prompts],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(repo)})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "is the prompt file it reads (--prompts)" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for out, message in ((tmp_path, "is a directory; name a file"),
+                         (Path(model_dir) / "config.json", "inside the model directory"),
+                         (run / "metrics.jsonl", "exists in the run directory")):
+        with pytest.raises(SystemExit, match=message):
+            _rollout(model_dir, prompts, out)
+    assert {p: p.read_bytes() for p in kept} == kept
+
+
+def test_model_without_a_tokenizer_is_named_before_loading(model_dir, tmp_path):
+    """Issue #45 list 10: rollout shares train's tokenizer checks (a missing tokenizer said
+    `prompt_lengths must be in [1, 0]`)."""
+    import shutil
+    from sparrow_jax.train.preflight import TOKENIZER_FILES
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    for name in TOKENIZER_FILES:
+        (bare / name).unlink(missing_ok=True)
+    prompts = _prompt_file(tmp_path / "p.jsonl", PROMPTS[:1])
+    with pytest.raises(SystemExit, match="sparrow rollout: model directory .* has no tokenizer "
+                                         "files"):
+        _rollout(bare, prompts, tmp_path / "o.jsonl")
     assert not (tmp_path / "o.jsonl").exists()
 
 

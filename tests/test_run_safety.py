@@ -1,6 +1,7 @@
 """Nothing a user does loses a run (issue #28), on a tiny model:
 
-- a resume with a changed setting is a configuration error naming it and moves nothing; only
+- a resume with a changed setting is refused before the model loads, naming it, and moves
+  nothing (sparrow_jax.train.resume_config; quick cases in test_resume_config.py); only
   verified damage sets a step aside, and a fresh start is refused while set-aside steps (or
   metrics of later steps) exist; re-running a finished run keeps summary.json;
 - one trainer per run directory: a second `sparrow train` stops at start naming the holder, the
@@ -53,7 +54,7 @@ def _argv(root: Path, run: str, steps: int, extra=(), **overrides: str) -> list[
 
 
 def _env(root: Path, faults: dict | None) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONPATH": str(TESTS),
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
             # The session's shared cache (tests/conftest.py): test_faults runs the same programs.
             "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
                                                         str(root / "jax_cache")),
@@ -131,18 +132,20 @@ def _copy(run: Path, name: str) -> Path:
 
 
 @slow
-def test_changed_setting_on_resume_is_a_config_error_and_moves_nothing(root, base):
+def test_changed_setting_on_resume_is_refused_before_the_model_loads(root, base):
+    """Issue #45 list 1-2: `param_dtype` alone (orbax converts dtypes silently, so this once
+    declared every step corrupted and moved it aside), and a new learning rate."""
     run = _copy(base, "changed")
     before = {name: (run / name).read_bytes()
               for name in ("metrics.jsonl", "summary.json", "operative_config.gin")}
     argv = _argv(root, "changed", 2)
     rc, err = _run(root, argv + ["--gin_param", "TrainConfig.param_dtype = 'bfloat16'",
-                                 "--gin_param", "LearnerConfig.warmup_steps = 2"])
-    _clean_error(rc, err, "was saved with a different configuration",
-                 "TrainConfig.param_dtype: 'float32' in the checkpoint, 'bfloat16' now",
-                 "LearnerConfig.warmup_steps: 0 in the checkpoint, 2 now",
-                 "Nothing was moved or deleted")
-    assert "corrupted" not in err and "does not restore" not in err, err[-3000:]
+                                 "--gin_param", "LearnerConfig.learning_rate = 1e-4"])
+    _clean_error(rc, err, "holds a run trained to step 2 with other settings",
+                 "TrainConfig.param_dtype: 'float32' -> 'bfloat16'",
+                 "LearnerConfig.learning_rate: 0.001 -> 0.0001",
+                 "nothing was moved or changed", "another TrainConfig.run_dir")
+    assert "corrupted" not in err and "precision: master weights" not in err, err[-3000:]
     assert not (run / "damaged_checkpoints").exists()
     assert _checkpoints(run) == [1, 2]
     assert {name: (run / name).read_bytes() for name in before} == before
@@ -152,6 +155,7 @@ def test_changed_setting_on_resume_is_a_config_error_and_moves_nothing(root, bas
     assert f"resumed from {run / 'checkpoints' / '2'} at step 2" in err, err[-3000:]
     assert json.loads((run / "summary.json").read_text()) == json.loads(before["summary.json"])
     assert (run / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
+    assert not (run / "config_history.jsonl").exists()
 
 
 @slow
@@ -296,6 +300,81 @@ def test_second_trainer_stops_at_start_and_ctrl_c_stops_the_first_cleanly(root):
     assert _checkpoints(run) == sorted({1, step, step + 1})
 
 
+@slow
+def test_sigterm_to_the_process_group_saves_the_step_with_its_rewards(root):
+    """Issue #45 list 3: Kubernetes, SLURM and `docker stop` signal the whole process group.
+    The reward workers ignore it; the step in flight is scored in full, saved, and the run
+    stops cleanly, its workers gone with it."""
+    run, trace = root / "group", root / "group.trace"
+    argv = _argv(root, "group", 8, TrainConfig__checkpoint_every="10",
+                 TrainConfig__reward_processes="2")
+    log = root / "group.stderr"
+    proc = subprocess.Popen([sys.executable, str(TESTS / "fault_worker.py"), *argv],
+                            env=_env(root, {"trace": str(trace), "slow_reward_s": 0.3}),
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+                            start_new_session=True)      # its own group, as a scheduler's job
+    try:
+        deadline = time.monotonic() + 200
+        while not trace.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        step = _next(trace, 0, "reward", proc)
+        time.sleep(0.5)                                   # workers busy scoring
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=200) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = log.read_text()
+    assert f"preemption requested: saved step {step} and stopping" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + 1))
+    assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in rows), rows
+    assert _checkpoints(run) == [step]
+    deadline = time.monotonic() + 20                      # the workers went with the trainer
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("reward workers outlived the trainer")
+
+
+@slow
+def test_ctrl_c_during_start_up_exits_cleanly(root):
+    """Issue #45 list 8: Ctrl-C while the model loads and compiles was a C++ abort (134)."""
+    proc, log = _launch(root, _argv(root, "startup", 2))
+    deadline = time.monotonic() + 200
+    while "devices: " not in log.read_text(errors="replace"):   # the model loads next
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    err = log.read_text(errors="replace")
+    assert "interrupted (Ctrl-C) during start-up, before the first step: nothing was trained" \
+        in err, err[-3000:]
+    assert "Traceback" not in err and "Aborted" not in err, err[-3000:]
+    assert not list((root / "startup" / "checkpoints").glob("[0-9]*"))
+
+
+@slow
+def test_a_platform_without_its_device_is_one_clear_line(root):
+    """Issue #45 list 8: JAX_PLATFORMS=cuda on a machine without a GPU crashed."""
+    import importlib.util
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        pytest.skip("a CUDA plugin is installed: the platform may start here")
+    env = {**_env(root, None), "JAX_PLATFORMS": "cuda"}
+    proc = subprocess.run([sys.executable, str(TESTS / "fault_worker.py"),
+                           *_argv(root, "no_gpu", 1)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    _clean_error(proc.returncode, proc.stderr, "JAX cannot start its backend "
+                 "(JAX_PLATFORMS='cuda')", "set it to cpu")
+    assert not (root / "no_gpu").exists()
+
+
 def test_run_lock_names_the_holder_and_takes_over_a_stale_lock(tmp_path, caplog):
     from sparrow_jax.runtime.faults import RunError
     from sparrow_jax.runtime.run_lock import RunLock
@@ -313,6 +392,27 @@ def test_run_lock_names_the_holder_and_takes_over_a_stale_lock(tmp_path, caplog)
         assert lock.held
         assert json.loads((tmp_path / "sparrow.lock").read_text())["pid"] == os.getpid()
     assert "stale lock" in caplog.text and "that process is gone" in caplog.text
+
+
+def test_deleting_the_lock_file_does_not_let_a_second_trainer_in(tmp_path):
+    """Issue #45 list 6: the lock holds on the run directory itself, in another process (the
+    user's second `sparrow train`), after the user deleted sparrow.lock by hand."""
+    from sparrow_jax.runtime.run_lock import RunLock
+
+    code = ("import sys\nfrom sparrow_jax.runtime.run_lock import RunLock\n"
+            "from sparrow_jax.runtime.faults import RunError\n"
+            "try:\n    RunLock(sys.argv[1]).acquire()\n"
+            "except RunError as e:\n    print(e)\n    sys.exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    with RunLock(tmp_path):
+        (tmp_path / "sparrow.lock").unlink()
+        second = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 3, second.stdout + second.stderr
+        assert f"run directory {tmp_path} is in use by another sparrow train" in second.stdout
+        assert "its lock file was deleted" in second.stdout
+    with RunLock(tmp_path) as lock:     # released: free again
+        assert lock.held
 
 
 # -- export targets -----------------------------------------------------------------------------
@@ -348,6 +448,27 @@ def test_export_never_writes_into_the_run_or_the_model(root, base, tmp_path):
     assert (out / "README.md").read_text() == "my notes"
     assert "README.md" not in provenance["files"] and "model.safetensors" in provenance["files"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no staging left
+
+
+@slow
+def test_export_checks_the_fingerprint_and_exports_nothing_from_a_damaged_step(root, base,
+                                                                              tmp_path):
+    """Issue #45 list 4: a corrupted step exported with exit 0 (and wrong weights). Step 2's
+    parameter files are replaced by step 1's: arrays that decode cleanly but are not the ones
+    step 2's fingerprint was taken of."""
+    run = _copy(base, "damaged_export")
+    shutil.rmtree(run / "checkpoints" / "2" / "params")
+    shutil.copytree(run / "checkpoints" / "1" / "params", run / "checkpoints" / "2" / "params")
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "sparrow_jax.cli", "export", str(run),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env=_env(root, None))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    for needle in ("step 2: ", "differ from the fingerprint saved with them",
+                   "Nothing was exported", "available: [1, 2]"):
+        assert needle in proc.stderr, (needle, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 # -- validation before anything loads -------------------------------------------------------------
@@ -390,6 +511,47 @@ def test_every_bad_setting_is_reported_together_before_the_model_loads(root, tmp
                    "LearnerConfig.remat must be one of", "ReferenceEvalConfig.data", "no_refs"):
         assert needle in message, (needle, message)
     assert not (Path.cwd() / "never").exists()
+
+
+def test_settings_that_would_train_wrong_are_refused_by_name_before_the_model_loads(
+        root, tmp_path, monkeypatch):
+    """Issue #45 lists 7 and 9: temperature 0 for GRPO (a zero gradient at every step), a YaRN
+    rope_scaling beside default rope_parameters (trained as plain RoPE), a negative learning
+    rate (the message did not name it), an error share outside [0, 1]."""
+    model = tmp_path / "yarn_model"
+    shutil.copytree(root / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (model / "config.json").write_text(json.dumps(config))
+    argv = _argv(root, "never_wrong", 1, RolloutConfig__temperature="0.0",
+                 LearnerConfig__learning_rate="-1e-3", TrainConfig__model_path=repr(str(model)),
+                 TrainConfig__max_reward_error_share="2.0", TrainConfig__dtype="'float16'")
+    message = _train_error(argv, monkeypatch)
+    for needle in ("RolloutConfig.temperature = 0.0: GRPO learns from the differences",
+                   "LearnerConfig.learning_rate must be > 0, got -0.001",
+                   "rope_scaling.rope_type='yarn' is not supported",
+                   "TrainConfig.max_reward_error_share must be in [0, 1], got 2.0",
+                   "TrainConfig.dtype = 'float16': float16 overflows"):
+        assert needle in message, (needle, message)
+    assert not (root / "never_wrong").exists()
+    # List 10: found only after minutes of loading before.
+    argv = _argv(root, "never_late", 1, RolloutConfig__backend="'fastest'",
+                 LearnerConfig__micro_batch_size="3", make_schedule__budgets=str([128] * 20))
+    message = _train_error(argv, monkeypatch)
+    for needle in ("RolloutConfig.backend = 'fastest' is not a kernel backend",
+                   "LearnerConfig.micro_batch_size = 3 must be a multiple of "
+                   "TrainConfig.group_size = 2",
+                   "schedule budgets reach 128 tokens but RolloutConfig.max_budget = 64"):
+        assert needle in message, (needle, message)
+
+
+def test_an_unquoted_gin_string_names_the_binding():
+    from sparrow_jax import cli
+    with pytest.raises(SystemExit) as e:
+        cli.parse_gin([], ["TrainConfig.reward = math_verify"])
+    gin.clear_config()
+    assert "<ast" not in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert "a string needs quotes (TrainConfig.reward = 'math_verify')" in str(e.value)
 
 
 def test_a_mesh_that_does_not_fit_the_devices_stops_before_the_model_loads(root, monkeypatch):
@@ -486,6 +648,22 @@ def test_sft_does_not_overwrite_a_model_directory(tmp_path):
     assert (out / "config.json").read_text() == "{}"
     check_output_dir(SFTConfig(output_dir=str(out), overwrite=True))      # asked: allowed
     check_output_dir(SFTConfig(output_dir=str(tmp_path / "new")))
+
+
+def test_sft_crop_longer_than_the_sequences_is_a_clear_error(tmp_path):
+    """Issue #45 list 8: a crop_length over the sequence length crashed with numpy's error."""
+    from sparrow_jax import cli
+    gin.clear_config()
+    try:
+        with pytest.raises(SystemExit, match=r"sparrow sft: SFTConfig.crop_length = 100000 is "
+                                             r"longer than a training sequence \(\d+ tokens"):
+            cli.main(["sft", "--gin_param", f"SFTConfig.output_dir = '{tmp_path / 'o'}'",
+                      "--gin_param", "SFTConfig.crop_length = 100000",
+                      "--gin_param", "SFTConfig.crop_steps = 1",
+                      "--gin_param", "SFTConfig.long_steps = 1"])
+    finally:
+        gin.clear_config()
+    assert not (tmp_path / "o").exists()
 
 
 def test_math_verify_timeout_log_is_cut_short(caplog):

@@ -222,6 +222,15 @@ class PromptIterator:
             pad_to,
         )
         self.num_records = per_shard
+        if batch_size > per_shard:
+            # Each batch then holds some prompts twice or more: their groups count double in
+            # the step's advantages and gradient (issue #45: this happened without a word).
+            logger.warning(
+                "the batch of %d prompts (TrainConfig.prompts_per_step) is larger than the %d "
+                "prompts of the data%s: every batch repeats prompts (about %.1f times each). "
+                "Use more prompts or a smaller prompts_per_step", batch_size, per_shard,
+                f" (this process's shard of {shard_count})" if shard_count > 1 else "",
+                batch_size / per_shard)
         self.first_record = shard[0]  # logged at the start of training (what the model sees)
         self._fingerprint = {
             "num_records": per_shard,

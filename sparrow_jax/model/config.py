@@ -71,9 +71,16 @@ class Qwen3Config:
         # transformers 5 keeps RoPE under rope_parameters; 4.x used rope_theta (+ rope_scaling).
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope_type={rope_type!r} is not supported (only 'default'); "
+        # Every RoPE type either place names must be plain RoPE: transformers reads a YaRN
+        # rope_scaling even beside a default rope_parameters, and training plain RoPE under it
+        # would be a silently different model (issue #45).
+        types = {f"{where}.{key}": d.get(key) for where, d in (("rope_parameters", rope),
+                                                               ("rope_scaling", scaling))
+                 for key in ("rope_type", "type") if d.get(key) is not None}
+        other = {k: v for k, v in types.items() if v != "default"}
+        if other:
+            named = ", ".join(f"{k}={v!r}" for k, v in other.items())
+            raise ValueError(f"{source}: {named} is not supported (only plain RoPE, 'default'); "
                              "remove the RoPE scaling from the config to run at native context")
         theta = rope.get("rope_theta", cfg.get("rope_theta"))
         if theta is None:

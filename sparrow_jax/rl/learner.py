@@ -81,8 +81,13 @@ class LearnerConfig:
         if self.ppo_epochs < 1 or self.ppo_mini_batch_size < 0:
             raise ValueError(f"LearnerConfig: ppo_epochs must be >= 1 and ppo_mini_batch_size "
                              f">= 0, got {self.ppo_epochs} and {self.ppo_mini_batch_size}")
-        if self.learning_rate <= 0 or self.micro_batch_size < 0 or self.logit_chunk <= 0:
-            raise ValueError(f"bad learner config {self}")
+        bad = [f"LearnerConfig.{name} must be {rule}, got {getattr(self, name)}"
+               for name, rule, ok in (("learning_rate", "> 0", self.learning_rate > 0),
+                                      ("micro_batch_size", ">= 0 (0 = all)",
+                                       self.micro_batch_size >= 0),
+                                      ("logit_chunk", "> 0", self.logit_chunk > 0)) if not ok]
+        if bad:
+            raise ValueError("; ".join(bad))
 
 
 def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:

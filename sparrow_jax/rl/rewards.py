@@ -26,6 +26,7 @@ import numbers
 import signal
 import threading
 import time
+import traceback
 from typing import Any, Callable, Sequence
 
 import gin
@@ -211,10 +212,19 @@ def _as_reward(value: Any) -> float:
     return value
 
 
+# Job-control signals go to the whole process group (Ctrl-C; SIGTERM from Kubernetes, SLURM,
+# `docker stop`). Reward workers ignore them: the trainer finishes the step's scoring, saves,
+# and stops the workers itself (`close`). They are blocked from spawn to the worker's first
+# line (a blocked signal stays blocked across fork and exec), so no start-up window is open.
+_JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _worker_main(conn: Any, fn: RewardFn, preload: tuple[str, ...]) -> None:
     """Worker loop: import, report ready, then score items until told to stop."""
-    # Ctrl-C goes to the whole process group; the parent decides when workers die.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in _JOB_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _JOB_SIGNALS)
     for module in preload:
         importlib.import_module(module)
     conn.send(("ready",))
@@ -229,15 +239,22 @@ def _worker_main(conn: Any, fn: RewardFn, preload: tuple[str, ...]) -> None:
         try:
             value = _as_reward(fn(completion, truth, prompt=prompt, meta=meta))
             conn.send((idx, True, value))
-        except Exception as e:  # noqa: BLE001 - any reward bug must cost one item, not the run
-            conn.send((idx, False, f"{type(e).__name__}: {e}"[:500]))
+        except Exception:  # noqa: BLE001 - any reward bug costs its item; the trainer decides
+            conn.send((idx, False, traceback.format_exc()[-4000:]))
 
 
 class _Worker:
     def __init__(self, ctx: Any, fn: RewardFn, preload: tuple[str, ...]):
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_worker_main, args=(child, fn, preload), daemon=True)
-        self.process.start()
+        block = (hasattr(signal, "pthread_sigmask")
+                 and threading.current_thread() is threading.main_thread())
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS) if block else None
+        try:
+            self.process.start()
+        finally:
+            if block:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
         child.close()
         self.ready = False
         self.job: tuple[int, float] | None = None  # (item index, deadline)
@@ -311,8 +328,10 @@ class RewardPool:
             pass
 
     def score(self, items: Sequence[Item]) -> tuple[np.ndarray, dict[str, Any]]:
-        """Rewards `[len(items)]` float32 and info {timeouts, errors, restarts, seconds,
-        timed_out (indices), failed (indices)}. Failed or timed-out items score 0."""
+        """Rewards `[len(items)]` float32 and info {timeouts, errors, restarts, crashed
+        (workers that died while scoring), seconds, timed_out (indices), failed (indices)}, and
+        for the first failed item first_error (its last line), first_error_index and
+        first_traceback. Failed or timed-out items score 0."""
         t0 = time.monotonic()
         items = [_normalize_item(it) for it in items]
         rewards = np.zeros(len(items), np.float32)
@@ -320,6 +339,7 @@ class RewardPool:
             "timeouts": 0,
             "errors": 0,
             "restarts": 0,
+            "crashed": 0,
             "timed_out": [],
             "failed": [],
         }
@@ -327,10 +347,8 @@ class RewardPool:
             for i, (completion, truth, prompt, meta) in enumerate(items):
                 try:
                     rewards[i] = _as_reward(self._fn(completion, truth, prompt=prompt, meta=meta))
-                except Exception as e:  # noqa: BLE001
-                    info["errors"] += 1
-                    info["failed"].append(i)
-                    info.setdefault("first_error", f"{type(e).__name__}: {e}"[:500])
+                except Exception:  # noqa: BLE001 - counted; the trainer decides (its threshold)
+                    self._fail(i, info, "errors", "failed", traceback.format_exc()[-4000:])
         else:
             self._score_in_pool(items, rewards, info)
         info["seconds"] = time.monotonic() - t0
@@ -365,7 +383,10 @@ class RewardPool:
                 except (EOFError, OSError):
                     # Crashed (segfault, OOM kill): its item fails, the worker is replaced.
                     if w.job is not None:
-                        self._fail(w.job[0], info, "errors", "failed")
+                        info["crashed"] += 1
+                        self._fail(w.job[0], info, "errors", "failed",
+                                   f"the reward worker (pid {w.process.pid}) died while scoring "
+                                   f"this item (exit code {w.process.exitcode})")
                     elif not w.ready:
                         raise RuntimeError(
                             "a reward worker died during start-up (import error?)"
@@ -380,8 +401,7 @@ class RewardPool:
                 if ok:
                     rewards[i] = value
                 else:
-                    self._fail(i, info, "errors", "failed")
-                    info.setdefault("first_error", value)
+                    self._fail(i, info, "errors", "failed", value)
             now = time.monotonic()
             for k, w in enumerate(self._workers):
                 if w.job is not None and now >= w.job[1]:
@@ -390,9 +410,15 @@ class RewardPool:
             if not any(w.ready for w in self._workers) and now - started > self.startup_timeout_s:
                 raise RuntimeError(f"no reward worker became ready in {self.startup_timeout_s}s")
 
-    def _fail(self, i: int, info: dict[str, Any], counter: str, indices: str) -> None:
+    def _fail(self, i: int, info: dict[str, Any], counter: str, indices: str,
+              error: str | None = None) -> None:
         info[counter] += 1
         info[indices].append(i)
+        if error is not None and "first_error" not in info:
+            # The last line names the exception; the whole traceback goes with it.
+            lines = error.strip().splitlines()
+            info["first_error"] = lines[-1][:500] if lines else error[:500]
+            info["first_error_index"], info["first_traceback"] = i, error
 
     def _replace(self, k: int, info: dict[str, Any]) -> None:
         # A stuck worker cannot be interrupted cooperatively; kill it and start a fresh one.

@@ -243,6 +243,11 @@ class CheckpointManager:
         """
         return self._sigterm.is_set() or self._mngr.reached_preemption(step)
 
+    @property
+    def stop_requested(self) -> bool:
+        """A SIGTERM or Ctrl-C arrived: the run saves at the step boundary and stops."""
+        return self._sigterm.is_set()
+
     def step_dir(self, step: int) -> str:
         """Directory of a finalized step (``run_dir/checkpoints/<step>``)."""
         return posixpath.join(self.directory, str(step))

@@ -48,6 +48,7 @@ from gin import config_parser
 from sparrow_jax.model import (Qwen3ForCausalLM, load_tokenizer, read_config, save_hf,
                                stop_token_ids)
 from sparrow_jax.runtime import checkpoint as ckpt
+from sparrow_jax.runtime import faults
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +140,36 @@ def _model_dir(mngr: ckpt.CheckpointManager, step: int, override: str | None) ->
                               "pass --model_path DIR")
         path, origin = Path(value), "TrainConfig.model_path of the run"
     if not (path / "config.json").is_file():
+        if not path.is_absolute() and not path.exists():
+            # Relative to where `sparrow train` ran, which the run does not record.
+            raise ExportError(f"base model directory {str(path)!r} ({origin}) is a relative "
+                              f"path, not found from the current directory {os.getcwd()}: "
+                              f"run the export from the directory the training ran in, or pass "
+                              f"--model_path DIR")
         raise ExportError(f"base model directory {str(path)!r} ({origin}) is gone or has no "
                           "config.json; pass --model_path DIR with the same config.json and "
                           "tokenizer")
     return path
+
+
+def _verify_fingerprint(mngr: ckpt.CheckpointManager, step: int, params: Any) -> None:
+    """The restored parameters against the fingerprints `sparrow train` saved with the step
+    (as a resume checks them): flipped bytes restore silently as other weights."""
+    path = ckpt.epath.Path(mngr.step_dir(step)) / "extra" / "metadata"
+    try:
+        sums = (json.loads(path.read_text()) or {}).get(faults.CHECKSUM_KEY)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"checkpoint step {step}: {path} (its fingerprints) is unreadable "
+                          f"({e}); the step is damaged: export another --step") from None
+    if not sums or "params" not in sums:
+        log.warning("checkpoint step %d has no fingerprints (saved before they existed): its "
+                    "parameters are not verified", step)
+        return
+    try:
+        faults.verify_checksums(step, {"params": params}, {"params": sums["params"]})
+    except faults.DamagedCheckpointError as e:
+        raise ExportError(f"{e}. Nothing was exported; export another step (--step, available: "
+                          f"{mngr.all_steps()})") from None
 
 
 def _abstract_params(mngr: ckpt.CheckpointManager, step: int, model_dir: Path):
@@ -338,6 +365,7 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         log.info("exporting %s step %d (params stored as %s) with base model %s", run, step,
                  stored_dtype, model_dir)
         params = mngr.restore_params(step, abstract)
+        _verify_fingerprint(mngr, step, params)
         lora_info = None
         if merge_lora:
             params, lora_info = _merge_adapter(mngr, step, params)

@@ -68,6 +68,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="malformed prompt rows: stop with the row number, or skip them")
     parser.add_argument("--chat_template", action="store_true",
                         help="render plain 'prompt' rows with the tokenizer's chat template too")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let --out replace an existing file inside a model or run "
+                             "directory (never the prompts it reads)")
+
+
+def _owner(path: str) -> str | None:
+    """'model directory D' / 'run directory D' when `path` lies in one (what a stray --out
+    would damage: a model's config.json, a run's metrics.jsonl), else None."""
+    parent = os.path.dirname(path)
+    if os.path.isfile(os.path.join(parent, "config.json")) and (
+            any(n.endswith(".safetensors") for n in os.listdir(parent))
+            or os.path.isfile(os.path.join(parent, "tokenizer.json"))):
+        return f"model directory {parent}"
+    d = parent
+    for _ in range(4):               # the run directory or a few levels inside it
+        if os.path.isdir(os.path.join(d, "checkpoints")) and any(
+                os.path.exists(os.path.join(d, n))
+                for n in ("metrics.jsonl", "operative_config.gin", "sparrow.lock")):
+            return f"run directory {d}"
+        d = os.path.dirname(d)
+    return None
+
+
+def check_out(out: str, prompts: Any, model: str, overwrite: bool) -> None:
+    """Refuses, before anything loads, an --out that is a directory, one of the inputs (the
+    prompt files, the model's files), or an existing file of a model or run directory unless
+    --overwrite (issue #45: `--out` used to replace whatever it named)."""
+    from sparrow_jax.data.rows import expand_paths
+    path = os.path.realpath(os.path.abspath(out))
+    if os.path.isdir(path):
+        raise RolloutError(f"--out {out!r} is a directory; name a file (e.g. "
+                           f"{os.path.join(out, 'samples.jsonl')})")
+    try:
+        inputs = [os.path.realpath(p) for p in expand_paths(prompts)]
+    except (OSError, ValueError):
+        inputs = []                  # reported with the prompts below
+    if path in inputs:
+        raise RolloutError(f"--out {out!r} is the prompt file it reads (--prompts); write the "
+                           f"samples elsewhere")
+    if os.path.dirname(path) == os.path.realpath(model):
+        raise RolloutError(f"--out {out!r} is inside the model directory {model!r} it loads; "
+                           f"write the samples elsewhere")
+    owner = _owner(path) if os.path.exists(path) else None
+    if owner and not overwrite:
+        raise RolloutError(f"--out {out!r} exists in the {owner}: writing would replace that "
+                           f"directory's file. Choose another --out (or pass --overwrite)")
 
 
 # -- setup ---------------------------------------------------------------------------------------
@@ -209,6 +255,14 @@ def main(args: argparse.Namespace) -> int:
         raise RolloutError("--group_size and --batch_size must be >= 1")
     if not os.path.isdir(args.model):
         raise RolloutError(f"model directory {args.model!r} does not exist")
+    check_out(args.out, args.prompts, args.model, getattr(args, "overwrite", False))
+    # The model directory as `sparrow train` checks it (config.json, tokenizer files, a real
+    # vocabulary), before the weights load.
+    from sparrow_jax.train.preflight import model_problems
+    problems = model_problems(args.model)
+    if problems:
+        raise RolloutError("; ".join(p.replace("TrainConfig.model_path", "--model")
+                                     for p in problems))
     schedule = resolve_schedule(args.schedule)
     try:
         mcfg = read_config(args.model)

@@ -8,13 +8,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 
 import jax
 
 from sparrow_jax.runtime import checkpoint as ckpt
 from sparrow_jax.runtime import compile_cache, config_check, faults, run_lock
-from sparrow_jax.train import preflight
+from sparrow_jax.data.rows import expand_paths
+from sparrow_jax.train import preflight, resume_config
 from sparrow_jax.train.config import TrainConfig
 from sparrow_jax.train.trainer import Trainer
 
@@ -23,11 +27,43 @@ __all__ = ["train", "main"]
 log = logging.getLogger(__name__)
 
 
+def _startup_signal(signum: int, frame: object) -> None:
+    """Ctrl-C or SIGTERM before the training loop (loading, compiling): nothing is trained
+    yet, so the process leaves at once with a message. Raising KeyboardInterrupt here could
+    unwind through a C++ call of XLA or a library thread and abort the process (status 134)."""
+    del frame
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    sys.stderr.write(f"\nsparrow train: interrupted ({name}) during start-up, before the first "
+                     f"step: nothing was trained or saved; the run's checkpoints are as they "
+                     f"were\n")
+    sys.stderr.flush()
+    os._exit(130 if signum == signal.SIGINT else 128 + signum)
+
+
+def _startup_handlers(cfg: TrainConfig) -> dict[int, object]:
+    """Installs `_startup_signal` (the trainer's checkpoint manager replaces it with the loop's
+    save-and-stop handlers); returns the previous handlers. A multi-process run leaves SIGTERM
+    to JAX's preemption notifier."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    sigs = [signal.SIGINT] + ([] if cfg.distributed else [signal.SIGTERM])
+    return {sig: signal.signal(sig, _startup_signal) for sig in sigs}
+
+
 def train(cfg: TrainConfig | None = None) -> dict[str, float]:
     # Every setting and what it names (model, tokenizer, data, rewards), all problems in one
     # error (not TrainConfig's first), before anything heavy loads.
     preflight.check_train(cfg)
     cfg = cfg or TrainConfig()
+    previous = _startup_handlers(cfg)
+    try:
+        return _train(cfg)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _train(cfg: TrainConfig) -> dict[str, float]:
     if cfg.distributed:
         if cfg.coordinator_address:
             jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
@@ -43,7 +79,12 @@ def train(cfg: TrainConfig | None = None) -> dict[str, float]:
     if jax.process_index() == 0:
         lock.acquire()
     try:
-        trainer = Trainer(cfg)
+        # A resume continues the same run: its settings and data are compared with the saved
+        # ones before the model loads (sparrow_jax.train.resume_config).
+        data_sha = resume_config.data_fingerprint(expand_paths(cfg.train_data))
+        plan = resume_config.check_resume(cfg.run_dir, cfg.total_steps, cfg.resume_overrides,
+                                          data_sha)
+        trainer = Trainer(cfg, data_sha256=data_sha, resume_plan=plan)
     except BaseException:
         lock.release()
         raise

@@ -23,6 +23,10 @@ class TrainConfig:
     diagnostic_rewards: tuple[str, ...] = ()
     reward_processes: int = 4         # 0 = score in-process (cheap rewards)
     reward_timeout_s: float = 10.0
+    # The share of a step's rewards that may raise an error (scored 0, reward/error_share)
+    # before the run stops with the first error's traceback and row; in the run's first step
+    # any error stops it (a reward that fails at once is a bug). 1.0 never stops.
+    max_reward_error_share: float = 0.01
     prompts_per_step: int = 4
     group_size: int = 8
     total_steps: int = 100
@@ -63,6 +67,12 @@ class TrainConfig:
     # JAX_COMPILATION_CACHE_DIR if set, else on for GPU/TPU in ~/.cache/sparrow-jax/xla (or
     # $SPARROW_COMPILE_CACHE) and off on CPU; a directory = on there (any platform); "" = off.
     compile_cache_dir: str = "auto"
+    # Settings that may differ from the run's saved ones on resume (evaluation and checkpoint
+    # cadence and the like: sparrow_jax.train.resume_config.OVERRIDABLE), e.g.
+    # ('TrainConfig.eval_every',). What is trained (model, dtypes, data, reward, optimizer,
+    # schedule, batch layout) never changes within a run; total_steps may change (down to the
+    # run's step).
+    resume_overrides: tuple[str, ...] = ()
 
     def __post_init__(self):
         problems = self.problems()
@@ -95,6 +105,9 @@ class TrainConfig:
                 out.append(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not self.reward_timeout_s > 0:
             out.append(f"TrainConfig.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        if not 0 <= self.max_reward_error_share <= 1:
+            out.append(f"TrainConfig.max_reward_error_share must be in [0, 1], got "
+                       f"{self.max_reward_error_share}")
         if not 0 < self.tail_quantile < 1:
             out.append(f"TrainConfig.tail_quantile must be in (0, 1), got {self.tail_quantile}")
         explicit = (bool(self.coordinator_address), self.num_processes > 0, self.process_id >= 0)
@@ -119,6 +132,14 @@ class TrainConfig:
                 except TypeError:
                     out.append(f"TrainConfig.{name} = {value!r} is not a dtype name (float32, "
                                f"bfloat16, ...)")
+                    continue
+                if jnp.dtype(value) == jnp.float16:
+                    # Its range (6.5e4) overflows these models' activations: every step was
+                    # skipped as non-finite, reported with a loss of 0.0 (issue #45).
+                    out.append(f"TrainConfig.{name} = {value!r}: float16 overflows in these "
+                               f"models (largest value 65504), so every update would be "
+                               f"non-finite; use 'bfloat16' (same size, float32's range) or "
+                               f"'float32'")
         return out
 
 

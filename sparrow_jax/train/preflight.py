@@ -35,7 +35,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["train_problems", "check_train", "device_problems", "check_devices",
+__all__ = ["train_problems", "check_train", "device_problems", "check_devices", "model_problems",
            "TOKENIZER_FILES", "MIN_VOCABULARY"]
 
 # Any one of these makes a Hugging Face tokenizer (fast JSON, SentencePiece, BPE, WordPiece).
@@ -44,7 +44,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 MIN_VOCABULARY = 4   # fewer tokens than this is no vocabulary (a fallback, not a tokenizer)
 
 
-def _model_problems(model_path: str) -> list[str]:
+def model_problems(model_path: str) -> list[str]:
+    """The model directory's problems (`sparrow train` and `sparrow rollout` share them)."""
     if not model_path:
         return []          # TrainConfig.problems names it
     if not os.path.exists(model_path):
@@ -54,6 +55,13 @@ def _model_problems(model_path: str) -> list[str]:
     out = []
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         out.append(f"model directory {model_path!r} has no config.json")
+    else:
+        # The architecture and RoPE settings we implement exactly, read without the weights.
+        from sparrow_jax.model import read_config
+        try:
+            read_config(model_path)
+        except (ValueError, KeyError, TypeError) as e:
+            out.append(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, f))]
     if not present:
         return out + [f"model directory {model_path!r} has no tokenizer files (one of "
@@ -102,13 +110,30 @@ def _ensure_cwd_importable() -> None:
         sys.path.append(cwd)
 
 
+def _signature_problem(setting: str, name: str, fn: Any) -> str | None:
+    """A reward function that cannot take `fn(completion, ground_truth, prompt=..., meta=...)`
+    fails on every completion: the run would train on zero reward (issue #45)."""
+    import inspect
+    try:
+        inspect.signature(fn).bind("completion", "answer", prompt="", meta=None)
+    except TypeError as e:
+        return (f"TrainConfig.{setting} = {name!r}: the reward function cannot be called as "
+                f"fn(completion_text, ground_truth, *, prompt='', meta=None) ({e}); its "
+                f"signature is {getattr(fn, '__name__', name)}{inspect.signature(fn)}")
+    except ValueError:     # a builtin without a signature: left to the first batch
+        return None
+    return None
+
+
 def _reward_problems(names: dict[str, str]) -> list[str]:
     from sparrow_jax.rl.rewards import get_reward
     _ensure_cwd_importable()
     out = []
     for setting, name in names.items():
         try:
-            get_reward(name)
+            problem = _signature_problem(setting, name, get_reward(name))
+            if problem:
+                out.append(problem)
         except KeyError as e:
             out.append(f"TrainConfig.{setting}: {e.args[0] if e.args else e}")
         except Exception as e:  # noqa: BLE001 - the user's module failed to import
@@ -119,7 +144,32 @@ def _reward_problems(names: dict[str, str]) -> list[str]:
     return out
 
 
-def _component_problems() -> list[str]:
+def _layout_problems(cfg: Any, rollout: Any, learner: Any, schedule: Any) -> list[str]:
+    """What the trainer used to find only after the model loaded (issue #45 list 10): the kernel
+    backend's name, learner batch sizes against the group size, schedule budgets against the
+    sparse rollout's selection width."""
+    from pallas_kernels.dispatch import BACKENDS
+    from sparrow_jax.sparsity.schedule import DENSE_BUDGET
+    out = []
+    if rollout is not None and rollout.backend not in BACKENDS:
+        out.append(f"RolloutConfig.backend = {rollout.backend!r} is not a kernel backend (one "
+                   f"of {BACKENDS})")
+    if learner is not None and cfg.group_size >= 2:
+        for name in ("micro_batch_size", "ppo_mini_batch_size"):
+            size = getattr(learner, name)
+            if size and size % cfg.group_size:
+                out.append(f"LearnerConfig.{name} = {size} must be a multiple of "
+                           f"TrainConfig.group_size = {cfg.group_size} (groups are never split)")
+    if (rollout is not None and schedule is not None and cfg.rollout_mode == "sparse"):
+        finite = [b for b in schedule.budgets if b < DENSE_BUDGET]
+        if finite and max(finite) > rollout.max_budget:
+            out.append(f"schedule budgets reach {max(finite)} tokens but RolloutConfig."
+                       f"max_budget = {rollout.max_budget} (the selection width): raise "
+                       f"max_budget")
+    return out
+
+
+def _component_problems(cfg: Any) -> list[str]:
     """The other configurables the trainer builds, built here first with the same gin bindings
     (cheap dataclasses): their own checks fail before the model loads, not after it."""
     from sparrow_jax.rl.distill import DistillConfig
@@ -128,22 +178,31 @@ def _component_problems() -> list[str]:
     from sparrow_jax.sparsity.controller import ControllerConfig
     from sparrow_jax.sparsity.schedule import make_schedule
     out = []
+    built = {}
     for name, build in (("RolloutConfig", RolloutConfig), ("LearnerConfig", LearnerConfig),
                         ("ControllerConfig", ControllerConfig), ("DistillConfig", DistillConfig),
                         ("make_schedule", make_schedule)):
         try:
-            build()
+            built[name] = build()
         except (ValueError, TypeError, KeyError, OSError) as e:
             text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             out.append(text if text.startswith(name) else f"{name}: {text}")
+    rollout = built.get("RolloutConfig")
+    out += _layout_problems(cfg, rollout, built.get("LearnerConfig"), built.get("make_schedule"))
+    if rollout is not None and not rollout.temperature > 0:
+        out.append(f"RolloutConfig.temperature = {rollout.temperature}: GRPO learns from the "
+                   f"differences between a prompt's group_size samples, and greedy decoding "
+                   f"makes them identical (every advantage and gradient 0); use a temperature "
+                   f"> 0 (1.0 samples the policy itself). Greedy evaluation is "
+                   f"TrainConfig.eval_temperature")
     return out
 
 
 def train_problems(cfg: Any) -> list[str]:
     """Every problem of a `TrainConfig` (its settings and what they name)."""
     out = list(cfg.problems())
-    out += _component_problems()
-    out += _model_problems(cfg.model_path)
+    out += _component_problems(cfg)
+    out += model_problems(cfg.model_path)
     out += _data_problems("train_data", cfg.train_data)
     out += _data_problems("eval_data", cfg.eval_data)
     out += _reference_problems()
@@ -221,9 +280,26 @@ def check_devices(cfg: Any) -> None:
     import jax
 
     from sparrow_jax.train.config import ConfigError, gin_value
+    try:
+        jax.device_count()
+    except Exception as e:  # noqa: BLE001 - jax fails here with RuntimeError or AssertionError
+        wanted = os.environ.get("JAX_PLATFORMS")
+        raise ConfigError([
+            f"JAX cannot start its backend{f' (JAX_PLATFORMS={wanted!r})' if wanted else ''}: "
+            f"{type(e).__name__}{': ' + str(e).splitlines()[0][:200] if str(e) else ''}. Is "
+            f"the accelerator there and its jax plugin installed (`sparrow doctor`)? Unset "
+            f"JAX_PLATFORMS or set it to cpu to run on the CPU"], "devices") from None
     problems = device_problems(cfg, devices=jax.device_count(),
                                local_devices=jax.local_device_count(),
                                processes=jax.process_count(), platform=jax.default_backend(),
                                mesh_data=gin_value("make_mesh.data"))
+    # The kernel backend against this platform (a Pallas backend on the wrong chip).
+    import pallas_kernels
+    from sparrow_jax.rollout.config import RolloutConfig
+    backend = RolloutConfig().backend
+    try:
+        pallas_kernels.resolve_backend(backend)
+    except (pallas_kernels.BackendUnavailableError, ValueError) as e:
+        problems.append(f"RolloutConfig.backend = {backend!r}: {e}")
     if problems:
         raise ConfigError(problems, f"{len(problems)} problem(s) with this run's devices")

@@ -88,6 +88,10 @@ def _crops(pairs, length: int, context: int, rng: np.random.Generator,
     weights = np.zeros((len(pairs), length), np.float32)
     for i, (p, t) in enumerate(pairs):
         seq = np.concatenate([p, t])
+        if len(seq) < length:
+            raise ValueError(f"SFTConfig.crop_length = {length} is longer than a training "
+                             f"sequence ({len(seq)} tokens of prompt and target, "
+                             f"SFTConfig.long_k_range): use a crop_length of at most {len(seq)}")
         start = 0 if rng.random() < start_fraction else int(rng.integers(0, len(seq) - length + 1))
         tokens[i] = seq[start:start + length]
         positions[i] = np.arange(start, start + length)
@@ -216,7 +220,7 @@ def main(args) -> int:
     del args
     try:
         out = run_sft(SFTConfig())
-    except FileExistsError as e:
+    except (FileExistsError, ValueError) as e:
         raise SystemExit(f"sparrow sft: {e}") from None
     print(f"warm-up checkpoint written to {out}: {(out / 'sft_summary.txt').read_text().strip()}")
     return 0

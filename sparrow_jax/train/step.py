@@ -13,7 +13,7 @@ import numpy as np
 
 from sparrow_jax.evaluation import heldout as evaluation
 from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
-from sparrow_jax.runtime import multihost
+from sparrow_jax.runtime import faults, multihost
 from sparrow_jax.runtime.metrics import StepTimer
 from sparrow_jax.sparsity import mismatch
 from sparrow_jax.train import schedule_step
@@ -51,6 +51,10 @@ def rl_step(self, timer: StepTimer) -> dict[str, float]:
         log.warning("step %d: %d reward errors, %d timeouts (scored 0)%s", self.step + 1,
                     info["errors"], info["timeouts"],
                     f"; first error: {info['first_error']}" if "first_error" in info else "")
+    # Every process's counts (the decision to stop is the same on all of them).
+    counts = multihost.all_rows(np.asarray([[info["timeouts"], info["errors"], len(texts),
+                                             info.get("crashed", 0)]]))
+    check_rewards(self, info, counts.sum(axis=0), batch, texts, answers)
     with timer("learner"):
         # The learner works on the batch's longest sequence rounded up to a bucket.
         traj = trim_to_bucket(traj, self.length_buckets, multiple=self.rollout_cfg.block_size)
@@ -71,9 +75,10 @@ def rl_step(self, timer: StepTimer) -> dict[str, float]:
     # Metrics over every process's rows.
     rewards = multihost.all_rows(rewards)
     lengths = multihost.all_rows(multihost.local_rows(traj.response_lengths))
-    counts = multihost.all_rows(np.asarray([[info["timeouts"], info["errors"]]]))
     m = {"reward/mean": float(rewards.mean()), "reward/timeouts": int(counts[:, 0].sum()),
-         "reward/errors": int(counts[:, 1].sum()), "response/length_mean": float(lengths.mean()),
+         "reward/errors": int(counts[:, 1].sum()),
+         "reward/error_share": float(counts[:, 1].sum() / max(1, counts[:, 2].sum())),
+         "response/length_mean": float(lengths.mean()),
          "response/length_max": float(lengths.max()),
          "rollout/tokens_per_s": float(lengths.sum() / seconds), **loss_metrics}
     for name, pool in self.diagnostics.items():
@@ -108,6 +113,41 @@ def rl_step(self, timer: StepTimer) -> dict[str, float]:
                                    bin_size=sched.bin_size, num_bins=len(budgets)))
     m.update(schedule_step.budget_metrics(self.controller.schedule))
     return m
+
+def check_rewards(self, info: dict, totals: np.ndarray, batch: dict, texts: list[str],
+                  answers: list[str]) -> None:
+    """Stops the run (RunError, before the update: nothing of this step is saved) when
+    - reward workers died while the run was stopping (SIGTERM/Ctrl-C reached them): the step's
+      rewards would be zeros that no completion earned;
+    - more than TrainConfig.max_reward_error_share of the rewards raised, or any did in the
+      run's first step: a reward bug (a wrong signature fails on every completion) would
+      otherwise train on zero reward to the end.
+    `totals`: [timeouts, errors, rows, crashed workers] over every process."""
+    step_no, errors, rows, crashed = self.step + 1, int(totals[1]), int(totals[2]), int(totals[3])
+    if crashed and self.ckpt.stop_requested:
+        raise faults.RunError(
+            f"{self.ckpt.stop_reason}: {crashed} reward worker(s) died while step {step_no}'s "
+            f"rewards were scored, so the step is not saved (its rewards would be 0); the last "
+            f"checkpoint is step {self.ckpt.latest_step()} - re-run the same command to resume")
+    limit = self.cfg.max_reward_error_share
+    share = errors / max(1, rows)
+    first = self.step == 0
+    if not errors or limit >= 1 or (share <= limit and not first):
+        return
+    why = ("in the run's first step any error stops it" if first and share <= limit else
+           f"more than TrainConfig.max_reward_error_share = {limit}")
+    where = ""
+    if "first_error_index" in info:
+        i = info["first_error_index"]
+        prompt_id = batch["ids"][i // self.cfg.group_size]
+        where = (f" First failure: row {i} (prompt id {prompt_id!r}, answer {answers[i]!r:.80}, "
+                 f"completion {texts[i]!r:.160}):\n{info['first_traceback'].rstrip()}")
+    raise faults.RunError(
+        f"step {step_no}: {errors} of {rows} rewards raised an error ({share:.1%}; {why}), "
+        f"so the run stops before this step's update (nothing of it is saved). Fix the reward "
+        f"function (TrainConfig.reward = {self.cfg.reward!r}), or raise "
+        f"TrainConfig.max_reward_error_share to train on through such errors.{where}")
+
 
 def probe_alpha(self, traj, actor):
     """alpha [B, T] of the batch replayed teacher-forced at the controller's probe budgets

@@ -43,7 +43,7 @@ from sparrow_jax.runtime.shapes import default_buckets
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 from sparrow_jax.sparsity.controller import ControllerConfig, ScheduleController
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, make_schedule
-from sparrow_jax.train import compile_plan, schedule_step, step
+from sparrow_jax.train import compile_plan, resume_config, schedule_step, step
 from sparrow_jax.train.config import TrainConfig, gin_value
 
 __all__ = ["Trainer"]
@@ -54,8 +54,13 @@ log = logging.getLogger(__name__)
 class Trainer:
     """Builds every stage from gin and runs/resumes the loop."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, data_sha256: str | None = None,
+                 resume_plan: resume_config.ResumePlan | None = None):
         self.cfg = cfg
+        # The training data's content fingerprint, saved with each step (a resume compares it)
+        # and the settings a resume accepted (recorded once the checkpoint restored).
+        self.data_sha256 = data_sha256
+        self.resume_plan = resume_plan
         # A URI (gs://...) stays a URI for orbax and epath; a local path becomes absolute
         # (orbax needs that). pathlib's resolve() would turn gs://b/run into <cwd>/gs:/b/run.
         self.run_dir = ckpt.resolve_run_dir(cfg.run_dir)
@@ -193,7 +198,8 @@ class Trainer:
                 "opt_state": faults.tree_checksums(self.learner.opt_state)}
         return {"step": self.step, "data": self.data.get_state(),
                 "controller": self.controller.state_dict(), "seed": self.cfg.seed,
-                "faults": self.guard.state_dict(), faults.CHECKSUM_KEY: sums}
+                "faults": self.guard.state_dict(), faults.CHECKSUM_KEY: sums,
+                resume_config.DATA_KEY: self.data_sha256}
 
     def save(self, force: bool = False) -> None:
         distill = self.distiller.state() if self.distiller else None
@@ -207,6 +213,11 @@ class Trainer:
             log.info("checkpoint saved at step %d", self.step)
 
     def _restore_step(self, step: int):
+        # Orbax converts dtypes on restore without raising: a step of another structure is a
+        # configuration error before its fingerprints could call it damaged.
+        incompatible = self._incompatible(step)
+        if incompatible:
+            raise faults.RunError(incompatible)
         params, opt_state, extra = self.ckpt.restore(
             step, ckpt.abstract_like(self.learner.params), ckpt.abstract_like(self.learner.opt_state))
         faults.verify_checksums(step, {"params": params, "opt_state": opt_state},
@@ -294,6 +305,8 @@ class Trainer:
         cfg = self.cfg
         self.maybe_resume()
         # Only once the checkpoint fits: a refused resume leaves the run's record as it was.
+        if self.resume_plan is not None and self.step:
+            self.resume_plan.record(self.run_dir, self.step)
         ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
         # After the resume: a fresh start's TensorBoard "restart" marker would hide it.
         self.writer.text(0, "config/operative_gin", gin_config_markdown(self.operative))
