@@ -164,7 +164,7 @@ def test_model_without_a_tokenizer_is_named_before_loading(model_dir, tmp_path):
     """Issue #45 list 10: rollout shares train's tokenizer checks (a missing tokenizer said
     `prompt_lengths must be in [1, 0]`)."""
     import shutil
-    from sparrow_jax.train.preflight import TOKENIZER_FILES
+    from sparrow_jax.model.dir_check import TOKENIZER_FILES
     bare = tmp_path / "bare"
     shutil.copytree(model_dir, bare)
     for name in TOKENIZER_FILES:

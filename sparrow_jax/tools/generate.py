@@ -258,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
     check_out(args.out, args.prompts, args.model, getattr(args, "overwrite", False))
     # The model directory as `sparrow train` checks it (config.json, tokenizer files, a real
     # vocabulary), before the weights load.
-    from sparrow_jax.train.preflight import model_problems
+    from sparrow_jax.model.dir_check import model_problems
     problems = model_problems(args.model)
     if problems:
         raise RolloutError("; ".join(p.replace("TrainConfig.model_path", "--model")

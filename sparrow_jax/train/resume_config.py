@@ -64,12 +64,17 @@ FREE = frozenset({
 })
 OVERRIDABLE = frozenset({
     "TrainConfig.total_steps", "TrainConfig.eval_every", "TrainConfig.eval_prompts",
+    "TrainConfig.eval_samples",
     "TrainConfig.eval_data", "TrainConfig.eval_temperature", "TrainConfig.eval_at_start",
     "TrainConfig.checkpoint_every", "TrainConfig.max_to_keep",
     "TrainConfig.max_consecutive_skips", "TrainConfig.diagnostic_rewards",
     "TrainConfig.reward_timeout_s", "RewardPool.timeout_s", "TrainConfig.max_reward_error_share",
     "ReferenceEvalConfig.data", "ReferenceEvalConfig.prompts",
 })
+# Configurables of other commands (an in-process `sparrow experiment` records its own config in
+# each arm's): never what an arm trains.
+FREE_SELECTORS = frozenset({"ExperimentConfig", "PreregConfig", "CalibrateConfig",
+                            "DryrunConfig", "SFTConfig"})
 _PATHS = ("TrainConfig.model_path", "TrainConfig.train_data", "TrainConfig.eval_data",
           "ReferenceEvalConfig.data")
 _MISSING = object()
@@ -78,7 +83,9 @@ _MISSING = object()
 def classify(key: str) -> str:
     """'free' | 'overridable' | 'fixed' for a binding key (`[scope/]Selector.param`)."""
     base = key.rsplit("/", 1)[-1]
-    return "free" if base in FREE else "overridable" if base in OVERRIDABLE else "fixed"
+    if base in FREE or base.rpartition(".")[0] in FREE_SELECTORS:
+        return "free"
+    return "overridable" if base in OVERRIDABLE else "fixed"
 
 
 def data_fingerprint(files: list[str]) -> str:
