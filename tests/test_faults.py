@@ -324,7 +324,7 @@ def test_reward_errors_stop_the_run_with_traceback_and_row_unless_allowed(root):
                  "its signature is wrong_signature(completion_text")
     assert "precision:" not in err, "the model loaded"
     hostile = "TrainConfig.reward = 'fault_worker:hostile'"
-    rc, err = _run(root, _argv(root, "hostile_stop", 2, [hostile]))
+    rc, err = _run(root, _argv(root, "hostile_stop", 1, [hostile]))
     assert rc == 1, err[-3000:]
     message = err[err.index("sparrow train: step 1: "):]
     for needle in ("rewards raised an error", "nothing of it is saved", "First failure: row ",
@@ -332,7 +332,7 @@ def test_reward_errors_stop_the_run_with_traceback_and_row_unless_allowed(root):
         assert needle in message, (needle, err[-3000:])
     assert err.count("Traceback") == 1, err[-3000:]     # the reward's, inside the message
     assert not list((root / "hostile_stop" / "checkpoints").glob("[0-9]*"))
-    rc, err = _run(root, _argv(root, "hostile", 2, [hostile,
+    rc, err = _run(root, _argv(root, "hostile", 1, [hostile,
                                                     "TrainConfig.max_reward_error_share = 1.0"]))
     assert rc == 0, err[-3000:]
     rows = _metrics(root / "hostile")

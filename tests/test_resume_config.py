@@ -69,6 +69,8 @@ def test_fresh_run_has_nothing_to_compare(tmp_path):
     # A setting the saved run left at its default, now bound: old is the default.
     ("LearnerConfig.warmup_steps = 3", "LearnerConfig.warmup_steps: 0 -> 3"),
     ("TrainConfig.group_size = 4", "TrainConfig.group_size: 8 -> 4"),
+    # Once reported as the data iterator's "{'batch_size': (2, 4)}" after the model loaded.
+    ("TrainConfig.prompts_per_step = 2", "TrainConfig.prompts_per_step: 4 -> 2"),
 ])
 def test_a_setting_that_changes_training_is_refused_by_name(tmp_path, binding, line):
     _run_dir(tmp_path)

@@ -160,11 +160,32 @@ def _component_problems(cfg: Any) -> list[str]:
     return out
 
 
+def _chat_template_problems(model_path: str) -> list[str]:
+    """`PromptFormat.use_chat_template = True` with a tokenizer that has no chat template: found
+    before only when the data loaded, after the model (issue #45 list 10)."""
+    from sparrow_jax.data.prompts import PromptFormat
+    from sparrow_jax.train.config import gin_value
+    wanted = gin_value("make_prompt_iterator.use_chat_template")
+    try:
+        wanted = PromptFormat().use_chat_template if wanted is None else wanted
+    except (TypeError, ValueError):
+        return []                 # PromptFormat's own error is reported where it is built
+    if not model_path or not wanted:
+        return []
+    from sparrow_jax.model import load_tokenizer
+    if getattr(load_tokenizer(model_path), "chat_template", None):
+        return []
+    return [f"PromptFormat.use_chat_template = True but the tokenizer in {model_path!r} has no "
+            f"chat_template (tokenizer_config.json / chat_template.jinja): copy the base "
+            f"model's, or set PromptFormat.use_chat_template = False"]
+
+
 def train_problems(cfg: Any) -> list[str]:
     """Every problem of a `TrainConfig` (its settings and what they name)."""
     out = list(cfg.problems())
     out += _component_problems(cfg)
-    out += model_problems(cfg.model_path)
+    found = model_problems(cfg.model_path)
+    out += found or _chat_template_problems(cfg.model_path)
     out += _data_problems("train_data", cfg.train_data)
     out += _data_problems("eval_data", cfg.eval_data)
     out += _reference_problems()
