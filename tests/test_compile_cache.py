@@ -169,15 +169,19 @@ def test_compile_plan_takes_its_shapes_from_the_engines_bucket_functions():
                               longest_prompt=100, length_buckets=buckets, fused=True, probe=True)
     assert [x.first for x in probe.programs if x.name == "learner/analyze"] == [0]
 
-    # Paged: one decode program per (running-slot bucket, page-table bucket) the scheduler uses.
-    paged = dataclasses.replace(rc, engine="paged", max_slots=32)
-    by = {x.name: x for x in compile_plan.plan(
-        paged, group_size=4, prompts_per_call=16, calls_per_step=1, longest_prompt=64,
-        length_buckets=buckets, fused=True, data_shards=2).programs}
-    cap = pages_for(64 + 300 - 1, 16)
-    grid = {(scheduler.pow2_bucket(s, 16), scheduler.page_bucket(m, cap))
-            for s in range(1, 17) for m in range(1, cap + 1)}
-    assert by["rollout/paged_decode"].most == len(grid)
+    # Paged: one decode program per (running-slot bucket, page-table bucket) the scheduler uses,
+    # at the default ladders (powers of two) and coarser ones.
+    for ladders in ({}, dict(slot_ladder=4, page_ladder=8, min_table_pages=3)):
+        paged = dataclasses.replace(rc, engine="paged", max_slots=32, **ladders)
+        by = {x.name: x for x in compile_plan.plan(
+            paged, group_size=4, prompts_per_call=16, calls_per_step=1, longest_prompt=64,
+            length_buckets=buckets, fused=True, data_shards=2).programs}
+        cap = pages_for(64 + 300 - 1, 16)
+        grid = {(scheduler.slot_bucket(s, 16, paged), scheduler.page_bucket(m, cap, paged))
+                for s in range(1, 17) for m in range(1, cap + 1)}
+        assert by["rollout/paged_decode"].most == len(grid)
+    assert cap == 23 and len(grid) == 3 * 2 and {p for _, p in grid} == {3, cap}
+    assert {s for s, _ in grid} == {1, 4, 16}
     assert {"rollout/prefill", "rollout/decode"}.isdisjoint(by)
 
 
@@ -185,3 +189,38 @@ def test_compile_plan_rejects_a_function_that_is_no_bucket():
     from sparrow_jax.train import compile_plan
     with pytest.raises(ValueError, match="not a bucket function"):
         compile_plan.distinct(lambda n: n - 1, 2, 10)
+
+
+def test_the_gpu_config_compiles_few_programs():
+    """configs/qwen3_1p7b_gpu.gin on 8 data shards (Qwen3-1.7B's 40960-token context): the plan
+    stays within 12 programs before step 1 (the step-0 evaluation's own counted apart) and 60
+    in a run, evaluation included; the default ladders are the ~800 the issue (#43) counted."""
+    import dataclasses
+
+    import gin
+
+    from sparrow_jax import cli
+    from sparrow_jax.model.config import qwen3_preset
+    from sparrow_jax.rollout.config import RolloutConfig
+    from sparrow_jax.train import compile_plan
+
+    gin.clear_config()
+    try:
+        cli.parse_gin([str(REPO / "configs" / "qwen3_1p7b_gpu.gin")], [])
+        p = compile_plan.from_gin(qwen3_preset("qwen3-1.7b"), data_shards=8)
+        rc = RolloutConfig()
+        assert (rc.slot_ladder, rc.page_ladder, rc.min_table_pages) == (8, 8, 64)
+    finally:
+        gin.clear_config()
+    by = {x.name: x for x in p.programs}
+    assert set(by) == {"rollout/paged_prefill", "rollout/paged_decode", "learner/analyze",
+                       "learner/grads", "learner/apply", "eval/rollout"}
+    assert p.first - by["eval/rollout"].first <= 12 and p.most <= 60, p.lines()
+    # The same run at the default ladders and buckets: hundreds.
+    coarse = compile_plan.plan(
+        dataclasses.replace(rc, slot_ladder=2, page_ladder=2, min_table_pages=4,
+                            prompt_buckets=()),
+        group_size=8, prompts_per_call=64, calls_per_step=1, longest_prompt=8192,
+        length_buckets=compile_plan.default_buckets(32768), fused=False, probe=True,
+        data_shards=8, micro_rows=8)
+    assert coarse.most > 500 and coarse.first > 15

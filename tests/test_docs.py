@@ -720,15 +720,17 @@ def test_twin_bench_rollout_longtail(capsys):
             "--hidden", "32", "--heads", "4", "--kv_heads", "2", "--head_dim", "16", "--vocab",
             "64", "--samples", "8", "--group", "2", "--static_batch", "4", "--prompt_len", "32",
             "--new_tokens", "96", "--mean_len", "24", "--budget", "48", "--chunk_steps", "16",
-            "--repeats", "1", "--dtype", "float32", "--before"]
+            "--repeats", "1", "--dtype", "float32", "--before", "--ladders", "4", "4", "2"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     records = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [(r["mode"], r["engine"]) for r in records] == [
         (m, e) for m in ("dense", "sparse")
-        for e in ("static", "paged/chunk16", "paged/chunk16/sync")]
+        for e in ("static", "paged/chunk16", "paged/chunk16/sync", "paged/chunk16/L4x4")]
     assert all(r["same_samples"] and r["tok_s"] > 0 for r in records)
-    static, paged, sync = records[:3]
+    static, paged, sync, coarse = records[:4]
+    # Coarser ladders (powers of 4, tables from 2 pages): the same samples from fewer programs.
+    assert 0 < coarse["programs"] <= paged["programs"] and static["programs"] is None
     assert paged["kv_alloc_bytes"] <= static["kv_alloc_bytes"] and paged["kv_peak_bytes"] > 0
     assert paged["overlapped_chunks"] > 0 and sync["overlapped_chunks"] == 0
     assert paged["host_ms_per_chunk"] >= 0 and sync["host_ms_per_chunk"] > 0

@@ -156,18 +156,33 @@ def test_group_prompt_pages_are_stored_once(tiny):
 
 
 def test_compiles_are_bucketed(tiny):
-    """A rollout compiles a bounded number of programs: slots in powers of two, pages per slot
-    two per octave, whatever the samples' lengths."""
+    """A rollout compiles a bounded number of programs: slots and pages per slot in powers of
+    the config's ladders, whatever the samples' lengths; what jax compiles is exactly what the
+    shape log (`COMPILES`, the names of the compile plan) reports, and within the plan."""
+    from sparrow_jax.runtime.compile_cache import count_compiles
+    from sparrow_jax.train import compile_plan
     _, model = tiny
     toks, lens = _prompts([20, 37, 32], seed=5)
-    COMPILES.clear()
-    cfg = RolloutConfig(temperature=1.0, mode="sparse", engine="paged", **BASE)
-    generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, bin_size=48, group_size=2,
-             rng=jax.random.key(1))
-    decode_shapes = COMPILES.shapes("rollout/paged_decode")
-    assert {s["slots"] for s in decode_shapes} <= {1, 2, 4, 6}
-    assert {s["pages_per_slot"] for s in decode_shapes} <= {4, 6, 8, 12}
-    assert len(COMPILES.shapes("rollout/paged_prefill")) == 1
+    for ladders, slots, pages in [({}, {1, 2, 4, 6}, {4, 8, 12}),
+                                  (dict(slot_ladder=4, page_ladder=4, min_table_pages=2),
+                                   {1, 4, 6}, {2, 8, 12})]:
+        COMPILES.clear()
+        cfg = RolloutConfig(temperature=1.0, mode="sparse", engine="paged", **BASE, **ladders)
+        with count_compiles() as names:
+            generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, bin_size=48, group_size=2,
+                     rng=jax.random.key(1))
+        decode_shapes = COMPILES.shapes("rollout/paged_decode")
+        assert {s["slots"] for s in decode_shapes} <= slots
+        assert {s["pages_per_slot"] for s in decode_shapes} <= pages
+        # What compiled is what the shape log says (the first ladder's programs are reused by
+        # the second only where a shape repeats, so count per run).
+        assert names.count("jit(decode_chunk_program)") <= len(decode_shapes)
+        assert names.count("jit(prefill_program)") <= len(COMPILES.shapes("rollout/paged_prefill"))
+        plan = {p.name: p for p in compile_plan.plan(
+            cfg, group_size=2, prompts_per_call=3, calls_per_step=1, longest_prompt=37,
+            length_buckets=(16,), fused=True).programs}
+        assert len(decode_shapes) <= plan["rollout/paged_decode"].first
+        assert len(COMPILES.shapes("rollout/paged_prefill")) <= plan["rollout/paged_prefill"].most
 
 
 def test_a_second_rollout_at_the_same_shapes_compiles_nothing(tiny):

@@ -18,7 +18,10 @@ untimed warm-up run per engine compiles its programs first; then `--repeats` tim
 engines interleaved (median). `host ms/chunk`: the paged engine's host time per decode chunk
 with no program in flight (the device waiting for the scheduler's bookkeeping,
 `PagedStats.host_seconds`); `--before` adds each paged run without the overlap
-(`RolloutConfig.overlap_chunks = False`: every chunk read back before the next is dispatched).
+(`RolloutConfig.overlap_chunks = False`: every chunk read back before the next is dispatched);
+`--ladders S P M` adds each paged run at `RolloutConfig.slot_ladder` S, `page_ladder` P and
+`min_table_pages` M (coarser shape buckets: fewer programs). `programs`: the distinct program
+shapes the engine's warm-up compiled (`COMPILES`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
     from sparrow_jax.rollout.kv_cache import cache_bytes
     from sparrow_jax.rollout import scheduler
     from sparrow_jax.runtime import multihost
+    from sparrow_jax.runtime.shapes import COMPILES
     mcfg = model.config
     if args.samples % args.group or args.static_batch % args.group:
         raise SystemExit("sparrow bench rollout: --samples and --static_batch must be multiples "
@@ -99,7 +103,7 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
              if spec else ""), flush=True)
     header = (f"{'mode':>6} {'engine':>21} {'tok/s':>9} {'wall s':>8} {'ratio':>6} "
               f"{'KV alloc MiB':>13} {'KV peak MiB':>12} {'preempt':>8} {'same samples':>13} "
-              f"{'chunks':>7} {'host ms/chunk':>14}")
+              f"{'chunks':>7} {'host ms/chunk':>14} {'programs':>9}")
     print(header, flush=True)
     for mode in args.modes:
         cfg = dataclasses.replace(base_cfg, mode=mode, max_new_tokens=t, temperature=1.0,
@@ -112,6 +116,12 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
                 engines[f"paged/chunk{c}" + ("" if overlap else "/sync")] = (dataclasses.replace(
                     cfg, engine="paged", pool_bytes=static_bytes, max_slots=args.samples,
                     chunk_steps=c, overlap_chunks=overlap), _paged_rollout)
+            if args.ladders:           # the same paged run at coarser shape ladders, interleaved
+                sl, pl, mp = args.ladders
+                engines[f"paged/chunk{c}/L{sl}x{pl}"] = (dataclasses.replace(
+                    cfg, engine="paged", pool_bytes=static_bytes, max_slots=args.samples,
+                    chunk_steps=c, slot_ladder=sl, page_ladder=pl, min_table_pages=mp),
+                    _paged_rollout)
 
         def go(name):
             ecfg, fn = engines[name]
@@ -120,7 +130,11 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
             out = fn(model, tokens, lengths, ecfg, budgets, args.group, wave_prompts, key, **kw)
             return time.perf_counter() - t0, out, dataclasses.replace(scheduler.LAST_STATS)
 
-        warm = {name: go(name) for name in engines}                 # compiles every program
+        warm, programs = {}, {}
+        for name in engines:                                         # compiles every program
+            COMPILES.clear()
+            warm[name] = go(name)
+            programs[name] = sum(COMPILES.counts().values())         # distinct program shapes
         reference = next(iter(engines))                   # ratios and samples relative to it
         ref_tokens, resp = warm[reference][1]
         resp = multihost.all_rows(resp)                   # every process's rows
@@ -150,10 +164,12 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
                 alloc, peak, pre = st.pages_per_pool * st.page_bytes, st.peak_bytes, st.preemptions
                 chunks, overlapped = st.chunks, st.overlapped_chunks
                 host_ms = statistics.median(s.host_ms_per_chunk for s in stats[name])
-            cells = ("-", "-") if chunks is None else (f"{chunks}", f"{host_ms:.2f}")
+            cells = (("-", "-") if chunks is None else
+                     (f"{chunks}", f"{host_ms:.2f}", f"{programs[name]}"))
             print(f"{mode:>6} {name:>21} {rate:>9.1f} {statistics.median(walls[name]):>8.2f} "
                   f"{rate / base:>5.2f}x {alloc / 2**20:>13.1f} {peak / 2**20:>12.1f} "
-                  f"{pre:>8} {'yes' if same else 'NO':>13} {cells[0]:>7} {cells[1]:>14}",
+                  f"{pre:>8} {'yes' if same else 'NO':>13} {cells[0]:>7} {cells[1]:>14} "
+                  f"{cells[-1]:>9}",
                   flush=True)
             if args.json:
                 print(json.dumps({"bench": "rollout", "workload": "longtail", "mode": mode,
@@ -166,6 +182,7 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
                                   "preemptions": pre, "same_samples": same,
                                   "chunks": chunks, "overlapped_chunks": overlapped,
                                   "host_ms_per_chunk": host_ms,
+                                  "programs": None if chunks is None else programs[name],
                                   "samples": args.samples, "group": args.group,
                                   "new_tokens": t, "mean_len": args.mean_len,
                                   "static_batch": args.static_batch, "budget": budget,

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(sparrow_jax.bench.longtail)")
     lt = p.add_argument_group("longtail workload")
     lt.add_argument("--samples", type=int, default=64)
+    lt.add_argument("--ladders", type=int, nargs=3, default=None,
+                    metavar=("SLOT", "PAGE", "MIN_PAGES"),
+                    help="also run each paged config at these RolloutConfig.slot_ladder, "
+                         "page_ladder, min_table_pages (interleaved; 'programs' counts shapes)")
     lt.add_argument("--group", type=int, default=8, help="samples per prompt")
     lt.add_argument("--prompt_len", type=int, default=128)
     lt.add_argument("--mean_len", type=int, default=256, help="mean response length")
@@ -317,7 +321,9 @@ def main(argv: Sequence[str]) -> int:
     if args.new_tokens is None:
         args.new_tokens = 1024 if args.workload == "longtail" else 64
     from sparrow_jax.cli import parse_gin
+    from sparrow_jax.runtime import compile_cache
     parse_gin(args.gin_files, args.gin_param)
+    compile_cache.log_compiles()       # each compile's seconds (>= 1 s at INFO; device_check)
 
     import pallas_kernels
     from flax import nnx

@@ -210,7 +210,8 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
     # two), and one resumed sample per pool of prompt + all but one new token.
     groups_per_pool = scheduler.pow2_bucket(max(1, layout.slots_per_pool // n),
                                             layout.slots_per_pool)
-    widest = scheduler.prefill_width(rc, shape.prompt_len + rc.max_new_tokens - 1)
+    longest = shape.prompt_len + rc.max_new_tokens - 1
+    widest = scheduler.prefill_width(rc, longest, longest)
     s = layout.slots_per_pool * data
     slots = paged.Slots(sds((s,), i32, spec), sds((s,), i32, spec), sds((s,), i32, spec),
                         sds((s,), jnp.bool_, spec), sds((s,), i32, spec),

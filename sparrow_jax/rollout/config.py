@@ -59,6 +59,13 @@ class RolloutConfig:
     overlap_chunks: bool = True  # dispatch chunk i+1 before reading chunk i back (scheduler.py)
     pool_bytes: int = 0          # page pool bytes per device (0 and pool_fraction 0: enough for
     pool_fraction: float = 0.0   # every row at full length); or a fraction of device memory
+    # Shape ladders of the paged engine's programs (rollout/schedule_state.py; the compile plan,
+    # train/compile_plan.py, counts them): running slots and prefill rows per pool in powers of
+    # `slot_ladder`; page-table widths in powers of `page_ladder` from `min_table_pages`.
+    # Coarser ladders: fewer programs (minutes each at full depth), more padded work.
+    slot_ladder: int = 2
+    page_ladder: int = 2
+    min_table_pages: int = 4
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -79,6 +86,10 @@ class RolloutConfig:
             raise ValueError(f"bad paged-engine settings chunk_steps={self.chunk_steps} "
                              f"max_slots={self.max_slots} pool_bytes={self.pool_bytes} "
                              f"pool_fraction={self.pool_fraction}")
+        if self.slot_ladder < 2 or self.page_ladder < 2 or self.min_table_pages < 1:
+            raise ValueError(f"bad paged-engine ladders slot_ladder={self.slot_ladder} "
+                             f"page_ladder={self.page_ladder} (each >= 2), min_table_pages="
+                             f"{self.min_table_pages} (>= 1)")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.record_topk < 0:
@@ -146,7 +157,11 @@ class RolloutConfig:
         bound = max(prompt_width, self.kv_budget) + self.compress_every
         return min(padded_length(bound, self.block_size), dense)
 
+    @property
+    def prompt_ladder(self) -> tuple[int, ...]:
+        """The prompt-width buckets: `prompt_buckets`, or two per octave from 64 tokens."""
+        return self.prompt_buckets or default_buckets(1 << 17, multiple=self.block_size)
+
     def prompt_width(self, width: int) -> int:
         """The static prompt width (a bucket) for prompts of up to `width` tokens."""
-        buckets = self.prompt_buckets or default_buckets(1 << 17, multiple=self.block_size)
-        return bucket_length(width, buckets, multiple=self.block_size)
+        return bucket_length(width, self.prompt_ladder, multiple=self.block_size)

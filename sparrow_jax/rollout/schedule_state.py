@@ -10,25 +10,58 @@ from sparrow_jax.rollout.config import RolloutConfig
 
 
 def pow2_bucket(n: int, cap: int) -> int:
-    """The smallest power of two >= n, at most cap (slot and prefill-row counts)."""
-    return min(cap, 1 << max(0, int(n) - 1).bit_length())
+    """The smallest power of two >= n, at most cap."""
+    return ladder_bucket(n, cap, 2)
 
 
-def page_bucket(n: int, cap: int) -> int:
-    """Pages per slot, two buckets per octave from 4 (the decode cost follows the live length
-    within 1.5x; a rollout touches ~2 log2(cap / 4) widths), at most cap."""
-    b = 4
+def ladder_bucket(n: int, cap: int, factor: int, floor: int = 1) -> int:
+    """The smallest floor * factor**k >= n, at most cap: running-slot and prefill-row counts
+    (`RolloutConfig.slot_ladder`), page-table widths (`page_bucket`). A coarser ladder compiles
+    fewer programs and pads more."""
+    if factor < 2 or floor < 1:
+        raise ValueError(f"a bucket ladder needs factor >= 2 and floor >= 1, got factor={factor}"
+                         f" floor={floor}")
+    b = floor
     while b < n:
-        b = b + b // 2 if (b & (b - 1)) == 0 else 1 << b.bit_length()
+        b *= factor
     return min(b, cap)
 
 
-def prefill_width(cfg: RolloutConfig, length: int) -> int:
+def slot_bucket(n: int, cap: int, cfg: RolloutConfig) -> int:
+    """Running slots (or prefill rows) per pool for n samples: powers of `cfg.slot_ladder`."""
+    return ladder_bucket(n, cap, cfg.slot_ladder)
+
+
+def page_bucket(n: int, cap: int, cfg: RolloutConfig | None = None) -> int:
+    """Pages per slot: powers of `cfg.page_ladder` (default 2) from `cfg.min_table_pages`
+    (default 4), at most cap. In sparse mode a wider table costs only the centroid scoring and
+    the dense layers; the decode cost follows the live length within the ladder's factor."""
+    if cfg is None:
+        return ladder_bucket(n, cap, 2, 4)
+    return ladder_bucket(n, cap, cfg.page_ladder, cfg.min_table_pages)
+
+
+def program_config(cfg: RolloutConfig) -> RolloutConfig:
+    """The programs' static config without the host-only settings (pool source, slot cap,
+    overlap flag, shape ladders): one compiled program per shape whatever they are."""
+    return dataclasses.replace(cfg, pool_bytes=0, pool_fraction=0.0, max_slots=0,
+                               overlap_chunks=True, slot_ladder=2, page_ladder=2,
+                               min_table_pages=4)
+
+
+def prefill_width(cfg: RolloutConfig, length: int, longest: int | None = None) -> int:
     """Static width of a prefill of sequences up to `length` tokens: a prompt bucket, or for a
-    resumed sample's long prompt + generated tokens a multiple of the prefill chunk, whichever is
-    narrower (a 34.8K-token resume is prefilled at 36864 = 18 scanned chunks, not the 49152
-    bucket)."""
-    chunked = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
+    resumed sample's long prompt + generated tokens the prefill chunk times a power of
+    `cfg.slot_ladder` (at most `longest`, the longest sequence the rollout can hold, rounded up
+    to the chunk), whichever is narrower: a handful of resume programs per run instead of one per
+    chunk count (a 34.8K-token resume of a 2048-wide prompt with 32K new tokens and 2048-token
+    chunks: 34816, the cap)."""
+    chunk = cfg.prefill_chunk
+    chunked = ladder_bucket(length, 1 << 40, cfg.slot_ladder, chunk)
+    if longest is not None:
+        chunked = max(min(chunked, -(-longest // chunk) * chunk), -(-length // chunk) * chunk)
+    if length > max(cfg.prompt_ladder):      # past the buckets: a width per 16 tokens otherwise
+        return chunked
     return min(cfg.prompt_width(length), chunked)
 
 

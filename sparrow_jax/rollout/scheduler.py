@@ -41,7 +41,7 @@ from sparrow_jax.rollout import paged, paged_multihost
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
 from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Sample, page_bucket,
-                                                pow2_bucket, prefill_width)
+                                                prefill_width, program_config, slot_bucket)
 from sparrow_jax.rollout.state import Trajectories, check_budgets, prepare_prompts
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.shapes import COMPILES
@@ -84,10 +84,7 @@ class _Rollout:
         self.stats = PagedStats(pages_per_pool=self.pages_per_pool, pools=self.pools,
                                 page_bytes=layout.page_bytes)
         self.graphdef, self.params = nnx.split(model)
-        # The programs' static config without the host-only settings: one compiled program per
-        # shape whatever the pool source, slot cap or engine flag.
-        self.program_cfg = dataclasses.replace(cfg, pool_bytes=0, pool_fraction=0.0, max_slots=0,
-                                               overlap_chunks=True)
+        self.program_cfg = program_config(cfg)
         self.rng = jax.random.key(0) if rng is None else rng
         k = cfg.record_topk
         self.tokens = np.full((self.rows, self.t), cfg.pad_token_id, np.int32)
@@ -215,9 +212,9 @@ class _Rollout:
     def _prefill(self, units: list[tuple]) -> None:
         cfg, bs = self.cfg, self.bs
         n = self.n if units[0][0] == "group" else 1       # samples per prefill row
-        width = prefill_width(cfg, max(u[3] for u in units))
-        per_pool = pow2_bucket(max(sum(u[2] == p for u in units) for p in range(self.pools)),
-                               self.slots_per_pool)
+        width = prefill_width(cfg, max(u[3] for u in units), self.width + self.t - 1)
+        per_pool = slot_bucket(max(sum(u[2] == p for u in units) for p in range(self.pools)),
+                               self.slots_per_pool, cfg)
         rows = per_pool * self.pools
         tokens = np.full((rows, width), cfg.pad_token_id, np.int32)
         lengths = np.ones((rows,), np.int32)
@@ -285,7 +282,7 @@ class _Rollout:
     def _table(self, order: list[tuple[int, Sample]], total: int) -> np.ndarray:
         """[total, width] page tables of the rows' samples (finished ones and empty rows: N)."""
         live = [s for _, s in order if s.pages]
-        width = page_bucket(max(len(s.pages) for s in live), self.max_pages)
+        width = page_bucket(max(len(s.pages) for s in live), self.max_pages, self.cfg)
         table = np.full((total, width), self.pages_per_pool, np.int32)
         for row, s in order:
             table[row, :len(s.pages)] = s.pages
@@ -299,7 +296,7 @@ class _Rollout:
         (samples finished and work is queued, a smaller slot bucket, a pool short of pages)."""
         cfg = self.cfg
         if pending is None:
-            per_pool = pow2_bucket(max(len(r) for r in self.running), self.slots_per_pool)
+            per_pool = slot_bucket(max(len(r) for r in self.running), self.slots_per_pool, cfg)
             total = per_pool * self.pools
             host = [np.zeros(total, t) for t in (np.int32, np.int32, np.int32, bool, np.int32)]
             order: list[tuple[int, Sample]] = []
@@ -326,7 +323,7 @@ class _Rollout:
             live = max(sum(s.pool == p for s in going) for p in range(self.pools))
             slots_now = pending.slots.token.shape[0] // self.pools
             if (not cfg.overlap_chunks or not going
-                    or pow2_bucket(live, self.slots_per_pool) < slots_now
+                    or slot_bucket(live, self.slots_per_pool, cfg) < slots_now
                     or (self.queue and len(order) < len(pending.order))
                     or not self._grow_ahead(going)):
                 return None

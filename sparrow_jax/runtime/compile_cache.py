@@ -80,6 +80,11 @@ def _listen() -> None:
         _listening = True
 
 
+def log_compiles() -> None:
+    """Logs every compile from now on with its seconds (as `configure` does), cache untouched."""
+    _listen()
+
+
 @contextlib.contextmanager
 def count_compiles() -> Iterator[list[str]]:
     """The names of the programs jax compiles (or loads from the persistent cache) while the

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Callable, Sequence
 
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import pages_for
-from sparrow_jax.rollout.scheduler import page_bucket, pow2_bucket, prefill_width
-from sparrow_jax.runtime.shapes import bucket_length
+from sparrow_jax.rollout.schedule_state import page_bucket, prefill_width, slot_bucket
+from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,8 @@ def _span(values: Sequence[int]) -> str:
             else f"1: {values[0]}")
 
 
-def _paged(rc: RolloutConfig, widths: Sequence[int], rows: int, group_size: int, data: int
-           ) -> tuple[Planned, Planned]:
+def _paged(rc: RolloutConfig, widths: Sequence[int], rows: int, group_size: int, data: int,
+           prompts: int = 0, pool_pages: int | None = None) -> tuple[Planned, Planned]:
     """The paged engine's prefill and decode programs (`rollout.scheduler`) for rollouts of
     `rows` samples at the prompt `widths`. Decode: one program per (running-slot bucket,
     page-table bucket); a rollout's slots only shrink while its rows grow, so one rollout
@@ -107,30 +108,47 @@ def _paged(rc: RolloutConfig, widths: Sequence[int], rows: int, group_size: int,
     bucket, and one per resume width (a preempted sample's prompt + generated tokens, one per
     pool and call). With the default pool size (every row at full length) the pool's page count
     follows the prompt width, so each width has its own programs; a fixed `pool_bytes` /
-    `pool_fraction` pool shares them."""
+    `pool_fraction` pool shares them. A pool that holds every running sample at full length
+    (the default; a fixed one of `pool_pages` that large) never preempts: no resumes."""
     slots = (rc.max_slots or rows) // max(data, 1)
-    slot_buckets = len(distinct(lambda n: pow2_bucket(n, slots), 1, slots))
-    group_rows = len(distinct(lambda n: pow2_bucket(n, slots), 1, max(1, slots // group_size)))
+    live = slots                                 # samples running at once per pool, at most
+    groups = max(1, slots // group_size)         # groups admitted at once per pool, at most
+    if prompts:
+        groups = min(groups, -(-prompts // max(data, 1)))
+        live = min(slots, groups * group_size)
+    slot_buckets = len(distinct(lambda n: slot_bucket(n, slots, rc), 1, live))
+    group_rows = len(distinct(lambda n: slot_bucket(n, slots, rc), 1, groups))
 
-    def page_buckets(width: int) -> int:
+    def page_buckets(width: int) -> set[int]:
         cap = pages_for(width + rc.max_new_tokens - 1, rc.block_size)
-        return len(distinct(lambda n: page_bucket(n, cap), 1, cap))
-
-    def resumes(lo: int, hi: int) -> int:
-        return len(distinct(lambda n: prefill_width(rc, n), lo, hi + rc.max_new_tokens - 1))
+        return set(distinct(lambda n: page_bucket(n, cap, rc), 1, cap))
 
     fixed_pool = bool(rc.pool_bytes or rc.pool_fraction)
-    first_pages = page_buckets(widths[0])
-    if fixed_pool:
-        decode = slot_buckets * page_buckets(widths[-1])
+    full = pages_for(widths[-1] + rc.max_new_tokens - 1, rc.block_size) * live
+    preempts = fixed_pool and (pool_pages is None or pool_pages < full)
+
+    def resumes(lo: int, hi: int) -> int:
+        if not preempts:
+            return 0
+        top = hi + rc.max_new_tokens - 1
+        return len(distinct(lambda n: prefill_width(rc, n, top), lo, top))
+
+    first_pages = len(page_buckets(widths[0]))
+    if fixed_pool:       # one pool for every width: the table widths of all widths (the top
+        # bucket is each width's own page cap)
+        decode = slot_buckets * len(set().union(*map(page_buckets, widths)))
         prefill = group_rows * len(widths) + resumes(widths[0], widths[-1])
     else:
-        decode = sum(slot_buckets * page_buckets(w) for w in widths)
+        decode = sum(slot_buckets * len(page_buckets(w)) for w in widths)
         prefill = sum(group_rows + resumes(w, w) for w in widths)
     pool = "a fixed pool" if fixed_pool else "the default pool: programs per prompt width"
+    # Every group has a slot from the start (no slot cap below the rows): the first rollout
+    # admits them in one prefill (pages permitting); else refills take smaller row buckets.
+    first_prefill = 1 if slots * max(data, 1) >= rows else group_rows
     return (Planned("rollout/paged_prefill", f"paged engine, {rc.mode}; group-row buckets "
-                    f"{group_rows} x prompt widths ({_span(widths)}), and resume widths "
-                    f"after a preemption; {pool}", group_rows, prefill),
+                    f"{group_rows} x prompt widths ({_span(widths)})"
+                    + (", and resume widths after a preemption" if preempts else "")
+                    + f"; {pool}", first_prefill, prefill),
             Planned("rollout/paged_decode", f"running-slot buckets {slot_buckets} x page-table "
                     f"buckets {first_pages} at the first width; ~{slot_buckets + first_pages - 1}"
                     " per rollout", slot_buckets + first_pages - 1, decode))
@@ -140,12 +158,14 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
          longest_prompt: int, length_buckets: Sequence[int], fused: bool, probe: bool = False,
          distill: bool = False, eval_width: int | None = None,
          eval_rows: int = 0, eval_modes: Sequence[str] = (), reference: bool = False,
-         data_shards: int = 1, micro_rows: int = 0) -> CompilePlan:
+         data_shards: int = 1, micro_rows: int = 0, pool_pages: int | None = None
+         ) -> CompilePlan:
     """The plan of a run (see the module docstring). `prompts_per_call`: prompts of one rollout
     program call over all processes; `fused`: the learner's analysis runs inside its gradient
     program (`Learner.fused`); `probe`: the controller's teacher-forced replay may run the
     analysis program; `eval_width`, `eval_rows`: the held-out batch's prompt width (None: no
-    evaluation) and rows over all processes."""
+    evaluation) and rows over all processes (paged: run in the training rollout's slots);
+    `pool_pages`: pages per pool of a fixed paged pool (None: unknown, preemption assumed)."""
     widths = prompt_widths(rc, longest_prompt)
     responses = response_lengths(length_buckets, rc.max_new_tokens, rc.block_size)
     rows = prompts_per_call * group_size
@@ -153,7 +173,7 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
     engine = f"{rc.engine} engine, {rc.mode}"
     out = []
     if rc.engine == "paged":
-        out += _paged(rc, widths, rows, group_size, data_shards)
+        out += _paged(rc, widths, rows, group_size, data_shards, pool_pages=pool_pages)
     else:
         per = f"{engine}; {rows} rows; per prompt width ({_span(widths)})"
         out += [Planned("rollout/prefill", per, 1, w), Planned("rollout/decode", per, 1, w)]
@@ -173,10 +193,18 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
     if eval_width is not None and eval_modes:
         n = len(eval_modes)
         if rc.engine == "paged":
-            p, d = _paged(rc, (eval_width,), eval_rows or rows, 1, data_shards)
+            # In the training rollout's slots (Trainer.train_slots): the training mode's decode
+            # programs are shared; prefill (one sample per prompt) and other modes are not.
+            first = most = 0
+            for mode in eval_modes:
+                p, d = _paged(dataclasses.replace(rc, mode=mode), (eval_width,), rows, 1,
+                              data_shards, prompts=eval_rows or rows, pool_pages=pool_pages)
+                shared = mode == rc.mode and eval_width in widths
+                first += p.first + (0 if shared else d.first)
+                most += p.most + (0 if shared else d.most)
             out.append(Planned("eval/rollout", f"{'/'.join(eval_modes)} at prompt width "
-                               f"{eval_width}, paged, about", n * (p.first + d.first),
-                               n * (p.most + d.most)))
+                               f"{eval_width}, paged in the training slots (its "
+                               f"{rc.mode} decode shared), about", first, most))
         else:
             out.append(Planned("eval/rollout", f"prefill + decode per mode "
                                f"({'/'.join(eval_modes)}) at prompt width {eval_width}",
@@ -203,6 +231,13 @@ def for_trainer(trainer) -> CompilePlan:
     lc = trainer.learner.cfg
     eval_shape = None if trainer.eval_batch is None else trainer.eval_batch["prompt_ids"].shape
     eval_width = None if eval_shape is None else rc.prompt_width(int(eval_shape[1]))
+    pool = None
+    if rc.pool_bytes:                    # pages per pool of a fixed pool (rollout.page_pool)
+        from sparrow_jax.rollout.page_pool import page_bytes
+        heads = trainer.spec.mesh.shape.get("model", 1) if trainer.spec is not None else 1
+        mcfg = trainer.model.config
+        split = heads if mcfg.num_key_value_heads % heads == 0 else 1
+        pool = rc.pool_bytes // (page_bytes(mcfg, trainer.model.dtype, rc.block_size) // split)
     eval_rows = 0 if eval_shape is None else int(eval_shape[0]) * jax.process_count()
     return plan(rc, group_size=cfg.group_size, prompts_per_call=per_call * jax.process_count(),
                 calls_per_step=cfg.prompts_per_step // per_call, longest_prompt=longest,
@@ -210,9 +245,58 @@ def for_trainer(trainer) -> CompilePlan:
                 probe=cfg.adapt_schedule and rc.mode == "sparse" and lc.alpha_mode == "full",
                 distill=trainer.distiller is not None, eval_width=eval_width,
                 eval_rows=eval_rows, eval_modes=trainer.eval_modes,
-                reference=trainer.reference is not None, data_shards=data, micro_rows=lc.micro_batch_size)
+                reference=trainer.reference is not None, data_shards=data,
+                micro_rows=lc.micro_batch_size, pool_pages=pool)
 
 
 def log_plan(p: CompilePlan) -> None:
     for line in p.lines():
         log.info("%s", line)
+
+
+def from_gin(mcfg, *, data_shards: int, processes: int = 1, model_shards: int = 1,
+             eval_prompt_len: int = 256) -> CompilePlan:
+    """The plan of the parsed gin config (TrainConfig, RolloutConfig, LearnerConfig, ...) for
+    a model of shape `mcfg` (a `Qwen3Config`, e.g. `qwen3_preset`) without weights or data, as
+    `for_trainer` would give it: for configs shipped for hardware this machine lacks (tests,
+    docs). `eval_prompt_len`: the held-out prompts' longest (its width bucket selects the
+    evaluation's programs)."""
+    import jax.numpy as jnp
+
+    from sparrow_jax.rollout.page_pool import page_bytes
+    from sparrow_jax.evaluation.reference import ReferenceEvalConfig
+    from sparrow_jax.rl.distill import DistillConfig
+    from sparrow_jax.rl.grpo import LossConfig
+    from sparrow_jax.rl.learner import LearnerConfig
+    from sparrow_jax.rl.learner_programs import fusable
+    from sparrow_jax.runtime import faults
+    from sparrow_jax.train.config import TrainConfig, gin_value
+
+    cfg, lc = TrainConfig(), LearnerConfig()
+    rc = dataclasses.replace(RolloutConfig(), mode=cfg.rollout_mode)
+    alpha = "none" if rc.mode == "dense" and lc.alpha_mode == "full" else lc.alpha_mode
+    rc = rc.for_alpha_mode(alpha)
+    per_call = cfg.rollout_batch_prompts or cfg.prompts_per_step
+    step_rows = cfg.prompts_per_step * cfg.group_size * processes
+    fused = (step_rows // (lc.ppo_mini_batch_size or step_rows) == 1 and lc.ppo_epochs == 1
+             and fusable(LossConfig()))
+    evaluated = bool(cfg.eval_data) and cfg.eval_prompts > 0
+    unit = math.lcm(data_shards, processes)
+    split = model_shards if mcfg.num_key_value_heads % model_shards == 0 else 1
+    dtype = jnp.dtype("bfloat16" if cfg.dtype == "auto" else cfg.dtype)   # "auto": accelerator
+    per_device = page_bytes(mcfg, dtype, rc.block_size) // split
+    pool = rc.pool_bytes // per_device if rc.pool_bytes else None
+    return plan(rc, group_size=cfg.group_size, prompts_per_call=per_call * processes,
+                calls_per_step=cfg.prompts_per_step // per_call,
+                longest_prompt=faults.prompt_capacity(
+                    mcfg.max_position_embeddings, rc.max_new_tokens,
+                    gin_value("make_prompt_iterator.max_prompt_len")),
+                length_buckets=lc.length_buckets or default_buckets(
+                    rc.max_new_tokens, multiple=rc.block_size),
+                fused=fused, probe=cfg.adapt_schedule and rc.mode == "sparse" and alpha == "full",
+                distill=DistillConfig().enabled and rc.mode == "sparse",
+                eval_width=rc.prompt_width(eval_prompt_len) if evaluated else None,
+                eval_rows=-(-cfg.eval_prompts // unit) * unit,
+                eval_modes=("dense", "compress" if rc.mode == "compress" else "sparse"),
+                reference=bool(ReferenceEvalConfig().data), data_shards=data_shards,
+                micro_rows=lc.micro_batch_size, pool_pages=pool)

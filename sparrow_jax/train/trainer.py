@@ -270,6 +270,12 @@ class Trainer:
     def rl_step(self, timer: StepTimer) -> dict[str, float]:
         return step.rl_step(self, timer)
 
+    def train_slots(self) -> int:
+        """Slots of a training rollout (all processes); the paged evaluation runs in the same
+        slots, so that it shares the training rollout's decode programs (compile_plan)."""
+        per_call = self.cfg.rollout_batch_prompts or self.cfg.prompts_per_step
+        return self.rollout_cfg.max_slots or per_call * self.cfg.group_size * jax.process_count()
+
     def evaluate(self) -> dict[str, float]:
         if self.eval_batch is None:
             return {}
@@ -278,7 +284,8 @@ class Trainer:
         rng = jax.random.key(self.cfg.seed + 1)
         for mode in self.eval_modes:
             rc = dataclasses.replace(self.rollout_cfg, mode=mode,
-                                     temperature=self.cfg.eval_temperature)
+                                     temperature=self.cfg.eval_temperature,
+                                     max_slots=self.train_slots())
             # Dense decoding evaluates the policy itself, never the sparse actor's adapter.
             model = (compute_copy(self.model) if self.distiller and mode == "dense"
                      else self.rollout_model())
