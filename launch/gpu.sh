@@ -8,7 +8,8 @@
 # Python >= 3.11 (python3.11, 3.12, 3.13 or python3 on PATH; PYTHON=/path/to/python to choose).
 # Several nodes: run it on every node with COORDINATOR=host0:port NUM_NODES=N NODE_RANK=i set
 # (one process per node drives all of its GPUs; SLURM jobs need none of these: auto-detected).
-# SPARROW_INSTALL_ONLY=1: install and check, then stop (before `sparrow doctor`, `sparrow data
+# SPARROW_WHEELHOUSE=DIR: install from DIR with no network (an offline node; DIR from
+# launch/wheelhouse.sh). SPARROW_INSTALL_ONLY=1: install and check, then stop (before `sparrow doctor`, `sparrow data
 # check`, `sparrow dryrun`). SPARROW_LAUNCH_DRY_RUN=1 prints the install and training commands
 # instead of running them.
 set -euo pipefail
@@ -32,9 +33,28 @@ if [ "${found##* }" = "gpu" ]; then
   if [ ! -x "$venv/bin/python" ]; then
     sparrow_run "$py" -m venv --system-site-packages "$venv" || sparrow_die "$py -m venv failed: install the venv module (Ubuntu: sudo apt install python3-venv)"
   fi
+  sparrow_say_jax_tested "$jax_v"
   sparrow_dry || py=$venv/bin/python
-  sparrow_run "$py" -m pip install -q -c "$pin" -e . \
-    || sparrow_die "pip could not install sparrow-jax against jax $jax_v (pyproject needs jax >=0.10.2,<0.13; tested: launch/constraints.txt)"
+  if [ -n "${SPARROW_WHEELHOUSE:-}" ]; then
+    [ -d "$SPARROW_WHEELHOUSE" ] || sparrow_die "SPARROW_WHEELHOUSE=$SPARROW_WHEELHOUSE is not a directory"
+    sparrow_run "$py" -m pip install -q --no-index --find-links "$SPARROW_WHEELHOUSE" -c "$pin" -e . \
+      || sparrow_die "pip could not install sparrow-jax against jax $jax_v from the wheelhouse $SPARROW_WHEELHOUSE (a missing wheel is named above)"
+  else
+    sparrow_run "$py" -m pip install -q -c "$pin" -e . \
+      || sparrow_die "pip could not install sparrow-jax against jax $jax_v: either pip has no network (then build a wheelhouse with launch/wheelhouse.sh and set SPARROW_WHEELHOUSE=DIR) or a dependency conflicts with it (above; pyproject allows jax >=0.10.2,<0.13; tested: launch/constraints.txt)"
+  fi
+  # jax-triton (the pallas_triton kernel backend) where a release fits this jax; without it,
+  # backend "auto" picks another GPU path and logs which (pallas_kernels/dispatch.py).
+  if [ -n "${SPARROW_WHEELHOUSE:-}" ]; then
+    triton_src=(--no-index --find-links "$SPARROW_WHEELHOUSE")
+  else
+    triton_src=()
+  fi
+  if sparrow_run "$py" -m pip install -q "${triton_src[@]}" -c "$pin" jax-triton; then
+    sparrow_say "jax-triton installed against jax $jax_v"
+  else
+    sparrow_say "no jax-triton release installs against jax $jax_v (above): the kernels use backend 'auto' without it (logged at start-up)"
+  fi
 else
   venv=.venv-gpu
   sparrow_say "installing jax[$cuda] (driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n 1)) into $venv with $py ($(sparrow_py_version "$py"))"
@@ -42,8 +62,8 @@ else
     sparrow_run "$py" -m venv "$venv" || sparrow_die "$py -m venv failed: install the venv module (Ubuntu: sudo apt install python3.11-venv)"
   fi
   sparrow_dry || py=$venv/bin/python
-  sparrow_run "$py" -m pip install -q --upgrade pip
-  sparrow_run "$py" -m pip install -q -c "$SPARROW_CONSTRAINTS" -e . "jax[$cuda]" jax-triton
+  sparrow_pip_upgrade "$py"
+  sparrow_pip_install "$py" -c "$SPARROW_CONSTRAINTS" -e . "jax[$cuda]" jax-triton
 fi
 sparrow_check_jax "$py" gpu "$gpus"
 sparrow_use_python_scripts "$py"

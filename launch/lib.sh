@@ -113,3 +113,36 @@ sparrow_use_python_scripts() {
   if [ -n "$dir" ]; then PATH="$dir:$PATH"; fi
   export PATH
 }
+
+# pip install "$@" with python $1 - from the wheelhouse $SPARROW_WHEELHOUSE when set (no index:
+# an offline host, launch/wheelhouse.sh), else from the package index. Dies saying which.
+sparrow_pip_install() {
+  local py=$1
+  shift
+  if [ -n "${SPARROW_WHEELHOUSE:-}" ]; then
+    [ -d "$SPARROW_WHEELHOUSE" ] || sparrow_die "SPARROW_WHEELHOUSE=$SPARROW_WHEELHOUSE is not a directory (build one with launch/wheelhouse.sh where pip has network)"
+    sparrow_run "$py" -m pip install -q --no-index --find-links "$SPARROW_WHEELHOUSE" "$@" \
+      || sparrow_die "pip could not install from the wheelhouse $SPARROW_WHEELHOUSE (no network used): a wheel it needs is missing (named above); rebuild it with launch/wheelhouse.sh DIR --targets <this host's> --pythons $(sparrow_py_version "$py")"
+  else
+    sparrow_run "$py" -m pip install -q "$@" \
+      || sparrow_die "pip install $* failed (above). If this host has no network (an air-gapped node, a locked image), build a wheelhouse with launch/wheelhouse.sh DIR where pip has network, carry DIR here and re-run with SPARROW_WHEELHOUSE=DIR"
+  fi
+}
+
+# Upgrades pip in python $1 from the index; skipped with a wheelhouse (offline: the venv's pip
+# installs wheels as it is).
+sparrow_pip_upgrade() {
+  [ -n "${SPARROW_WHEELHOUSE:-}" ] && return 0
+  sparrow_run "$1" -m pip install -q --upgrade pip || sparrow_say "could not upgrade pip (no network?); going on with $("$1" -m pip --version 2>/dev/null | cut -d' ' -f2)"
+}
+
+# Whether jax $1 is the tested version (launch/constraints.txt): says so either way.
+sparrow_say_jax_tested() {
+  local tested
+  tested=$(sed -n 's/^jax==//p' "$SPARROW_CONSTRAINTS" | head -n 1)
+  if [ "$1" = "$tested" ]; then
+    sparrow_say "jax $1 is the tested version (launch/constraints.txt)"
+  else
+    sparrow_say "WARNING: jax $1 is NOT the tested version ($tested, launch/constraints.txt); the kernels' compile checks for other versions: docs/devices/README.md. Run launch/device_check.sh before training"
+  fi
+}

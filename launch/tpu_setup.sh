@@ -4,6 +4,7 @@
 # and that every path the run names exists on this host. Training is started separately, so a
 # worker that fails here stops the launch before any process waits for it.
 #   bash launch/tpu_setup.sh CONFIG.gin [--gin_param ...]
+# SPARROW_WHEELHOUSE=DIR: install from DIR with no network (DIR from launch/wheelhouse.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPARROW_LAUNCHER="tpu_setup.sh@$(hostname)"
@@ -15,8 +16,8 @@ if [ ! -x .venv-tpu/bin/python ]; then
   sparrow_run "$py" -m venv .venv-tpu || sparrow_die "$py -m venv failed: install the venv module (Ubuntu: sudo apt install python3.11-venv)"
 fi
 sparrow_dry || py=.venv-tpu/bin/python
-sparrow_run "$py" -m pip install -q --upgrade pip
-sparrow_run "$py" -m pip install -q -c "$SPARROW_CONSTRAINTS" -e '.[tpu]'
+sparrow_pip_upgrade "$py"
+sparrow_pip_install "$py" -c "$SPARROW_CONSTRAINTS" -e '.[tpu]'
 # The expected local device count: TPU_CHIPS_PER_HOST (e.g. 4 on v5p, 8 on v5e-8), else the
 # /dev/accel* chips this VM exposes (v4/v5p); none found (vfio-based v5e/v6e) = any count.
 shopt -s nullglob

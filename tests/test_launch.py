@@ -154,7 +154,52 @@ def test_preinstalled_jax_gets_every_other_dependency(sandbox):
     # A venv that sees the image's packages, so nothing is installed into the image's Python.
     assert "-m venv --system-site-packages .venv-gpu-image" in r.stderr
     pip = [ln for ln in r.stderr.splitlines() if "pip install" in ln]
-    assert len(pip) == 1 and pip[0].endswith(" -e .") and "--no-deps" not in pip[0], pip
+    assert len(pip) == 2 and pip[0].endswith(" -e .") and "--no-deps" not in pip[0], pip
+    # jax-triton where a release fits the image's jax (pinned to it); the version is tested.
+    assert pip[1].endswith(" jax-triton") and "-c /" in pip[1], pip
+    assert "jax 0.10.2 is the tested version" in r.stderr
+
+
+def test_an_untested_image_jax_is_named_and_the_wheelhouse_used_offline(sandbox, tmp_path):
+    _, env = sandbox
+    house = tmp_path / "wheels"
+    house.mkdir()
+    r = launch("gpu.sh", ["configs/qwen3_1p7b_gpu.gin"], env,
+               STUB_PREINSTALLED="0.11.1 0.11.1 gpu", SPARROW_WHEELHOUSE=str(house))
+    assert r.returncode == 0, r.stderr
+    assert "WARNING: jax 0.11.1 is NOT the tested version (0.10.2" in r.stderr
+    pip = [ln for ln in r.stderr.splitlines() if "pip install" in ln]
+    assert len(pip) == 2 and all(f"--no-index --find-links {house}" in ln for ln in pip), pip
+    # The CUDA venv and the TPU set-up install from it too, and never upgrade pip online.
+    for script, args, extra in (("gpu.sh", ["configs/qwen3_1p7b_gpu.gin"], {}),
+                                ("tpu_setup.sh", ["configs/qwen3_8b_tpu.gin"],
+                                 dict(STUB_JAX="tpu 4", TPU_CHIPS_PER_HOST="4"))):
+        r = launch(script, args, env, SPARROW_WHEELHOUSE=str(house), **extra)
+        assert r.returncode == 0, r.stderr
+        pip = [ln for ln in r.stderr.splitlines() if "pip install" in ln]
+        assert len(pip) == 1 and f"--no-index --find-links {house} -c launch/constraints.txt" \
+            in pip[0] and "--upgrade" not in pip[0], pip
+    r = launch("gpu.sh", ["configs/qwen3_1p7b_gpu.gin"], env,
+               SPARROW_WHEELHOUSE=str(tmp_path / "missing"))
+    assert r.returncode == 1 and "is not a directory" in last_line(r)
+
+
+def test_wheelhouse_downloads_every_target_for_both_pythons(sandbox, tmp_path):
+    _, env = sandbox
+    r = launch("wheelhouse.sh", [str(tmp_path / "house")], env)
+    assert r.returncode == 0, r.stderr
+    runs = [ln for ln in r.stderr.splitlines() if "pip download" in ln]
+    assert len(runs) == 6, runs          # cuda12, cuda13, tpu x Python 3.11, 3.12
+    for target, pv in [(t, v) for t in ("cuda12", "cuda13", "tpu") for v in ("3.11", "3.12")]:
+        line = [ln for ln in runs if f"--python-version {pv} " in ln
+                and (f"jax[{target}]" in ln or (target == "tpu" and ".whl[tpu]" in ln))]
+        assert len(line) == 1, (target, pv, runs)
+        assert "--only-binary=:all: --platform manylinux_2_31_x86_64" in line[0]
+        assert "-c launch/constraints.txt" in line[0] and "sparrow_jax-0.1.0-py3-none-any.whl" \
+            in line[0]
+    assert "pip wheel -q --no-deps" in r.stderr
+    r = launch("wheelhouse.sh", [str(tmp_path / "h"), "--targets", "rocm"], env)
+    assert r.returncode == 1 and "unknown target 'rocm'" in last_line(r)
 
 
 def test_tpu_setup_checks_jax_and_the_paths_on_the_worker(sandbox):
