@@ -1,0 +1,202 @@
+"""`launch/device_check.sh`: what a freshly lent accelerator can do, in one command.
+
+Stages, each a separate process under its own timeout (a hung compile or kernel ends its stage,
+not the check):
+  doctor    `sparrow doctor`: every kernel backend against the XLA reference, a short rollout
+  kernels   `sparrow bench kernel` at Qwen3-1.7B head shapes, 8K and 32K contexts
+  rollout   `sparrow bench rollout` at Qwen3-1.7B shapes in bf16: dense vs sparse tokens/s,
+            with each program's compile seconds (from the compile log)
+  train     2 training steps of the CPU demo config (its small shipped checkpoint and data) on
+            the paged engine
+A dated report, markdown and JSON, is rewritten after every stage (docs/devices/ by default), so
+what finished survives a stage that fails or a check that is killed. `--quick`: the same stages
+at toy sizes, for CPU (CI runs it: tests/test_device_check.py).
+
+  python -m sparrow_jax.tools.device_check [--quick] [--out DIR] [--only doctor,rollout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform as host_platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+COMPILED = re.compile(r"(compiled|loaded) (\S+) (?:from the compilation cache )?in ([\d.]+) s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    argv: tuple[str, ...]      # after `python -m sparrow_jax.cli`
+    timeout_s: int
+    what: str
+
+
+def stages(quick: bool, run_dir: str) -> list[Stage]:
+    """The check's stages; quick: toy sizes that run on CPU in seconds each. Full: sized for
+    one H100 within ~9 minutes in all (the timeouts add up to 510 s)."""
+    train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
+             "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
+             "--gin_param", "TrainConfig.eval_at_start = False",
+             "--gin_param", "TrainConfig.eval_every = 1000",
+             "--gin_param", "TrainConfig.checkpoint_every = 1000",
+             "--gin_param", "RolloutConfig.engine = 'paged'")
+    if quick:
+        toy = ("--layers", "2", "--hidden", "64", "--heads", "4", "--kv_heads", "2",
+               "--head_dim", "16", "--vocab", "128")
+        return [
+            Stage("doctor", ("doctor", "--skip_rollout", "--backends", "xla"), 120,
+                  "the XLA kernel path against the float64 reference"),
+            Stage("kernels", ("bench", "kernel", "--", "--json", "--contexts", "1024",
+                              "--budgets", "256", "--models", "1.7b", "--iters", "2"), 120,
+                  "decode kernel, Qwen3-1.7B heads, 1K context"),
+            Stage("rollout", ("bench", "rollout", "--", "--json", *toy, "--context", "256",
+                              "--budget", "64", "--new_tokens", "16", "--repeats", "1",
+                              "--dtype", "float32"), 120,
+                  "dense vs sparse decode, toy model"),
+            Stage("train", train + ("--gin_param", "TrainConfig.prompts_per_step = 2",
+                                    "--gin_param", "LearnerConfig.micro_batch_size = 0",
+                                    "--gin_param", "TrainConfig.group_size = 2",
+                                    "--gin_param", "RolloutConfig.max_new_tokens = 32"), 300,
+                  "2 training steps, demo model, paged engine, 32 new tokens"),
+        ]
+    return [
+        Stage("doctor", ("doctor",), 150, "every kernel backend vs the XLA reference; rollouts"),
+        Stage("kernels", ("bench", "kernel", "--", "--json", "--contexts", "8192,32768",
+                          "--models", "1.7b"), 120,
+              "decode kernel at Qwen3-1.7B heads, 8K and 32K contexts"),
+        Stage("rollout", ("bench", "rollout", "--", "--json", "--preset", "qwen3-1.7b",
+                          "--dtype", "bfloat16", "--context", "8192", "32768",
+                          "--new_tokens", "64", "--repeats", "2"), 150,
+              "Qwen3-1.7B shapes, bf16: dense vs sparse tokens/s"),
+        Stage("train", train + ("--gin_param", "RolloutConfig.max_new_tokens = 256"), 90,
+              "2 training steps, demo model, paged engine, 256 new tokens"),
+    ]
+
+
+def run_stage(stage: Stage, log_dir: Path) -> dict:
+    """Runs one stage; its record: status (ok / fail / timeout), seconds, JSON lines it printed,
+    compile seconds from the compile log, the output's last lines (the log file has it all)."""
+    cmd = [sys.executable, "-m", "sparrow_jax.cli", *stage.argv]
+    log = log_dir / f"{stage.name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=stage.timeout_s)
+        out, err, status = r.stdout, r.stderr, "ok" if r.returncode == 0 else "fail"
+        rc = r.returncode
+    except subprocess.TimeoutExpired as e:
+        def text(x):
+            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+        out, err, status, rc = text(e.stdout), text(e.stderr), "timeout", None
+    seconds = time.perf_counter() - t0
+    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}")
+    records = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    compiles = [{"program": m.group(2), "seconds": float(m.group(3)),
+                 "cached": m.group(1) == "loaded"} for m in COMPILED.finditer(err)]
+    lines = [ln for ln in (out + "\n" + err).splitlines() if ln.strip()]
+    return {"stage": stage.name, "what": stage.what, "command": "sparrow " + " ".join(stage.argv),
+            "status": status, "returncode": rc, "seconds": round(seconds, 1),
+            "timeout_s": stage.timeout_s, "results": records, "compiles": compiles,
+            "tail": lines[-12:], "log": str(log)}
+
+
+def device_summary() -> dict:
+    """The host and its accelerator, from a subprocess (this process never initialises jax: a
+    broken install must not stop the report)."""
+    probe = ("import jax, json; d = jax.devices(); print(json.dumps({'jax': jax.__version__, "
+             "'platform': jax.default_backend(), 'devices': len(d), 'kind': d[0].device_kind}))")
+    info = {"host": host_platform.node(), "python": host_platform.python_version()}
+    try:
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=120)
+        info.update(json.loads(r.stdout.strip().splitlines()[-1]))
+    except Exception as e:          # reported, not raised: the stages say the rest
+        info["error"] = f"jax did not start: {type(e).__name__}: {e}"
+    return info
+
+
+def markdown(report: dict) -> str:
+    d = report["device"]
+    head = [f"# Device check {report['date']}: {d.get('kind', '?')} x {d.get('devices', '?')}",
+            "", f"- command: `{report['command']}`",
+            f"- host {d.get('host')}, Python {d.get('python')}, jax {d.get('jax', '?')} on "
+            f"{d.get('platform', '?')}" + (f" ({d['error']})" if "error" in d else ""),
+            f"- stages finished: {sum(s['status'] == 'ok' for s in report['stages'])} of "
+            f"{report['planned']}, {report['seconds']:.0f} s in all", "",
+            "| stage | status | seconds | what |", "|---|---|---|---|"]
+    rows = [f"| {s['stage']} | {s['status']} | {s['seconds']:.0f} / {s['timeout_s']} | "
+            f"{s['what']} |" for s in report["stages"]]
+    body = []
+    for s in report["stages"]:
+        body += ["", f"## {s['stage']}: {s['status']}", "", f"`{s['command']}`", ""]
+        for r in s["results"]:
+            body.append("- " + ", ".join(f"{k}={v}" for k, v in r.items()
+                                         if not isinstance(v, (list, dict))))
+        if s["compiles"]:
+            slow = sorted(s["compiles"], key=lambda c: -c["seconds"])[:8]
+            body.append("- compiles (slowest): " + ", ".join(
+                f"{c['program']} {c['seconds']:.1f} s" for c in slow))
+        body += ["", "```", *s["tail"], "```"]
+    return "\n".join(head + rows + body) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="toy sizes (CPU, CI)")
+    ap.add_argument("--out", default=str(REPO / "docs" / "devices"),
+                    help="report directory (default docs/devices)")
+    ap.add_argument("--only", default="", help="comma-separated stage names (default: all)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="sparrow-device-check-"))
+    todo = stages(args.quick, str(work / "run"))
+    only = [s for s in args.only.split(",") if s]
+    unknown = set(only) - {s.name for s in todo}
+    if unknown:
+        raise SystemExit(f"device_check: unknown --only stages {sorted(unknown)}; choose from "
+                         f"{[s.name for s in todo]}")
+    todo = [s for s in todo if not only or s.name in only]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    device = device_summary()
+    kind = re.sub(r"[^a-z0-9]+", "-", str(device.get("kind", "unknown")).lower()).strip("-")
+    base = out / f"{now:%Y-%m-%d}-{kind}{'-quick' if args.quick else ''}"
+    report = {"date": now.isoformat(timespec="seconds"), "device": device,
+              "command": "launch/device_check.sh" + (" --quick" if args.quick else ""),
+              "planned": len(todo), "stages": [], "seconds": 0.0}
+    t0 = time.perf_counter()
+    for stage in todo:
+        print(f"device_check: {stage.name} ({stage.what}; at most {stage.timeout_s} s)",
+              flush=True)
+        rec = run_stage(stage, work)
+        report["stages"].append(rec)
+        report["seconds"] = time.perf_counter() - t0
+        base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        base.with_suffix(".md").write_text(markdown(report))
+        print(f"device_check: {stage.name} {rec['status']} in {rec['seconds']:.0f} s", flush=True)
+    failed = [s["stage"] for s in report["stages"] if s["status"] != "ok"]
+    print(f"device_check: report {base}.md / .json ({len(todo) - len(failed)} of {len(todo)} "
+          f"stages ok{', failed: ' + ', '.join(failed) if failed else ''}); logs in {work}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
