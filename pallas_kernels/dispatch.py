@@ -1,7 +1,9 @@
 """Backend choice for the decode kernels: one public entry point, several implementations.
 
 "auto" maps the platform to its best backend (cpu -> xla, tpu -> pallas_tpu, gpu -> pallas_triton)
-and logs that choice once. An explicitly requested backend that cannot run here raises
+and logs that choice once. On GPU it checks that this jax still lowers Pallas to Triton (jax 0.11
+deprecates that backend: it still lowers, and the log says so); where a jax removed it, "auto"
+takes jax_triton when jax-triton imports, else XLA, and logs why. An explicitly requested backend that cannot run here raises
 ``BackendUnavailableError`` naming backend and platform: never a silent fallback, because a
 silently slower (or differently rounded) path would corrupt benchmarks and mismatch statistics.
 """
@@ -42,10 +44,13 @@ def resolve_backend(backend: str, *, interpret: bool = False, platform: str | No
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     platform = platform or current_platform()
     if backend == "auto":
-        chosen = _AUTO.get(platform, "xla")
+        chosen, why = _AUTO.get(platform, "xla"), ""
+        if platform == "gpu":
+            chosen, why = gpu_auto()
         if (platform, chosen) not in _logged:
             _logged.add((platform, chosen))
-            log.info("pallas_kernels: backend 'auto' on platform %r -> %r", platform, chosen)
+            log.info("pallas_kernels: backend 'auto' on platform %r -> %r%s", platform, chosen,
+                     f" ({why})" if why else "")
         return chosen
     if backend == "xla":
         return backend
@@ -56,6 +61,10 @@ def resolve_backend(backend: str, *, interpret: bool = False, platform: str | No
             f"backend 'pallas_tpu' cannot run on platform {platform!r}: it needs a TPU "
             "(or interpret=True for CPU testing)")
     if backend == "pallas_triton":
+        state, why = _triton.status()
+        if state == "unavailable":
+            raise BackendUnavailableError(f"backend 'pallas_triton' cannot run: {why}; use "
+                                          "backend 'auto' (jax_triton or XLA on GPU)")
         if platform == "gpu" or interpret:
             return backend
         raise BackendUnavailableError(
@@ -72,6 +81,19 @@ def resolve_backend(backend: str, *, interpret: bool = False, platform: str | No
             f"backend 'jax_triton' cannot run on platform {platform!r}: jax-triton/triton are "
             f"not importable ({why}); pip install 'sparrow-jax[gpu]'")
     return backend
+
+
+def gpu_auto() -> tuple[str, str]:
+    """The GPU backend "auto" takes, and why when it is not plain pallas_triton."""
+    state, why = _triton.status()
+    if state == "ok":
+        return "pallas_triton", ""
+    if state == "deprecated":
+        return "pallas_triton", why + "; it still lowers here (jax_triton or XLA once removed)"
+    ok, jt_why = _jt.available()
+    if ok:
+        return "jax_triton", why
+    return "xla", f"{why}; jax-triton does not import either ({jt_why})"
 
 
 def block_sparse_decode(

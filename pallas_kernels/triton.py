@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+
+try:     # jax deprecates the Pallas Triton backend from 0.11 and will remove it
+    from jax.experimental.pallas import triton as pltriton
+    _MISSING = ""
+except ImportError as e:     # a jax without it: backend "auto" takes another GPU path
+    pltriton = None
+    _MISSING = f"jax {jax.__version__} has no Pallas Triton backend ({e})"
 
 from pallas_kernels.reference import (NEG_INF, all_blocks_selection, check_decode_inputs,
                                       check_page_ids, contiguous_as_pages, default_scale)
@@ -187,6 +193,26 @@ def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, length
     )(nbv, lengths.astype(jnp.int32), pid, blk, qg, k_pages, v_pages)
     out, lse = merge_partials(acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g])
     return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
+
+
+def status() -> tuple[str, str]:
+    """Whether this jax lowers Pallas to Triton: ("ok", ""), ("deprecated", why) - it still
+    lowers, with a warning at every lowering (jax >= 0.11) - or ("unavailable", why): removed,
+    or its deprecation made an error (`jax._src.deprecations.accelerate`)."""
+    if pltriton is None:
+        return "unavailable", _MISSING
+    try:
+        from jax._src import deprecations
+        registered = "jax-pallas-triton" in deprecations._registered_deprecations
+        accelerated = registered and deprecations.is_accelerated("jax-pallas-triton")
+    except Exception:        # private API moved: judge by the import alone
+        return "ok", ""
+    if accelerated:
+        return "unavailable", (f"jax {jax.__version__} turned the Pallas Triton backend's "
+                               "deprecation into an error")
+    if registered:
+        return "deprecated", f"jax {jax.__version__} deprecates the Pallas Triton backend"
+    return "ok", ""
 
 
 def _check_triton_shapes(d: int, block_size: int) -> None:

@@ -322,6 +322,41 @@ def test_auto_picks_xla_on_cpu_and_logs_once(caplog):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref[0]))
 
 
+@pytest.mark.parametrize("state, jt, expect", [
+    (("ok", ""), (True, ""), "pallas_triton"),
+    (("deprecated", "jax 0.11.2 deprecates the Pallas Triton backend"), (True, ""),
+     "pallas_triton"),
+    (("unavailable", "jax 0.13 has no Pallas Triton backend"), (True, ""), "jax_triton"),
+    (("unavailable", "jax 0.13 has no Pallas Triton backend"), (False, "ImportError: triton"),
+     "xla")])
+def test_auto_on_gpu_survives_the_triton_deprecation(monkeypatch, caplog, state, jt, expect):
+    """backend="auto" on GPU: Pallas Triton while this jax lowers it (saying so when it is
+    deprecated), else jax_triton, else XLA - each choice logged with its reason; an explicit
+    pallas_triton on a jax without it is an error naming why."""
+    from pallas_kernels import jax_triton, triton
+    monkeypatch.setattr(triton, "status", lambda: state)
+    monkeypatch.setattr(jax_triton, "available", lambda: jt)
+    dispatch._logged.clear()
+    with caplog.at_level(logging.INFO, logger="pallas_kernels.dispatch"):
+        assert pk.resolve_backend("auto", platform="gpu") == expect
+    [line] = [r.getMessage() for r in caplog.records if "backend 'auto'" in r.getMessage()]
+    assert f"-> '{expect}'" in line and (state[1] in line)
+    dispatch._logged.clear()
+    if state[0] == "unavailable":
+        with pytest.raises(pk.BackendUnavailableError, match="Pallas Triton backend"):
+            pk.resolve_backend("pallas_triton", platform="gpu")
+    else:
+        assert pk.resolve_backend("pallas_triton", platform="gpu") == "pallas_triton"
+
+
+def test_this_jax_reports_its_triton_backend():
+    from pallas_kernels import triton
+    state, why = triton.status()
+    assert state in ("ok", "deprecated") and (state == "ok") == (why == "")
+    assert state == ("deprecated" if tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11)
+                     else "ok"), (jax.__version__, state)
+
+
 # ----------------------------------------------------------------------------- paged KV cache
 
 def make_pages(seed: int, k, v, lengths, pools: int, *, spare: int = 3):
