@@ -43,8 +43,9 @@ class Stage:
 
 
 def stages(quick: bool, run_dir: str) -> list[Stage]:
-    """The check's stages; quick: toy sizes that run on CPU in seconds each. Full: sized for
-    one H100 within ~9 minutes in all (the timeouts add up to 510 s)."""
+    """The check's stages; quick: toy sizes for CPU (tens of seconds each on an idle 2-core
+    machine; timeouts generous for a loaded one). Full: sized for one H100 within ~9 minutes
+    in all (the timeouts add up to 510 s)."""
     train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
              "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
              "--gin_param", "TrainConfig.eval_at_start = False",
@@ -55,14 +56,14 @@ def stages(quick: bool, run_dir: str) -> list[Stage]:
         toy = ("--layers", "2", "--hidden", "64", "--heads", "4", "--kv_heads", "2",
                "--head_dim", "16", "--vocab", "128")
         return [
-            Stage("doctor", ("doctor", "--skip_rollout", "--backends", "xla"), 120,
+            Stage("doctor", ("doctor", "--skip_rollout", "--backends", "xla"), 300,
                   "the XLA kernel path against the float64 reference"),
             Stage("kernels", ("bench", "kernel", "--", "--json", "--contexts", "1024",
-                              "--budgets", "256", "--models", "1.7b", "--iters", "2"), 120,
+                              "--budgets", "256", "--models", "1.7b", "--iters", "2"), 300,
                   "decode kernel, Qwen3-1.7B heads, 1K context"),
             Stage("rollout", ("bench", "rollout", "--", "--json", *toy, "--context", "256",
                               "--budget", "64", "--new_tokens", "16", "--repeats", "1",
-                              "--dtype", "float32"), 120,
+                              "--dtype", "float32"), 300,
                   "dense vs sparse decode, toy model"),
             Stage("train", train + ("--gin_param", "TrainConfig.prompts_per_step = 2",
                                     "--gin_param", "LearnerConfig.micro_batch_size = 0",

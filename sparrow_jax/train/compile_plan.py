@@ -158,14 +158,15 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
          longest_prompt: int, length_buckets: Sequence[int], fused: bool, probe: bool = False,
          distill: bool = False, eval_width: int | None = None,
          eval_rows: int = 0, eval_modes: Sequence[str] = (), reference: bool = False,
-         data_shards: int = 1, micro_rows: int = 0, pool_pages: int | None = None
-         ) -> CompilePlan:
+         data_shards: int = 1, micro_rows: int = 0, pool_pages: int | None = None,
+         eval_temperature: float | None = None) -> CompilePlan:
     """The plan of a run (see the module docstring). `prompts_per_call`: prompts of one rollout
     program call over all processes; `fused`: the learner's analysis runs inside its gradient
     program (`Learner.fused`); `probe`: the controller's teacher-forced replay may run the
     analysis program; `eval_width`, `eval_rows`: the held-out batch's prompt width (None: no
     evaluation) and rows over all processes (paged: run in the training rollout's slots);
-    `pool_pages`: pages per pool of a fixed paged pool (None: unknown, preemption assumed)."""
+    `pool_pages`: pages per pool of a fixed paged pool (None: unknown, preemption assumed);
+    `eval_temperature`: the evaluation's (None: the rollout's; another one compiles its own)."""
     widths = prompt_widths(rc, longest_prompt)
     responses = response_lengths(length_buckets, rc.max_new_tokens, rc.block_size)
     rows = prompts_per_call * group_size
@@ -199,7 +200,8 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
             for mode in eval_modes:
                 p, d = _paged(dataclasses.replace(rc, mode=mode), (eval_width,), rows, 1,
                               data_shards, prompts=eval_rows or rows, pool_pages=pool_pages)
-                shared = mode == rc.mode and eval_width in widths
+                shared = (mode == rc.mode and eval_width in widths
+                          and eval_temperature in (None, rc.temperature))
                 first += p.first + (0 if shared else d.first)
                 most += p.most + (0 if shared else d.most)
             out.append(Planned("eval/rollout", f"{'/'.join(eval_modes)} at prompt width "
@@ -246,7 +248,8 @@ def for_trainer(trainer) -> CompilePlan:
                 distill=trainer.distiller is not None, eval_width=eval_width,
                 eval_rows=eval_rows, eval_modes=trainer.eval_modes,
                 reference=trainer.reference is not None, data_shards=data,
-                micro_rows=lc.micro_batch_size, pool_pages=pool)
+                micro_rows=lc.micro_batch_size, pool_pages=pool,
+                eval_temperature=cfg.eval_temperature)
 
 
 def log_plan(p: CompilePlan) -> None:
@@ -299,4 +302,5 @@ def from_gin(mcfg, *, data_shards: int, processes: int = 1, model_shards: int = 
                 eval_rows=-(-cfg.eval_prompts // unit) * unit,
                 eval_modes=("dense", "compress" if rc.mode == "compress" else "sparse"),
                 reference=bool(ReferenceEvalConfig().data), data_shards=data_shards,
-                micro_rows=lc.micro_batch_size, pool_pages=pool)
+                micro_rows=lc.micro_batch_size, pool_pages=pool,
+                eval_temperature=cfg.eval_temperature)
