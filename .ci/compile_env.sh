@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-DEST=.compile-env
+DEST=${SPARROW_COMPILE_ENV:-.compile-env}     # another jax's own: .ci/second_jax.sh
 STAMP="$DEST/.sparrow-compile-env"
 
 JAX_VERSION=$("$PY" -c 'import jax; print(jax.__version__)')

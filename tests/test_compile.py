@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMPILE_ENV = REPO / ".compile-env"
+# SPARROW_COMPILE_ENV: another jax version's compile environment (.ci/second_jax.sh).
+COMPILE_ENV = Path(os.environ.get("SPARROW_COMPILE_ENV") or REPO / ".compile-env").absolute()
 
 pytestmark = pytest.mark.compile
 

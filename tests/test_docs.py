@@ -329,6 +329,13 @@ _REGISTRY = {
     _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
     "--chunk_steps 32 --repeats 5 --before":
         (Twin("bench_rollout_longtail"),),
+    # docs/benchmarks.md: coarse shape ladders vs the default ones (issue 43)
+    _ROLLOUT_BENCH + "--workload longtail --samples 32 --new_tokens 512 --chunk_steps 32 "
+    "--repeats 3 --ladders 8 8 4":
+        (Twin("bench_rollout_longtail"),),
+    _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
+    "--chunk_steps 32 --repeats 3 --ladders 8 8 4":
+        (Twin("bench_rollout_longtail"),),
     # docs/benchmarks.md: the same across 2 local processes (issue 30's multi-process overlap)
     _ROLLOUT_BENCH + "--workload longtail --processes 2 --modes sparse --samples 32 "
     "--new_tokens 512 --chunk_steps 32 --repeats 5":

@@ -48,6 +48,30 @@ def _workload(args, vocab: int, block_size: int):
     return tokens, lengths.astype(np.int32), stop_ids
 
 
+def ladder(cap: int, per_octave: int, smallest: int = 64) -> tuple[int, ...]:
+    """Response-length buckets up to cap: the default two per octave, or powers of two."""
+    from sparrow_jax.runtime.shapes import default_buckets
+    if per_octave == 2:
+        return default_buckets(cap, multiple=16, smallest=smallest)
+    out, b = [], smallest
+    while b < cap:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (cap,)
+
+
+def learner_padding(prompt_lengths, response_lengths, prompt_width: int, buckets, bs: int
+                    ) -> float:
+    """The share of padding in the learner's batch: every row padded to prompt width + the
+    longest response rounded up to a bucket (`trim_to_bucket`), then to a block multiple."""
+    from sparrow_jax.rollout.config import padded_length
+    from sparrow_jax.runtime.shapes import bucket_length
+    t = min(bucket_length(int(max(response_lengths)), buckets), max(buckets))
+    seq = padded_length(prompt_width + t, bs)
+    real = float(np.sum(prompt_lengths) + np.sum(response_lengths))
+    return 1.0 - real / (len(response_lengths) * seq)
+
+
 def _static_rollout(model, tokens, lengths, cfg, budgets, group: int, wave_prompts: int, key):
     """Waves of `wave_prompts` prompts (the static engine's memory), one after the other."""
     from sparrow_jax.rollout import generate
@@ -143,6 +167,11 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
             print(f"# response lengths: mean {resp.mean():.0f}, p50 {np.median(resp):.0f}, "
                   f"p90 {np.percentile(resp, 90):.0f}, max {resp.max()}, at cap "
                   f"{(resp >= t).mean():.0%}; {generated} tokens", flush=True)
+            plens = np.repeat(lengths, args.group)[:len(resp)]
+            two, one = (learner_padding(plens, resp, width, ladder(t, k), bs) for k in (2, 1))
+            print(f"# learner padded-token share of one batch of these samples (prompt width "
+                  f"{width}): {two:.3f} at two response buckets per octave, {one:.3f} at "
+                  "one (powers of two)", flush=True)
         walls: dict[str, list[float]] = {name: [] for name in engines}
         stats: dict[str, list] = {name: [] for name in engines}
         for _ in range(args.repeats):

@@ -68,8 +68,9 @@ def stages(quick: bool, run_dir: str) -> list[Stage]:
             Stage("train", train + ("--gin_param", "TrainConfig.prompts_per_step = 2",
                                     "--gin_param", "LearnerConfig.micro_batch_size = 0",
                                     "--gin_param", "TrainConfig.group_size = 2",
-                                    "--gin_param", "RolloutConfig.max_new_tokens = 32"), 300,
-                  "2 training steps, demo model, paged engine, 32 new tokens"),
+                                    "--gin_param", "RolloutConfig.max_new_tokens = 16",
+                                    "--gin_param", "RolloutConfig.chunk_steps = 16"), 600,
+                  "2 training steps, demo model, paged engine, 16 new tokens"),
         ]
     return [
         Stage("doctor", ("doctor",), 150, "every kernel backend vs the XLA reference; rollouts"),
