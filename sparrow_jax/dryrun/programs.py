@@ -206,10 +206,10 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
                        ("static", "state", "local") + ("local",) * 8,
                        dict(cfg=cfg, spec=spec, bin_size=shape.bin_size, replay=replay))
 
-    # The scheduler's largest prefills: every slot's group at once (rows per pool a power of
-    # two), and one resumed sample per pool of prompt + all but one new token.
-    groups_per_pool = scheduler.pow2_bucket(max(1, layout.slots_per_pool // n),
-                                            layout.slots_per_pool)
+    # The scheduler's largest prefills: every slot's group at once (rows per pool on the slot
+    # ladder), and one resumed sample per pool of prompt + all but one new token.
+    groups_per_pool = scheduler.slot_bucket(max(1, layout.slots_per_pool // n),
+                                            layout.slots_per_pool, rc)
     longest = shape.prompt_len + rc.max_new_tokens - 1
     widest = scheduler.prefill_width(rc, longest, longest)
     s = layout.slots_per_pool * data
