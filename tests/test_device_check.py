@@ -40,7 +40,9 @@ def test_quick_device_check_writes_its_report(tmp_path):
     assert kernel["dense_ms"] > 0 and kernel["sparse_ms"] > 0 and kernel["model"] == "qwen3-1.7b"
     [rollout] = by["rollout"]["results"]
     assert rollout["dense_tok_s"] > 0 and rollout["sparse_tok_s"] > 0
-    assert by["rollout"]["compiles"] and all(c["seconds"] >= 1 for c in by["rollout"]["compiles"])
+    # INFO lines: compiles of >= 1 s and every load from the persistent cache (compile_cache).
+    assert by["rollout"]["compiles"] and all(c["cached"] or c["seconds"] >= 1
+                                             for c in by["rollout"]["compiles"])
     md = report.with_suffix(".md").read_text()
     assert md.startswith("# Device check ") and "| rollout | ok |" in md
     assert "dense_tok_s=" in md
