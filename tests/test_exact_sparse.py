@@ -223,3 +223,23 @@ def test_bad_settings():
         RolloutConfig(mode="exact_sparse", engine="paged")
     with pytest.raises(ValueError, match="mode must be one of"):
         RolloutConfig(mode="exactsparse")
+
+
+@pytest.mark.slow
+def test_bench_exact_workload(capsys):
+    """`sparrow bench rollout --workload exact` at toy size: dense, sparse and exact side by
+    side, with tokens per pass, alpha, KV bytes per token and the round's cost breakdown."""
+    import json
+    from sparrow_jax import cli
+    argv = ["bench", "rollout", "--", "--json", "--workload", "exact", "--layers", "2",
+            "--hidden", "32", "--heads", "4", "--kv_heads", "2", "--head_dim", "16", "--vocab",
+            "64", "--context", "160", "--budget", "48", "--gamma", "2", "--dense_layers", "none",
+            "--batch", "2", "--new_tokens", "12", "--repeats", "1", "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [r["mode"] for r in records] == ["dense", "sparse", "exact_sparse"]
+    dense, sparse, ex = records
+    assert all(r["tok_s"] > 0 for r in records)
+    assert sparse["kv_bytes_per_token"] < dense["kv_bytes_per_token"]
+    assert 1 <= ex["tokens_per_pass"] <= 3 and 0 < ex["mean_alpha"] <= 1 + 1e-5
+    assert ex["rounds"] >= 11 / 3 and ex["verify_ms"] > 0 and ex["draft_ms"] > 0

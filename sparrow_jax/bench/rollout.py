@@ -1,5 +1,6 @@
 """`sparrow bench rollout`: dense vs block-sparse rollout decode throughput on a random model.
-(`--workload longtail`: static vs paged engine at equal memory, see `longtail_bench`.)
+(`--workload longtail`: static vs paged engine at equal memory, see `longtail_bench`;
+`--workload exact`: dense vs approximate vs exact sparse, sparrow_jax.bench.exact.)
 
     sparrow bench rollout [gin files] [--gin_param ...] [--json] [--preset qwen3-1.7b]
         [--layers 4 --hidden 512 --heads 8 --kv_heads 2 --head_dim 64 --vocab 4096]
@@ -87,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time each sparse run with the former top_k + sort selection and "
                         "per-step top-20 record (tokens/s before/after in one run); longtail: "
                         "each paged run without the host loop overlap")
-    p.add_argument("--workload", choices=("fixed", "longtail"), default="fixed",
+    p.add_argument("--gamma", type=int, nargs="+", default=[4],
+                   help="--workload exact: tokens drafted per verify pass (one run each)")
+    p.add_argument("--workload", choices=("fixed", "longtail", "exact"), default="fixed",
                    help="fixed: dense vs sparse decode at given contexts; longtail: static vs "
                         "paged engine on long-tailed responses at equal KV memory "
                         "(sparrow_jax.bench.longtail)")
@@ -359,6 +362,9 @@ def main(argv: Sequence[str]) -> int:
     if args.workload == "longtail":
         from sparrow_jax.bench import longtail as longtail_bench
         return longtail_bench.run(model, args, base_cfg, device, backend, spec)
+    if args.workload == "exact":
+        from sparrow_jax.bench import exact as exact_bench
+        return exact_bench.run(model, args, base_cfg, device, backend)
     shape = {k: getattr(mcfg, k) for k in ("num_hidden_layers", "hidden_size",
                                              "num_attention_heads", "num_key_value_heads",
                                              "head_dim", "intermediate_size", "vocab_size")}

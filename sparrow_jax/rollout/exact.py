@@ -87,6 +87,22 @@ def refresh_centroids(centroids, k_cache, starts, new_len, *, span: int, block_s
     return jax.vmap(one_row)(centroids, k_cache, starts, new_len)
 
 
+def verify_forward(model: Qwen3ForCausalLM, ks: list, vs: list, starts, seq):
+    """The verify pass: dense forward of seq [B, C] at positions starts..starts+C-1 over the
+    per-layer caches ks/vs (L x [B, Hkv, S, D]), writing the C tokens' dense K/V.
+    Returns (ks, vs, logits [B, C, V] f32)."""
+    ks, vs = list(ks), list(vs)
+
+    def attend(i, q, k, v):
+        ks[i] = write_tokens(ks[i], k, starts)
+        vs[i] = write_tokens(vs[i], v, starts)
+        return verify_attention(q, ks[i], vs[i], starts)
+
+    positions = starts[:, None] + jnp.arange(seq.shape[1])[None, :]
+    hidden = model.run_layers(model.embed(seq), positions, attend)
+    return ks, vs, model.logits(hidden)
+
+
 def _gumbel_rows(keys, shape):
     return jax.vmap(lambda k: jax.random.gumbel(k, shape, jnp.float32))(keys)
 
@@ -148,23 +164,14 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         return (list(ks), list(vs), list(cs)), xs.T, q_logp.transpose(1, 0, 2)
 
     def verify(st: DecodeState, ks, vs, drafts):
-        """Dense forward of [x_0, drafts] at start..start+G; writes dense K/V. -> logits."""
-        start = st.cache.lengths
         seq = jnp.concatenate([st.token[:, None], drafts], axis=1)             # [B, G+1]
-
-        def attend(i, q, k, v):
-            ks[i] = write_tokens(ks[i], k, start)
-            vs[i] = write_tokens(vs[i], v, start)
-            return verify_attention(q, ks[i], vs[i], start)
-
-        hidden = model.run_layers(model.embed(seq), start[:, None] + j, attend)
-        return model.logits(hidden)                                              # [B, G+1, V]
+        return verify_forward(model, ks, vs, st.cache.lengths, seq)
 
     def body(carry):
         st, acc_buf, alpha_buf = carry
         start, r, active = st.cache.lengths, st.response_lengths, ~st.done
         (ks, vs, cs), drafts, q_logp = draft(st)
-        p_logits = verify(st, ks, vs, drafts)
+        ks, vs, p_logits = verify(st, ks, vs, drafts)
         p_logp = sampling_logprobs(p_logits, **samp)
         # Drafted token j (1-based) lands at response index r - 1 + j.
         idx = r[:, None] + j                                                     # [B, G+1]

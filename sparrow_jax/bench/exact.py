@@ -1,0 +1,198 @@
+"""`sparrow bench rollout --workload exact`: dense vs approximate sparse vs exact sparse decode,
+side by side in one run (issue 42).
+
+    sparrow bench rollout -- --workload exact [--context 8192 16384 32768] [--budget 1024]
+        [--gamma 4] [--dense_layers none 0,1] [--batch 4] [--new_tokens 64] [--repeats 3]
+
+Per context: one random prompt of (context - new_tokens) tokens is prefilled once (with the
+exact-sparse cache slack, which the dense and sparse programs decode too) and sampled `batch`
+times at temperature 1. Each timed run decodes a fresh copy of that state (copy not timed),
+programs compiled ahead of time, runs interleaved (dense, then per dense-layer set sparse and
+exact for each gamma), median of --repeats. Stop tokens are off: every row decodes
+new_tokens tokens; the exact loop runs until the slowest row is done (its idle rows included).
+
+Reported per run: decode tokens/s (batch x (new_tokens - 1) / median seconds) and the ratio to
+dense; for exact runs the measured tokens per verify pass, mean alpha, verify rounds (loop
+iterations) and a cost breakdown per round: draft = gamma x the sparse run's ms per step (same
+budget and dense layers), verify = a separately timed verify pass (gamma + 1 tokens, dense),
+rest = measured ms per round - draft - verify (acceptance, rollback, records). KV bytes read
+per generated token (per row, at the full context, K+V of every layer plus the sparse layers'
+centroid scoring) follow from the shapes: dense reads the whole context every layer; sparse
+reads the budget in sparse layers; exact reads gamma sparse steps + one dense pass per round,
+divided by the measured tokens per round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def kv_bytes_per_token(mcfg, context: int, *, budget: int | None, dense_layers, block_size: int,
+                       itemsize: int) -> float:
+    """KV (+ centroid) bytes one decode step reads for one row at `context` tokens;
+    budget None = dense. Layers in dense_layers read densely either way."""
+    per_tok = 2 * mcfg.num_key_value_heads * mcfg.head_dim * itemsize
+    n = mcfg.num_hidden_layers
+    if budget is None or budget >= context:
+        return float(n * per_tok * context)
+    n_dense = sum(1 for i in range(n) if i in dense_layers)
+    centroids = (context // block_size) * mcfg.num_key_value_heads * mcfg.head_dim * itemsize
+    return float(n_dense * per_tok * context + (n - n_dense) * (per_tok * budget + centroids))
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
+    from sparrow_jax.rollout import engine, exact, start
+    from sparrow_jax.rollout.config import padded_length
+    budget = (args.budget or [1024])[0]
+    gammas = args.gamma
+    if context <= args.new_tokens + 1 or budget >= context:
+        raise SystemExit(f"sparrow bench rollout: --context {context} must exceed --new_tokens "
+                         f"{args.new_tokens} + 1 and --budget {budget}")
+    plen = context - args.new_tokens
+    rng = np.random.default_rng(args.seed)
+    prompt = np.zeros((1, padded_length(plen, base_cfg.block_size)), np.int32)
+    prompt[0, :plen] = rng.integers(1, model.config.vocab_size, plen)
+    common = dict(max_new_tokens=args.new_tokens, temperature=1.0, max_budget=budget)
+    pre_cfg = dataclasses.replace(base_cfg, mode="exact_sparse", gamma=max(gammas), **common)
+    state = jax.block_until_ready(start(model, prompt, np.asarray([plen], np.int32), cfg=pre_cfg,
+                                        group_size=args.batch, rng=jax.random.key(args.seed)))
+    budgets = jnp.asarray(np.full(20, budget, np.int32))
+    graphdef, params = nnx.split(model)
+    from sparrow_jax.bench.rollout import _dense_layer_sets
+    progs: dict[str, tuple[Any, Any]] = {
+        "dense": (dataclasses.replace(base_cfg, mode="dense", **common), engine.decode_program)}
+    for layers in _dense_layer_sets(args.dense_layers, base_cfg.dense_layers):
+        tag = ",".join(map(str, layers)) or "none"
+        progs[f"sparse:{tag}"] = (dataclasses.replace(base_cfg, mode="sparse", dense_layers=layers,
+                                                      **common), engine.decode_program)
+        for g in gammas:
+            progs[f"exact:{tag}:{g}"] = (dataclasses.replace(
+                base_cfg, mode="exact_sparse", dense_layers=layers, gamma=g, **common),
+                exact.decode_program)
+    compiled = {}
+    for name, (cfg, prog) in progs.items():
+        t0 = time.perf_counter()
+        compiled[name] = prog.lower(graphdef, params, state, budgets, cfg=cfg, bin_size=2000,
+                                    spec=None).compile()
+        print(f"#   compiled {name} at {context} in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    outputs: dict[str, Any] = {}
+
+    def run(name):
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+
+        def call():
+            outputs[name] = compiled[name](params, fresh, budgets)
+            return outputs[name]
+        return call
+
+    wall: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name in progs:
+            wall.setdefault(name, []).append(_time(run(name)))
+    verify_ms = {g: _verify_ms(model, state, g, args.repeats) for g in gammas}
+
+    steps = args.batch * (args.new_tokens - 1)
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    itemsize = jnp.dtype(model.dtype).itemsize
+    mcfg, bs = model.config, base_cfg.block_size
+    dense_kv = kv_bytes_per_token(mcfg, context, budget=None, dense_layers=(), block_size=bs,
+                                  itemsize=itemsize)
+    results = [{"context": context, "mode": "dense", "tok_s": steps / med["dense"], "ratio": 1.0,
+                "ms_per_step": 1e3 * med["dense"] / (args.new_tokens - 1),
+                "kv_bytes_per_token": dense_kv}]
+    for name, (cfg, _) in progs.items():
+        if name == "dense":
+            continue
+        layers = cfg.dense_layers
+        sparse_kv = kv_bytes_per_token(mcfg, context, budget=budget, dense_layers=layers,
+                                       block_size=bs, itemsize=itemsize)
+        row = {"context": context, "mode": cfg.mode, "budget": budget,
+               "dense_layers": list(layers), "tok_s": steps / med[name],
+               "ratio": med["dense"] / med[name]}
+        if cfg.mode == "sparse":
+            row.update(ms_per_step=1e3 * med[name] / (args.new_tokens - 1),
+                       kv_bytes_per_token=sparse_kv)
+        else:
+            traj, carry = outputs[name]
+            rounds = int(carry[1]) - 1                  # loop iterations (step starts at 1)
+            stats = exact.acceptance_by_bin(traj, gamma=cfg.gamma, bin_size=1 << 30)[0]
+            per_pass = stats["tokens_per_pass"]
+            sparse_ms = 1e3 * med[f"sparse:{','.join(map(str, layers)) or 'none'}"] / (
+                args.new_tokens - 1)
+            round_ms = 1e3 * med[name] / rounds
+            draft = cfg.gamma * sparse_ms
+            row.update(gamma=cfg.gamma, tokens_per_pass=per_pass, mean_alpha=stats["mean_alpha"],
+                       predicted_tokens_per_pass=stats["predicted"], rounds=rounds,
+                       ms_per_round=round_ms, draft_ms=draft, verify_ms=verify_ms[cfg.gamma],
+                       rest_ms=round_ms - draft - verify_ms[cfg.gamma],
+                       kv_bytes_per_token=(cfg.gamma * sparse_kv + dense_kv) / per_pass)
+        results.append(row)
+    return results
+
+
+def _verify_ms(model, state, gamma: int, repeats: int) -> float:
+    """Median ms of one verify pass alone (gamma + 1 tokens per row, dense, cache donated)."""
+    from sparrow_jax.rollout.exact import verify_forward
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def one(params, ks, vs, starts, seq):
+        return verify_forward(nnx.merge(graphdef, params), ks, vs, starts, seq)
+
+    ks, vs = list(jax.tree.map(jnp.copy, state.cache.k)), list(jax.tree.map(jnp.copy,
+                                                                            state.cache.v))
+    b = state.tokens.shape[0]
+    seq = jnp.ones((b, gamma + 1), jnp.int32)
+    starts = state.cache.lengths
+    ks, vs, _ = jax.block_until_ready(one(params, ks, vs, starts, seq))     # compile
+    times = []
+    for _ in range(max(repeats, 3)):
+        t0 = time.perf_counter()
+        ks, vs, logits = jax.block_until_ready(one(params, ks, vs, starts, seq))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def run(model, args, base_cfg, device: str, backend: str) -> int:
+    shape = {k: getattr(model.config, k) for k in ("num_hidden_layers", "hidden_size",
+                                                   "num_key_value_heads", "head_dim",
+                                                   "vocab_size")}
+    print(f"# exact-sparse bench: model {shape} {jnp.dtype(model.dtype).name}, batch "
+          f"{args.batch}, new_tokens {args.new_tokens}, budget {(args.budget or [1024])[0]}, "
+          f"backend {backend}, device {device}, repeats {args.repeats}", flush=True)
+    print(f"{'context':>8} {'mode':>13} {'dense lyr':>9} {'g':>2} {'tok/s':>8} {'ratio':>6} "
+          f"{'tok/pass':>8} {'pred':>5} {'alpha':>6} {'KV MB/tok':>9} {'round ms':>9} "
+          f"{'draft':>7} {'verify':>7} {'rest':>7}", flush=True)
+    for context in args.context:
+        for r in bench_context(model, context, args, base_cfg):
+            def f(key, spec, width):
+                return f"{r[key]:>{width}{spec}}" if key in r else " " * width
+            layers = ",".join(map(str, r.get("dense_layers", []))) or (
+                "all" if r["mode"] == "dense" else "none")
+            print(f"{context:>8} {r['mode']:>13} {layers:>9} {f('gamma', 'd', 2)} "
+                  f"{f('tok_s', '.1f', 8)} {r['ratio']:>5.2f}x {f('tokens_per_pass', '.2f', 8)} "
+                  f"{f('predicted_tokens_per_pass', '.2f', 5)} {f('mean_alpha', '.3f', 6)} "
+                  f"{r['kv_bytes_per_token'] / 2**20:>9.2f} {f('ms_per_round', '.1f', 9)} "
+                  f"{f('draft_ms', '.1f', 7)} {f('verify_ms', '.1f', 7)} {f('rest_ms', '.1f', 7)}",
+                  flush=True)
+            if args.json:
+                print(json.dumps({"bench": "rollout_exact", "device": device, "backend": backend,
+                                  "batch": args.batch, "new_tokens": args.new_tokens,
+                                  "repeats": args.repeats, **r}), flush=True)
+    return 0
