@@ -320,6 +320,10 @@ _REGISTRY = {
     "--batch 16 --new_tokens 64 --repeats 3": (Twin("bench_rollout"),),
     _ROLLOUT_BENCH + "--preset qwen3-1.7b --context 32768 --schedule qwen3-1.7b-0.86 --batch 8 "
     "--new_tokens 256 --dtype bfloat16": (Twin("bench_rollout"),),
+    # docs/benchmarks.md: dense vs approximate vs exact sparse rollout (issue 42)
+    _ROLLOUT_BENCH + "--workload exact --context 8192 16384 32768 --budget 1024 --gamma 4 "
+    "--dense_layers none 0,1 --batch 4 --new_tokens 64 --repeats 3":
+        (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
     # docs/benchmarks.md, README.md: static vs paged engine on the long-tailed workload
     _ROLLOUT_BENCH + "--workload longtail --chunk_steps 16 32 64 --repeats 2":
         (Twin("bench_rollout_longtail"),),

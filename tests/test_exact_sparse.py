@@ -139,6 +139,26 @@ def test_greedy_accept_rule():
     assert num.tolist() == [2, 1] and nxt.tolist() == [2, 0]
 
 
+def test_verify_attention_cascade_equals_causal_attention():
+    """The verify pass's cascade (dense decode kernel over the prefix + causal attention among
+    the new tokens, merged by log-sum-exp) == plain masked causal attention over the cache."""
+    b, c, hq, hkv, d, s = 3, 5, 4, 2, 16, 64
+    r = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(r[0], (b, c, hq, d))
+    k = jax.random.normal(r[1], (b, hkv, s, d))
+    v = jax.random.normal(r[2], (b, hkv, s, d))
+    starts = jnp.asarray([1, 30, 59])
+    k_new = jnp.stack([k[i, :, int(t):int(t) + c] for i, t in enumerate(starts)]).transpose(0, 2, 1, 3)
+    v_new = jnp.stack([v[i, :, int(t):int(t) + c] for i, t in enumerate(starts)]).transpose(0, 2, 1, 3)
+    got = exact.verify_attention(q, k, v, starts, k_new, v_new, backend="xla")
+    qg = q.reshape(b, c, hkv, hq // hkv, d)
+    scores = jnp.einsum("bckgd,bksd->bckgs", qg, k) * d ** -0.5
+    visible = jnp.arange(s)[None, None, :] <= (starts[:, None] + jnp.arange(c))[..., None]
+    p = jax.nn.softmax(jnp.where(visible[:, :, None, None], scores, -jnp.inf), axis=-1)
+    want = jnp.einsum("bckgs,bksd->bckgd", p, v).reshape(b, c, hq, d)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
 # -- the engine ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sharp(tmp_path_factory):

@@ -25,6 +25,7 @@ divided by the measured tokens per round.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -151,7 +152,7 @@ def _verify_ms(model, state, gamma: int, repeats: int) -> float:
     from sparrow_jax.rollout.exact import verify_forward
     graphdef, params = nnx.split(model)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(1, 2))     # in place, as inside the loop
     def one(params, ks, vs, starts, seq):
         return verify_forward(nnx.merge(graphdef, params), ks, vs, starts, seq)
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparrow_jax.model.attention import _MASK_VALUE
+import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import speculative
 from sparrow_jax.rollout.config import RolloutConfig
@@ -41,20 +41,33 @@ from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec
 
 
-def verify_attention(q, k_cache, v_cache, starts):
-    """Dense causal attention of C consecutive queries per row against the cache.
-    q [B, C, Hq, D] at positions starts[b] + i; k/v [B, Hkv, S, D] already hold the C keys.
-    Query i sees keys 0 .. starts[b] + i. Returns [B, C, Hq, D]."""
+def verify_attention(q, k_cache, v_cache, starts, k_new, v_new, *, backend: str = "auto"):
+    """Dense causal attention of C consecutive queries per row, as a cascade: the cache prefix
+    (keys < starts[b]) through the dense decode kernel, the C queries folded into its query
+    heads so the prefix KV is read once for all of them, merged by log-sum-exp with the causal
+    C x C attention among the new tokens (k_new/v_new, not re-read from the cache).
+    q [B, C, Hq, D] at positions starts[b] + i; k/v_cache [B, Hkv, S, D]; k/v_new
+    [B, C, Hkv, D]. Query i sees keys 0 .. starts[b] + i. Returns [B, C, Hq, D]."""
     b, c, hq, d = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
-    qg = q.reshape(b, c, hkv, hq // hkv, d)
-    scores = jnp.einsum("bckgd,bksd->bkgcs", qg, k_cache,
-                        preferred_element_type=jnp.float32) * d ** -0.5
-    last = starts[:, None] + jnp.arange(c)[None, :]                             # [B, C]
-    visible = jnp.arange(s)[None, None, :] <= last[..., None]                   # [B, C, S]
-    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
-    p = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgcs,bksd->bckgd", p, v_cache, preferred_element_type=jnp.float32)
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    # [B, C, Hkv, g, D] -> heads ordered (kv head, c, g): head // (C g) is its KV head.
+    folded = q.reshape(b, c, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv * c * g, d)
+    out_p, lse_p = pallas_kernels.dense_decode(folded, k_cache, v_cache, starts, backend=backend)
+
+    def unfold(x):
+        return x.reshape(b, hkv, c, g, *x.shape[2:]).transpose(0, 2, 1, 3, *range(4, x.ndim + 2))
+    out_p = unfold(out_p).astype(jnp.float32)                             # [B, C, Hkv, g, D]
+    lse_p = unfold(lse_p)                                                 # [B, C, Hkv, g]
+    qg = q.reshape(b, c, hkv, g, d).astype(jnp.float32)
+    s_loc = jnp.einsum("bikgd,bjkd->bikgj", qg, k_new.astype(jnp.float32)) * d ** -0.5
+    causal = jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]             # [C(q), C(k)]
+    s_loc = jnp.where(causal[None, :, None, None, :], s_loc, -jnp.inf)
+    lse_l = jax.nn.logsumexp(s_loc, axis=-1)
+    out_l = jnp.einsum("bikgj,bjkd->bikgd", jnp.exp(s_loc - lse_l[..., None]),
+                       v_new.astype(jnp.float32))
+    lse = jnp.logaddexp(lse_p, lse_l)
+    out = (jnp.exp(lse_p - lse)[..., None] * out_p + jnp.exp(lse_l - lse)[..., None] * out_l)
     return out.reshape(b, c, hq, d).astype(q.dtype)
 
 
@@ -87,7 +100,8 @@ def refresh_centroids(centroids, k_cache, starts, new_len, *, span: int, block_s
     return jax.vmap(one_row)(centroids, k_cache, starts, new_len)
 
 
-def verify_forward(model: Qwen3ForCausalLM, ks: list, vs: list, starts, seq):
+def verify_forward(model: Qwen3ForCausalLM, ks: list, vs: list, starts, seq, *,
+                   backend: str = "auto"):
     """The verify pass: dense forward of seq [B, C] at positions starts..starts+C-1 over the
     per-layer caches ks/vs (L x [B, Hkv, S, D]), writing the C tokens' dense K/V.
     Returns (ks, vs, logits [B, C, V] f32)."""
@@ -96,7 +110,7 @@ def verify_forward(model: Qwen3ForCausalLM, ks: list, vs: list, starts, seq):
     def attend(i, q, k, v):
         ks[i] = write_tokens(ks[i], k, starts)
         vs[i] = write_tokens(vs[i], v, starts)
-        return verify_attention(q, ks[i], vs[i], starts)
+        return verify_attention(q, ks[i], vs[i], starts, k, v, backend=backend)
 
     positions = starts[:, None] + jnp.arange(seq.shape[1])[None, :]
     hidden = model.run_layers(model.embed(seq), positions, attend)
@@ -165,7 +179,7 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
 
     def verify(st: DecodeState, ks, vs, drafts):
         seq = jnp.concatenate([st.token[:, None], drafts], axis=1)             # [B, G+1]
-        return verify_forward(model, ks, vs, st.cache.lengths, seq)
+        return verify_forward(model, ks, vs, st.cache.lengths, seq, backend=cfg.backend)
 
     def body(carry):
         st, acc_buf, alpha_buf = carry
