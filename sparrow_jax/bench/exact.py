@@ -50,6 +50,14 @@ def kv_bytes_per_token(mcfg, context: int, *, budget: int | None, dense_layers, 
     return float(n_dense * per_tok * context + (n - n_dense) * (per_tok * budget + centroids))
 
 
+def _layer_sets(specs, default) -> list[tuple[int, ...]]:
+    """--dense_layers values ("0,1", "none") -> layer tuples; None -> [default]."""
+    if specs is None:
+        return [tuple(default)]
+    return [() if x.strip().lower() in ("", "none") else tuple(int(i) for i in x.split(","))
+            for x in specs]
+
+
 def _time(fn) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
@@ -74,10 +82,9 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
                                         group_size=args.batch, rng=jax.random.key(args.seed)))
     budgets = jnp.asarray(np.full(20, budget, np.int32))
     graphdef, params = nnx.split(model)
-    from sparrow_jax.bench.rollout import _dense_layer_sets
     progs: dict[str, tuple[Any, Any]] = {
         "dense": (dataclasses.replace(base_cfg, mode="dense", **common), engine.decode_program)}
-    for layers in _dense_layer_sets(args.dense_layers, base_cfg.dense_layers):
+    for layers in _layer_sets(args.dense_layers, base_cfg.dense_layers):
         tag = ",".join(map(str, layers)) or "none"
         progs[f"sparse:{tag}"] = (dataclasses.replace(base_cfg, mode="sparse", dense_layers=layers,
                                                       **common), engine.decode_program)
