@@ -29,7 +29,7 @@ def test_bounds_bracket_the_rate_and_cover_it():
 
 
 def test_certified_rule_error_rates_at_0_1q_0_5q_q_2q():
-    rates = error_rates(CERTIFIED, runs=30, steps=20)
+    rates = error_rates(CERTIFIED, runs=20, steps=20)
     # Wrong lowering (onto a rung at 2q) and wrong raising (off 0.1q / 0.5q): at most 10%
     # (the bound's 5% per look, several looks); lowering onto 0.1q / 0.5q and leaving 2q: power.
     assert rates["lower"][2.0] <= 0.1 and rates["raise"][0.1] <= 0.1
