@@ -288,6 +288,11 @@ _REGISTRY = {
         (ByTest("tests/test_prereg.py::test_the_registered_config_parses_every_arm"),
          ByTest("tests/test_prereg.py::test_the_experiment_runner_writes_the_registered_report"),
          ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/controller_certified.gin "
+    "configs/experiment_promise.gin --arms dense@11,controller@11,M@11 --gin_param "
+    "\"ExperimentConfig.output_dir = 'runs/experiment_promise_reduced'\"":
+        (ByTest("tests/test_prereg.py::test_the_registered_config_parses_every_arm"),
+         ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
     # docs/benchmarks.md: the long-context shape of issue 41
     _ROLLOUT_BENCH + "--layers 8 --hidden 128 --heads 4 --kv_heads 4 --head_dim 64 "
     "--intermediate 256 --vocab 43 --context 4096 8192 --budget 256 512 --batch 8 "
