@@ -54,3 +54,24 @@ def test_the_old_margin_holds_ten_times_stricter_than_asked():
 def test_raise_on_is_checked():
     with pytest.raises(ValueError, match="raise_on"):
         ControllerConfig(raise_on="mean")
+
+
+def test_a_warm_start_raised_from_downstream_goes_one_rung_up_not_to_dense():
+    """Seen in the reduced run of 2026-11-27 (docs/experiment.md): a dense bin failing reset
+    every warm-started bin before it to dense."""
+    from sparrow_jax.sparsity.controller import ControllerState, controller_update
+    from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
+    sched = Schedule((96, 128, DENSE_BUDGET), bin_size=4096, block_size=16)
+    state = ControllerState.initial(sched)
+    n = np.full((32, 3), 64)
+    hits = np.zeros((32, 3), np.int64)
+    hits[:, 2] = 8                                 # bin 2 (dense) clearly failing
+    state, info = controller_update(state, hits, n, CERTIFIED)
+    assert info["raised_upstream"].tolist() == [True, True, False]
+    assert state.schedule.budgets == (128, 192, DENSE_BUDGET)
+    # A bin failing at its own starting rung has nothing known to pass above it: dense.
+    state = ControllerState.initial(sched)
+    hits = np.zeros((32, 3), np.int64)
+    hits[:, 0] = 8
+    state, _ = controller_update(state, hits, n, CERTIFIED)
+    assert state.schedule.budgets[0] == DENSE_BUDGET

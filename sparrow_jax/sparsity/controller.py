@@ -186,10 +186,14 @@ class ControllerState:
 
     @classmethod
     def initial(cls, schedule: Schedule) -> "ControllerState":
+        """A fresh state at ``schedule``. Each bin's starting budget counts as its last pass
+        (a warm start from a certified table passed there): a bin raised because a later bin
+        fails at dense goes one rung up, not back to dense; a bin failing at its own starting
+        rung goes to dense (nothing above it is known to pass)."""
         n = schedule.num_bins
         zeros = (0,) * n
-        return cls(schedule, Evidence.empty(n), zeros, Evidence.empty(n), (DENSE_BUDGET,) * n,
-                   zeros, zeros, 0)
+        return cls(schedule, Evidence.empty(n), zeros, Evidence.empty(n),
+                   tuple(int(b) for b in schedule.budgets), zeros, zeros, 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule.to_dict(), "evidence": self.evidence.to_dict(),
