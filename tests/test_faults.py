@@ -307,7 +307,9 @@ def test_prompts_longer_than_the_rollout_capacity_are_dropped(root):
     rc, err = _run(root, argv)
     assert rc == 0, err[-3000:]
     assert "16/18 prompts loaded" in err and "2 too long dropped" in err, err[-3000:]
-    # Nothing fits: a clear error.
+    # Nothing fits: a clear error (a new run directory: changing a setting of the finished run
+    # above would be refused as a changed setting on resume, before the data loads).
+    argv = _argv(root, "long_none_fit", 1, [f"TrainConfig.train_data = '{path}'"])
     rc, err = _run(root, argv + ["--gin_param", "make_prompt_iterator.max_prompt_len = 2"])
     _clean_error(rc, err, "no usable prompts", "18 too long dropped")
 
