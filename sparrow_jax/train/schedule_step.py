@@ -18,7 +18,7 @@ from sparrow_jax.sparsity.controller import ScheduleController
 from sparrow_jax.sparsity.evidence import exceedance_counts, group_units
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
 
-__all__ = ["counts", "step_metrics", "kv_fraction", "kv_read", "run_kv_read", "budget_label",
+__all__ = ["counts", "step_metrics", "kv_read", "run_kv_read", "budget_label",
            "schedule_line", "budget_metrics"]
 
 
@@ -40,19 +40,6 @@ def counts(ctrl: ScheduleController, alpha, traj, group_size: int
     return hits, tokens
 
 
-def kv_fraction(budgets, cached_lengths, mask) -> float:
-    """The share of the KV cache the sparse layers read: sum of min(budget, length) / sum of
-    length over generated tokens (length = cached tokens incl. the fed one; a recorded budget
-    of 0 = dense). budgets/cached_lengths/mask ``[B, T]``. Dense layers are not in it: see
-    ``kv_read`` for the whole model."""
-    length = _host(cached_lengths).astype(np.float64) + 1
-    budget = _host(budgets).astype(np.float64)
-    mask = _host(mask).astype(bool)
-    read = np.where(budget > 0, np.minimum(budget, length), length)
-    total = float(length[mask].sum())
-    return float(read[mask].sum() / total) if total else float("nan")
-
-
 def kv_read(budgets, cached_lengths, mask, *, num_layers: int, num_sparse_layers: int,
             bin_size: int, num_bins: int) -> dict[str, float]:
     """Whole-model KV read of one batch's decode steps, overall and per length bin.
@@ -65,7 +52,8 @@ def kv_read(budgets, cached_lengths, mask, *, num_layers: int, num_sparse_layers
 
     Returns:
       ``kv/read_model`` (the whole model's share), ``kv/read_sparse_layers`` (the sparse
-      layers' share alone), ``kv/model_read_tokens`` and ``kv/model_total_tokens`` (numerator
+      layers' share alone: sum of min(budget, length) / sum of length, which the trainer also
+      logs as ``schedule/kv_fraction`` for sparse rollout), ``kv/model_read_tokens`` and ``kv/model_total_tokens`` (numerator
       and denominator in layer-token units, summed so a run's share pools over steps) and
       ``kv/read_bin_XX`` per bin with tokens (the bin of a token = min(length // bin_size,
       num_bins - 1), as the controller's).

@@ -102,17 +102,17 @@ def rl_step(self, timer: StepTimer) -> dict[str, float]:
                 self.controller, probe, traj, n)
             info = self.controller.update(*live, *replayed)
             m.update(schedule_step.step_metrics(info, self.controller.config.quantile))
-    if cfg.rollout_mode == "sparse":
-        m["schedule/kv_fraction"] = schedule_step.kv_fraction(traj.budgets,
-                                                              traj.cached_lengths, traj.mask)
     # The whole model's KV read (dense layers included; 1 for dense rollout), overall and per bin.
     layers = self.model.config.num_hidden_layers
     m.update(schedule_step.kv_read(traj.budgets, traj.cached_lengths, traj.mask,
                                    num_layers=layers,
                                    num_sparse_layers=self.rollout_cfg.num_sparse_layers(layers),
                                    bin_size=sched.bin_size, num_bins=len(budgets)))
+    if cfg.rollout_mode == "sparse":    # the sparse layers' share, under its older name
+        m["schedule/kv_fraction"] = m["kv/read_sparse_layers"]
     m.update(schedule_step.budget_metrics(self.controller.schedule))
     return m
+
 
 def check_rewards(self, info: dict, totals: np.ndarray, batch: dict, texts: list[str],
                   answers: list[str]) -> None:
