@@ -10,7 +10,8 @@ The environment variable SPARROW_FAULTS (JSON) says what to inject:
   enospc_step:  the checkpoint write of this step fails with OSError(ENOSPC) half-way (after
                 the arrays, before the config item);
   slow_save_s:  extra seconds inside every checkpoint write (a wider window for a kill there);
-  slow_reward_s: extra seconds per scored completion (the same for reward scoring).
+  slow_reward_s: extra seconds per scored completion (the same for reward scoring);
+  worker_start_error: this module raises ImportError(<text>) when a reward worker imports it.
 
 Also defines reward functions the tests name as "fault_worker:<name>".
 """
@@ -59,6 +60,12 @@ def wrong_signature(completion_text: str, ground_truth: str) -> float:
 # Imported as "fault_worker" (the reward names below resolve so); not as __main__, nor as a
 # spawned reward worker's __mp_main__ (which then imports "fault_worker" to unpickle the reward).
 if __name__ == "fault_worker":
+    # worker_start_error: the reward module fails to import in the reward workers only (as a
+    # module whose dependency the workers' environment lacks).
+    _START_ERROR = json.loads(os.environ.get("SPARROW_FAULTS") or "{}").get("worker_start_error")
+    import multiprocessing
+    if _START_ERROR and multiprocessing.parent_process() is not None:
+        raise ImportError(_START_ERROR)
     from sparrow_jax.rl.rewards import register_reward
     register_reward("varied")(varied)
     register_reward("hostile")(hostile)

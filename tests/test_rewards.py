@@ -116,3 +116,90 @@ def test_pool_math_verify_and_huge_answer():
 def test_pool_rejects_fork():
     with pytest.raises(ValueError, match="spawn"):
         RewardPool("test_slow", processes=1, start_method="fork")
+
+
+# A reward module that imports in the trainer but not in its reward workers (a dependency the
+# workers' environment lacks), or whose import kills the worker outright.
+_WORKER_ONLY_FAILURE = '''
+import multiprocessing, os
+from sparrow_jax.rl.rewards import register_reward
+if multiprocessing.parent_process() is not None:
+    {failure}
+
+@register_reward("{name}")
+def score(completion_text, ground_truth, *, prompt="", meta=None):
+    return 1.0
+'''
+
+
+def test_worker_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):
+    """Issue #45: a reward worker that crashed at start-up ended in a traceback and "a reward
+    worker died during start-up (import error?)". Now: the reward, its function and the
+    worker's own error (or how it died), before anything is scored."""
+    from sparrow_jax.runtime.faults import RunError
+
+    (tmp_path / "worker_import_fails.py").write_text(_WORKER_ONLY_FAILURE.format(
+        name="worker_import_fails", failure="raise ImportError('libmissing.so: cannot open')"))
+    (tmp_path / "worker_dies.py").write_text(_WORKER_ONLY_FAILURE.format(
+        name="worker_dies", failure="os._exit(3)"))
+    monkeypatch.syspath_prepend(str(tmp_path))   # spawn passes sys.path on to the workers
+    pool = RewardPool("worker_import_fails:worker_import_fails", processes=1)
+    try:
+        with pytest.raises(RunError) as e:
+            pool.wait_ready()
+    finally:
+        pool.close()
+    message = str(e.value)
+    assert message.startswith("reward 'worker_import_fails:worker_import_fails' "
+                              "(worker_import_fails.score): a reward worker process could not "
+                              "start: ImportError: libmissing.so: cannot open"), message
+    assert "\n" not in message and "Traceback" not in message, message
+    # A worker that dies before saying why: its exit code, here from score() itself.
+    with RewardPool("worker_dies:worker_dies", processes=1) as pool:
+        with pytest.raises(RunError, match=r"\(worker_dies.score\): a reward worker process "
+                                           r"could not start: it died before reporting ready "
+                                           r"\(exit code 3\)"):
+            pool.score([("a", "a")])
+    # A reward that cannot be sent to a worker at all is named, not a pickling traceback.
+    with pytest.raises(ValueError, match="cannot be sent to reward worker processes"):
+        RewardPool(lambda *a, **k: 1.0, processes=1)
+
+
+def test_a_busy_worker_does_not_outlive_its_trainer(tmp_path):
+    """Workers ignore Ctrl-C and SIGTERM (the trainer stops them); a trainer that dies without
+    stopping them (kill -9, a second Ctrl-C) must not leave one behind, even one stuck in a
+    reward: each worker exits when its parent does."""
+    import subprocess
+    import sys
+    script = tmp_path / "trainer.py"
+    script.write_text(   # spawned workers import this script too: hence the __main__ guard
+        "import os, time\n"
+        "from sparrow_jax.rl.rewards import RewardPool\n"
+        "import test_rewards  # registers test_slow\n"
+        "if __name__ == '__main__':\n"
+        "    pool = RewardPool('test_slow', processes=1, timeout_s=60)\n"
+        "    pool.wait_ready()\n"
+        "    pool._workers[0].conn.send((0, 'hang', 'a', '', None))   # busy for 60 s\n"
+        "    print(pool._workers[0].process.pid, flush=True)\n"
+        "    time.sleep(0.3)\n"
+        "    os._exit(0)   # no close(): as a process killed outright\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}
+    # Output to files, not pipes: the worker inherits them, and a pipe would wait for it.
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        rc = subprocess.Popen([sys.executable, str(script)], stdout=o, stderr=e,
+                              env=env).wait(timeout=120)
+    assert rc == 0, err.read_text()[-3000:]
+    stat = f"/proc/{int(out.read_text().split()[-1])}/stat"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(stat) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":   # exited, not yet reaped
+                    break
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the reward worker outlived its trainer")

@@ -63,13 +63,33 @@ def _env(root: Path, faults: dict | None) -> dict[str, str]:
             "SPARROW_FAULTS": json.dumps(faults or {})}
 
 
-def _launch(root: Path, argv: list[str], faults: dict | None = None
+def _launch(root: Path, argv: list[str], faults: dict | None = None, group: bool = False
             ) -> tuple[subprocess.Popen, Path]:
+    """`group`: the trainer leads its own process group (as a shell's foreground job or a
+    scheduler's job), which its reward workers join: the test signals the whole group."""
     log = root / f"log-{time.monotonic_ns()}.stderr"
     proc = subprocess.Popen([sys.executable, str(TESTS / "fault_worker.py"), *argv],
                             env=_env(root, faults), stdout=subprocess.DEVNULL,
-                            stderr=open(log, "wb"))
+                            stderr=open(log, "wb"), start_new_session=group)
     return proc, log
+
+
+def _group_left(pgid: int, timeout: float = 20) -> list[int]:
+    """Live (not zombie) processes of group `pgid` still there after `timeout` s: [] once every
+    one is gone. Read from /proc: an orphaned zombie that no init reaps is not a process left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                left.append(int(stat.parent.name))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def _run(root: Path, argv: list[str], faults: dict | None = None) -> tuple[int, str]:
@@ -261,49 +281,67 @@ def _next(trace: Path, offset: int, phase: str, proc: subprocess.Popen, timeout:
 @slow
 def test_second_trainer_stops_at_start_and_ctrl_c_stops_the_first_cleanly(root):
     """One run, four processes (kept in one test: each start costs imports and compiles):
-    a second trainer while the first runs; Ctrl-C; two Ctrl-C; the resume."""
+    a second trainer while the first runs; Ctrl-C; two Ctrl-C; the resume. As in a terminal,
+    Ctrl-C signals the trainer's whole process group, its two reward workers too (issue #45
+    list 8: a double Ctrl-C with reward workers)."""
     run, trace = root / "shared", root / "shared.trace"
     # More steps than the test lets it run (it stops the run): a loaded machine can take a
     # while to start the second trainer, and the first must not finish meanwhile.
-    argv = _argv(root, "shared", 30, TrainConfig__checkpoint_every="10")
+    argv = _argv(root, "shared", 30, TrainConfig__checkpoint_every="10",
+                 TrainConfig__reward_processes="2")
     faults = {"trace": str(trace), "slow_reward_s": 0.3}
-    first, log = _launch(root, argv, faults)
-    _wait_for(trace, "rollout 1", first)
-    rc, err = _run(root, argv)
-    _clean_error(rc, err, f"run directory {run} is in use by another sparrow train",
-                 f"host {socket.gethostname()}, pid {first.pid}")
-    assert "precision:" not in err, "the second trainer loaded the model"
-    # Ctrl-C inside a step: that step finishes, is saved, the run exits cleanly.
-    step = _next(trace, trace.stat().st_size, "reward", first)
-    first.send_signal(signal.SIGINT)
-    assert first.wait(timeout=200) == 0, log.read_text()[-3000:]
+    first, log = _launch(root, argv, faults, group=True)
+    try:
+        _wait_for(trace, "rollout 1", first)
+        rc, err = _run(root, argv)
+        _clean_error(rc, err, f"run directory {run} is in use by another sparrow train",
+                     f"host {socket.gethostname()}, pid {first.pid}")
+        assert "precision:" not in err, "the second trainer loaded the model"
+        # Ctrl-C inside a step: that step finishes, is saved, the run exits cleanly.
+        step = _next(trace, trace.stat().st_size, "reward", first)
+        os.killpg(first.pid, signal.SIGINT)
+        assert first.wait(timeout=200) == 0, log.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
     err = log.read_text()
     assert f"interrupted (Ctrl-C): saved step {step} and stopping" in err, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert _group_left(first.pid) == [], "reward workers outlived the trainer"
     steps = list(range(1, step + 1))
     assert _steps(run) == steps, "the second trainer wrote into the first's run"
     assert _checkpoints(run) == sorted({1, step})
     assert (run / "sparrow.lock").read_text() == ""      # released
-    # Resume; two Ctrl-C inside the next step: out at once, the last checkpoint intact.
-    proc, log = _launch(root, argv, faults)
-    assert _next(trace, trace.stat().st_size, "reward", proc) == step + 1
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    # Resume; two Ctrl-C while the next step's rewards are scored: out at once, that step not
+    # saved, the workers gone with the trainer, the last checkpoint intact.
+    proc, log = _launch(root, argv, faults, group=True)
+    try:
+        assert _next(trace, trace.stat().st_size, "reward", proc) == step + 1
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     err = log.read_text()
-    assert (f"stopped at once by a second Ctrl-C; the last checkpoint is step {step}" in err
-            ), err[-3000:]
+    assert (f"stopped at once by a second Ctrl-C; the step in flight was not saved; the last "
+            f"checkpoint is step {step}" in err), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    assert _group_left(proc.pid, timeout=5) == [], "reward workers outlived the trainer"
     assert _checkpoints(run) == sorted({1, step}) and _steps(run) == steps
+    assert not (run / "damaged_checkpoints").exists()
     # The same command resumes from it (one more step here, to keep the test short).
-    rc, err = _run(root, _argv(root, "shared", step + 1, TrainConfig__checkpoint_every="10"),
-                   faults)
+    rc, err = _run(root, _argv(root, "shared", step + 1, TrainConfig__checkpoint_every="10",
+                               TrainConfig__reward_processes="2"), faults)
     assert rc == 0, err[-3000:]
     assert f"resumed from {run / 'checkpoints' / str(step)} at step {step}" in err, err[-3000:]
     assert "taking over the stale lock" in err, err[-3000:]   # left by the exit at once
     assert _steps(run) == steps + [step + 1]
     assert _checkpoints(run) == sorted({1, step, step + 1})
+    assert not (run / "damaged_checkpoints").exists()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in rows), rows
 
 
 @slow
@@ -347,6 +385,22 @@ def test_sigterm_to_the_process_group_saves_the_step_with_its_rewards(root):
         time.sleep(0.1)
     else:
         raise AssertionError("reward workers outlived the trainer")
+
+
+@slow
+def test_a_reward_worker_that_cannot_start_is_one_clear_line(root):
+    """Issue #45: a reward worker that crashed at start-up (its module fails to import in the
+    worker, not in the trainer) ended in a traceback. Now one line naming the reward, its
+    function and the worker's own error, exit status 1, before the first rollout."""
+    trace = root / "no_worker.trace"
+    rc, err = _run(root, _argv(root, "no_worker", 2, TrainConfig__reward_processes="1"),
+                   {"trace": str(trace), "worker_start_error": "libgmp.so.10: cannot open"})
+    _clean_error(rc, err, "sparrow train: reward 'fault_worker:varied' (fault_worker.varied): a "
+                 "reward worker process could not start: ImportError: libgmp.so.10: cannot open")
+    assert not trace.exists() or "rollout 1" not in trace.read_text(), "a step began"
+    assert not list((root / "no_worker" / "checkpoints").glob("[0-9]*"))
+    metrics = root / "no_worker" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()
 
 
 @slow

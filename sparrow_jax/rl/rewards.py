@@ -10,7 +10,9 @@ from gin files without touching this package).
 `RewardPool` scores a batch of items. With `processes > 0` every item runs in a separate worker
 process started with a *spawn* (or forkserver) context - the trainer holds JAX/XLA threads, which
 must never be forked - and an item that overruns `timeout_s` gets reward 0 while its worker is
-killed and replaced, so a hostile or huge answer cannot stall training.
+killed and replaced, so a hostile or huge answer cannot stall training. A worker that cannot
+start (its reward module fails to import there) stops the run with the worker's own error
+(`wait_ready`); the worker side is sparrow_jax.rl.reward_workers.
 """
 
 from __future__ import annotations
@@ -19,11 +21,9 @@ import collections
 import dataclasses
 import importlib
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
-import numbers
-import signal
+import pickle
 import threading
 import time
 import traceback
@@ -35,8 +35,10 @@ import numpy as np
 # extract_last_boxed is re-exported: callers import it from here.
 from sparrow_jax.rl.answers import (ANSWER_FORMATS, dapo_score, extract_answer,  # noqa: F401
                                     extract_last_boxed)
+from sparrow_jax.rl.reward_workers import Worker, as_reward, describe_exit
 
 RewardFn = Callable[..., float]
+log = logging.getLogger(__name__)
 
 # Modules that register rewards when imported; loaded lazily on the first unknown name so that
 # importing this module stays cheap (no sympy) and free of import cycles.
@@ -198,74 +200,6 @@ def dapo_reward(completion_text: str, ground_truth: str, *, prompt: str = "",
 # ----------------------------------------------------------------------------- worker pool
 
 
-def _as_reward(value: Any) -> float:
-    """A reward function's result as a finite float; anything else (a string - even "1" -, None,
-    a list, NaN/inf) raises, and the pool scores the item 0 and counts it as an error."""
-    if isinstance(value, (np.ndarray, np.generic)) and value.size == 1 and (
-            np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
-        value = value.item()
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward must be a number, got {type(value).__name__} {value!r:.60}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"non-finite reward {value}")
-    return value
-
-
-# Job-control signals go to the whole process group (Ctrl-C; SIGTERM from Kubernetes, SLURM,
-# `docker stop`). Reward workers ignore them: the trainer finishes the step's scoring, saves,
-# and stops the workers itself (`close`). They are blocked from spawn to the worker's first
-# line (a blocked signal stays blocked across fork and exec), so no start-up window is open.
-_JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _worker_main(conn: Any, fn: RewardFn, preload: tuple[str, ...]) -> None:
-    """Worker loop: import, report ready, then score items until told to stop."""
-    for sig in _JOB_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _JOB_SIGNALS)
-    for module in preload:
-        importlib.import_module(module)
-    conn.send(("ready",))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        idx, completion, truth, prompt, meta = msg
-        try:
-            value = _as_reward(fn(completion, truth, prompt=prompt, meta=meta))
-            conn.send((idx, True, value))
-        except Exception:  # noqa: BLE001 - any reward bug costs its item; the trainer decides
-            conn.send((idx, False, traceback.format_exc()[-4000:]))
-
-
-class _Worker:
-    def __init__(self, ctx: Any, fn: RewardFn, preload: tuple[str, ...]):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, fn, preload), daemon=True)
-        block = (hasattr(signal, "pthread_sigmask")
-                 and threading.current_thread() is threading.main_thread())
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS) if block else None
-        try:
-            self.process.start()
-        finally:
-            if block:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        child.close()
-        self.ready = False
-        self.job: tuple[int, float] | None = None  # (item index, deadline)
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
-
-
 Item = tuple  # (completion, ground_truth[, prompt[, meta]])
 
 
@@ -294,15 +228,76 @@ class RewardPool:
             self._fn, self._preload = entry.fn, entry.preload
         else:
             self._fn, self._preload = reward, ()
+        where = (f"{getattr(self._fn, '__module__', '?')}."
+                 f"{getattr(self._fn, '__qualname__', type(self._fn).__name__)}")
+        self.label = f"{reward!r} ({where})" if isinstance(reward, str) else where
         self.processes = processes
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
         self._ctx = multiprocessing.get_context(start_method)
+        self._payload = b""
+        if processes > 0:
+            try:    # the worker unpickles it (reward_workers): its import errors are reported
+                self._payload = pickle.dumps((self._fn, self._preload))
+            except Exception as e:  # noqa: BLE001 - lambdas, local functions, closures
+                raise ValueError(f"reward {self.label} cannot be sent to reward worker "
+                                 f"processes ({type(e).__name__}: {e}); define it at module "
+                                 f"level, or score in-process (processes=0)") from e
+        self._workers: list[Worker] = []
         self._workers = [self._spawn() for _ in range(processes)]
         self.total = collections.Counter()
 
-    def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self._fn, self._preload)
+    def _spawn(self) -> Worker:
+        return Worker(self._ctx, self._payload)
+
+    def _startup_failure(self, cause: str, worker_traceback: str | None = None) -> Exception:
+        """The error that stops a run whose reward worker could not start (one line)."""
+        from sparrow_jax.runtime.faults import RunError   # lazy: workers never load orbax
+
+        if worker_traceback:
+            log.debug("reward worker start-up traceback:\n%s", worker_traceback)
+        return RunError(f"reward {self.label}: a reward worker process could not start: "
+                        f"{cause} (--log_level DEBUG shows the worker's traceback; "
+                        f"RewardPool.processes = 0 scores in the trainer's process)")
+
+    def _startup_message(self, w: Worker) -> None:
+        """Reads a not-yet-ready worker's first message: ready, or its start-up error."""
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            # Died before it could say why (os._exit, a crash in an extension's import).
+            raise self._startup_failure(
+                f"it died before reporting ready ({describe_exit(w.exit_code())}); any output "
+                f"of its own is above") from None
+        if msg == ("ready",):
+            w.ready = True
+            return
+        if isinstance(msg, tuple) and msg and msg[0] == "failed":
+            lines = str(msg[1]).strip().splitlines()
+            raise self._startup_failure(lines[-1][:500] if lines else "(no message)", msg[1])
+        raise self._startup_failure(f"its first message was {msg!r:.100}, not 'ready'")
+
+    def wait_ready(self) -> None:
+        """Blocks until every worker reported ready (none with processes=0). A worker that fails
+        or dies at start-up raises RunError naming the reward and the worker's own error: the
+        trainer calls this before its first step, so a broken reward module costs no rollout."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not all(w.ready for w in self._workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._startup_failure(f"none reported ready in {self.startup_timeout_s}s")
+            waiting = [w.conn for w in self._workers if not w.ready]
+            for conn in multiprocessing.connection.wait(waiting, timeout=left):
+                self._startup_message(next(w for w in self._workers if w.conn is conn))
+
+    def kill_now(self) -> None:
+        """SIGKILL to every worker, nothing waited for: for a process about to exit at once
+        (a second Ctrl-C), which must not leave workers behind."""
+        for w in self._workers:
+            try:
+                w.process.kill()
+            except (OSError, ValueError, AttributeError):  # already gone / never started
+                pass
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -346,7 +341,7 @@ class RewardPool:
         if self.processes == 0:
             for i, (completion, truth, prompt, meta) in enumerate(items):
                 try:
-                    rewards[i] = _as_reward(self._fn(completion, truth, prompt=prompt, meta=meta))
+                    rewards[i] = as_reward(self._fn(completion, truth, prompt=prompt, meta=meta))
                 except Exception:  # noqa: BLE001 - counted; the trainer decides (its threshold)
                     self._fail(i, info, "errors", "failed", traceback.format_exc()[-4000:])
         else:
@@ -378,6 +373,9 @@ class RewardPool:
             for k, w in enumerate(self._workers):
                 if w.conn not in ready:
                     continue
+                if not w.ready:
+                    self._startup_message(w)    # ready, or the run stops with its error
+                    continue
                 try:
                     msg = w.conn.recv()
                 except (EOFError, OSError):
@@ -386,15 +384,8 @@ class RewardPool:
                         info["crashed"] += 1
                         self._fail(w.job[0], info, "errors", "failed",
                                    f"the reward worker (pid {w.process.pid}) died while scoring "
-                                   f"this item (exit code {w.process.exitcode})")
-                    elif not w.ready:
-                        raise RuntimeError(
-                            "a reward worker died during start-up (import error?)"
-                        ) from None
+                                   f"this item ({describe_exit(w.exit_code())})")
                     self._replace(k, info)
-                    continue
-                if msg == ("ready",):
-                    w.ready = True
                     continue
                 i, ok, value = msg
                 w.job = None
@@ -408,7 +399,7 @@ class RewardPool:
                     self._fail(w.job[0], info, "timeouts", "timed_out")
                     self._replace(k, info)
             if not any(w.ready for w in self._workers) and now - started > self.startup_timeout_s:
-                raise RuntimeError(f"no reward worker became ready in {self.startup_timeout_s}s")
+                raise self._startup_failure(f"none reported ready in {self.startup_timeout_s}s")
 
     def _fail(self, i: int, info: dict[str, Any], counter: str, indices: str,
               error: str | None = None) -> None:

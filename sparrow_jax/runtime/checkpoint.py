@@ -183,6 +183,9 @@ class CheckpointManager:
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_installed = True
         self._prev_sigint: Any = None
+        # Called by a second Ctrl-C just before the exit at once (the trainer stops its reward
+        # workers there: they ignore the signal and would otherwise outlive it).
+        self.before_exit_at_once: Callable[[], None] | None = None
         self.stop_reason = "preemption requested"
         if (catch_sigint and jax.process_count() == 1
                 and threading.current_thread() is threading.main_thread()):
@@ -211,8 +214,14 @@ class CheckpointManager:
                               default=None)
         except OSError:           # a URI, or unreadable: the message names no step
             latest = "unknown"
-        sys.stderr.write(f"\nstopped at once by a second Ctrl-C; the last checkpoint is step "
-                         f"{latest} in {self.directory} (re-run the same command to resume)\n")
+        if self.before_exit_at_once is not None:
+            try:
+                self.before_exit_at_once()
+            except Exception:  # noqa: BLE001 - exiting regardless; the message below counts
+                pass
+        sys.stderr.write(f"\nstopped at once by a second Ctrl-C; the step in flight was not "
+                         f"saved; the last checkpoint is step {latest} in {self.directory} "
+                         f"(re-run the same command to resume)\n")
         sys.stderr.flush()
         os._exit(130)        # no cleanup that could block or half-finish a write
 

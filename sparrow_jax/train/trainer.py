@@ -175,6 +175,7 @@ class Trainer:
         self.ckpt = ckpt.CheckpointManager(self.run_dir, max_to_keep=cfg.max_to_keep,
                                            save_interval_steps=cfg.checkpoint_every,
                                            catch_sigterm=True, catch_sigint=True)
+        self.ckpt.before_exit_at_once = self.pool.kill_now   # no orphan workers (issue #45)
         self.writer = MetricsWriter(self.run_dir)
         self.step = 0
         self.guard = faults.NonFiniteGuard(cfg.max_consecutive_skips)
@@ -311,6 +312,9 @@ class Trainer:
     def run(self) -> dict[str, float]:
         cfg = self.cfg
         self.maybe_resume()
+        # A reward worker that cannot start (its module fails to import there) stops the run
+        # here with the worker's error, before the first rollout compiles.
+        self.pool.wait_ready()
         # Only once the checkpoint fits: a refused resume leaves the run's record as it was.
         if self.resume_plan is not None and self.step:
             self.resume_plan.record(self.run_dir, self.step)
