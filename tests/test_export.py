@@ -187,7 +187,7 @@ def test_export_errors(run, tmp_path):
     assert (tmp_path / "full" / "keep.txt").exists()
 
 
-def test_moved_base_model_needs_model_path(run, tmp_path):
+def test_moved_base_model_needs_model_path(run, tmp_path, monkeypatch):
     """The run's TrainConfig.model_path is gone: a clear error naming --model_path, which works."""
     moved = tmp_path / "moved_run"
     shutil.copytree(run / "run", moved)
@@ -198,6 +198,18 @@ def test_moved_base_model_needs_model_path(run, tmp_path):
     (moved / "operative_config.gin").unlink()
     with pytest.raises(ExportError, match="is gone.*--model_path"):
         export(moved, tmp_path / "x")
+    # Issue #45 list 9: trained with a relative model path, exported from another directory:
+    # this said the base model "is gone". Now it names the relative path and the directory.
+    text = cfg_file.read_text()
+    cfg_file.write_text(text.replace(str(tmp_path / "gone"), "model"))
+    monkeypatch.chdir(tmp_path / "moved_run")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(moved), "--out", str(tmp_path / "rel")])
+    assert (f"base model directory 'model' (TrainConfig.model_path of the run) is a relative "
+            f"path, not found from the current directory {tmp_path / 'moved_run'}: run the "
+            f"export from the directory the training ran in") in str(e.value), str(e.value)
+    assert not (tmp_path / "rel").exists()
+    cfg_file.write_text(text)
     assert export(moved, tmp_path / "x", model_path=model_copy).step == 1
     # The config of another model shape is caught before any array is read.
     make_tiny_synthetic_model(tmp_path / "other", hidden=64)

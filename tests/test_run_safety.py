@@ -183,6 +183,43 @@ def test_changed_setting_on_resume_is_refused_before_the_model_loads(root, base)
 
 
 @slow
+def test_swapped_data_new_model_and_new_layout_on_resume_are_refused_by_name(root, base,
+                                                                           monkeypatch):
+    """Issue #45 list 2 and 9, through the command (in-process: it stops before the model
+    loads): the data file swapped for one of the same row count at the same path, a copy of
+    the model at a new path, a new bin count and prompts_per_step (once reported as
+    `{'batch_size': (2, 4)}`); then a total_steps below the run's step."""
+    from sparrow_jax.data import synthetic
+
+    run = _copy(base, "swapped")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    shutil.copytree(root / "model", root / "model_copy", dirs_exist_ok=True)
+    data = root / "train.jsonl"
+    original = data.read_bytes()
+    rows = len(original.splitlines())
+    try:
+        synthetic.write_jsonl(str(data), rows, seed=5, k_range=(1, 1), num_letters=4)
+        assert data.read_bytes() != original and len(data.read_bytes().splitlines()) == rows
+        message = _train_error(_argv(root, "swapped", 2,
+                                     TrainConfig__model_path=repr(str(root / "model_copy")),
+                                     make_schedule__budgets=str([48] * 10),
+                                     TrainConfig__prompts_per_step="4"), monkeypatch)
+    finally:
+        data.write_bytes(original)
+    for needle in (f"{run} holds a run trained to step 2 with other settings",
+                   f"TrainConfig.model_path: '{root / 'model'}' -> '{root / 'model_copy'}'",
+                   f"make_schedule.budgets: {[48] * 20} -> {[48] * 10}",
+                   "TrainConfig.prompts_per_step: 2 -> 4",
+                   "training data content (sha256 of TrainConfig.train_data's files)",
+                   "nothing was moved or changed", "another TrainConfig.run_dir"):
+        assert needle in message, (needle, message)
+    assert "batch_size" not in message, message
+    message = _train_error(_argv(root, "swapped", 1), monkeypatch)
+    assert f"TrainConfig.total_steps = 1 but the run in {run} is at step 2 already" in message
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+@slow
 def test_fresh_start_is_refused_while_set_aside_steps_exist(root, base):
     run = _copy(base, "set_aside")
     (run / "damaged_checkpoints").mkdir()
