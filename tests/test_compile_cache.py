@@ -224,3 +224,99 @@ def test_the_gpu_config_compiles_few_programs():
         length_buckets=compile_plan.default_buckets(32768), fused=False, probe=True,
         data_shards=8, micro_rows=8)
     assert coarse.most > 500 and coarse.first > 15
+
+
+# -- the plan equals what compiles (TrainConfig.warmup, sparrow_jax.rollout.warmup) ------------
+# Programs too small to plan (elementwise helpers, host-to-device staging, init); a new name here
+# is either one of these or a program the plan must list (compile_plan.FUNCTIONS).
+SMALL_PROGRAMS = {"stage", "zeros", "_checksums_program", "_reduce_max", "group_advantages",
+                  "convert_element_type", "init_fn", "mismatch_summary", "broadcast_in_dim",
+                  "concatenate", "_where", "clip", "iota", "copy", "_multi_slice",
+                  "_threefry_seed", "_threefry_fold_in", "_threefry_split"}
+
+
+@pytest.mark.slow
+def test_a_tiny_runs_compiles_equal_its_plan(tmp_path):
+    """`sparrow train` with `TrainConfig.warmup` (paged engine, step-0 evaluation, 1 step): the
+    programs jax compiles (or loads from the persistent cache) are exactly the plan's programs
+    before step 1, per jitted function - the warm-up's prefill and decode programs (the
+    evaluation's dense decode its own, its sparse decode and both modes' prefill shared), then
+    the learner's - and the warm-up logs one line per program. ~25 s on the loaded 2-core CPU."""
+    import collections
+    import logging
+    import re
+
+    import gin
+    import jax
+
+    from hf_fixtures import gin_argv, make_tiny_run, tiny_train_bindings
+    from sparrow_jax import cli
+    from sparrow_jax.runtime.compile_cache import count_compiles
+    from sparrow_jax.train import compile_plan
+
+    root = make_tiny_run(tmp_path)
+    binds = tiny_train_bindings(
+        root, "run", 1, TrainConfig__eval_data=repr(str(root / "eval.jsonl")),
+        TrainConfig__eval_temperature="1.0", TrainConfig__warmup="True",
+        RolloutConfig__engine="'paged'", RolloutConfig__chunk_steps="16",
+        RolloutConfig__min_slots="4", RolloutConfig__min_table_pages="8",
+        LearnerConfig__micro_batch_size="2")
+    log: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            log.append(record.getMessage())
+
+    # On the two loggers themselves: the CLI sets up the root logger's handlers its own way.
+    loggers = [logging.getLogger(n) for n in ("sparrow_jax.train.compile_plan",
+                                              "sparrow_jax.rollout.warmup")]
+    keep = Keep(logging.INFO)
+    for lg in loggers:
+        lg.addHandler(keep)
+    jax.clear_caches()           # this module's earlier programs would not compile again
+    gin.clear_config()
+    try:
+        with count_compiles() as names:
+            assert cli.main(["train", *gin_argv(binds)]) == 0
+    finally:
+        for lg in loggers:
+            lg.removeHandler(keep)
+    planned: dict[str, int] = {}
+    for line in log:
+        if m := re.match(r"  (\S+): (\d+) at the start", line):
+            fn = compile_plan.FUNCTIONS[m.group(1)]
+            planned[fn] = planned.get(fn, 0) + int(m.group(2))
+    planned = {k: v for k, v in planned.items() if v}
+    compiled = collections.Counter(re.sub(r"^jit\((.*)\)$", r"\1", n) for n in names)
+    heavy = {k: v for k, v in compiled.items() if k not in SMALL_PROGRAMS}
+    assert heavy == planned == {"prefill_program": 2, "decode_chunk_program": 2,
+                                "grads_program": 1, "apply_program": 1}, (heavy, planned)
+    warm = [line for line in log if line.startswith("warm-up ")]
+    assert len(warm) == 4 and warm[0].startswith("warm-up 1/4: rollout/paged_prefill (")
+    assert any(re.match(r"warm-up: 4 programs compiled in [\d.]+ s", line) for line in log)
+    assert re.match(r"warm-up 4/4: eval/paged_decode \(.*mode=dense.*\): [\d.]+ s", warm[3])
+
+
+def test_the_warm_up_lists_the_decode_grid_the_scheduler_can_reach():
+    """`rollout.warmup.programs`: one prefill (every group admitted at once) and every decode
+    shape the scheduler's bucket functions give over 1..live samples x 1..full pages."""
+    from sparrow_jax.model.config import qwen3_preset
+    from sparrow_jax.rollout import scheduler, warmup
+    from sparrow_jax.rollout.config import RolloutConfig
+    from sparrow_jax.rollout.page_pool import pool_layout
+
+    mcfg = qwen3_preset("qwen3-1.7b")
+    for ladders in ({}, dict(slot_ladder=4, page_ladder=8, min_table_pages=3, min_slots=2)):
+        rc = RolloutConfig(engine="paged", max_new_tokens=300, max_budget=64, **ladders)
+        layout = pool_layout(mcfg, rc, "float32", rows=24, prompt_width=64, group_size=4, data=2)
+        progs = warmup.programs(rc, layout, rows=24, prompt_width=64, group_size=4,
+                                dtype="float32")
+        grid = {(scheduler.slot_bucket(s, 12, rc) * 2, scheduler.page_bucket(m, 23, rc))
+                for s in range(1, 13) for m in range(1, 24)}
+        decode = [dict(p.shapes) for p in progs if p.function == "decode_chunk_program"]
+        assert {(d["slots"], d["pages_per_slot"]) for d in decode} == grid
+        assert len(decode) == len(grid) and layout.max_pages == 23
+        [pre] = [dict(p.shapes) for p in progs if p.function == "prefill_program"]
+        assert pre["rows"] == 2 * scheduler.slot_bucket(3, 12, rc) and pre["group_size"] == 4
+    assert grid == {(4, 3), (4, 23), (16, 3), (16, 23), (24, 3), (24, 23)}
+    assert warmup.distinct_programs(progs, progs) == progs

@@ -66,6 +66,10 @@ class RolloutConfig:
     slot_ladder: int = 2
     page_ladder: int = 2
     min_table_pages: int = 4
+    # The fewest running slots (and prefill rows) per pool a program has: the last few samples
+    # decode in min_slots rows (empty rows cost little where a step is bound by the weights'
+    # reads, an accelerator's small batches), for one slot bucket fewer per factor of the ladder.
+    min_slots: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -86,10 +90,11 @@ class RolloutConfig:
             raise ValueError(f"bad paged-engine settings chunk_steps={self.chunk_steps} "
                              f"max_slots={self.max_slots} pool_bytes={self.pool_bytes} "
                              f"pool_fraction={self.pool_fraction}")
-        if self.slot_ladder < 2 or self.page_ladder < 2 or self.min_table_pages < 1:
+        if (self.slot_ladder < 2 or self.page_ladder < 2 or self.min_table_pages < 1
+                or self.min_slots < 1):
             raise ValueError(f"bad paged-engine ladders slot_ladder={self.slot_ladder} "
                              f"page_ladder={self.page_ladder} (each >= 2), min_table_pages="
-                             f"{self.min_table_pages} (>= 1)")
+                             f"{self.min_table_pages}, min_slots={self.min_slots} (each >= 1)")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.record_topk < 0:

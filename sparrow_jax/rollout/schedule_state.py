@@ -28,8 +28,9 @@ def ladder_bucket(n: int, cap: int, factor: int, floor: int = 1) -> int:
 
 
 def slot_bucket(n: int, cap: int, cfg: RolloutConfig) -> int:
-    """Running slots (or prefill rows) per pool for n samples: powers of `cfg.slot_ladder`."""
-    return ladder_bucket(n, cap, cfg.slot_ladder)
+    """Running slots (or prefill rows) per pool for n samples: powers of `cfg.slot_ladder` from
+    `cfg.min_slots`, at most cap."""
+    return ladder_bucket(n, cap, cfg.slot_ladder, cfg.min_slots)
 
 
 def page_bucket(n: int, cap: int, cfg: RolloutConfig | None = None) -> int:
@@ -46,7 +47,14 @@ def program_config(cfg: RolloutConfig) -> RolloutConfig:
     overlap flag, shape ladders): one compiled program per shape whatever they are."""
     return dataclasses.replace(cfg, pool_bytes=0, pool_fraction=0.0, max_slots=0,
                                overlap_chunks=True, slot_ladder=2, page_ladder=2,
-                               min_table_pages=4)
+                               min_table_pages=4, min_slots=1)
+
+
+def prefill_config(cfg: RolloutConfig) -> RolloutConfig:
+    """The prefill program's static config: `program_config` with the decoding mode fixed (a
+    prefill attends densely whatever the mode; a resume's sparse replay is its own static
+    flag), so that the evaluation's dense and sparse rollouts share their prefill programs."""
+    return dataclasses.replace(program_config(cfg), mode="sparse")
 
 
 def prefill_width(cfg: RolloutConfig, length: int, longest: int | None = None) -> int:

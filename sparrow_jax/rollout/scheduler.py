@@ -41,7 +41,8 @@ from sparrow_jax.rollout import paged, paged_multihost
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
 from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Sample, page_bucket,
-                                                prefill_width, program_config, slot_bucket)
+                                                prefill_config, prefill_width, program_config,
+                                                slot_bucket)
 from sparrow_jax.rollout.state import Trajectories, check_budgets, prepare_prompts
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.shapes import COMPILES
@@ -84,7 +85,7 @@ class _Rollout:
         self.stats = PagedStats(pages_per_pool=self.pages_per_pool, pools=self.pools,
                                 page_bytes=layout.page_bytes)
         self.graphdef, self.params = nnx.split(model)
-        self.program_cfg = program_config(cfg)
+        self.program_cfg, self.prefill_cfg = program_config(cfg), prefill_config(cfg)
         self.rng = jax.random.key(0) if rng is None else rng
         k = cfg.record_topk
         self.tokens = np.full((self.rows, self.t), cfg.pad_token_id, np.int32)
@@ -251,7 +252,7 @@ class _Rollout:
         self._note_dispatch()
         out = paged.prefill_program(self.graphdef, self.params, self.kv, *args[:5], self.rng,
                                     args[5], self.budget_table,
-                                    cfg=self.program_cfg, spec=self.spec,
+                                    cfg=self.prefill_cfg, spec=self.spec,
                                     bin_size=self.bin_size, replay=replay)
         self.kv = out[0]
         tok, lp, top_v, top_i = self.sync.read_back(out[1:])

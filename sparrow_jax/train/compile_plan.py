@@ -6,7 +6,14 @@ says which programs, how many at the start and at most how many in all, so that 
 step 1 takes minutes (each compile's seconds are logged as it happens:
 `sparrow_jax.runtime.compile_cache`; each new shape by `sparrow_jax.runtime.shapes.COMPILES`,
 under the same program names as here; "eval/..." are the rollout and teacher-forced programs at
-the held-out batch's shapes).
+the held-out batch's shapes). Each entry also names the jitted function whose compile events
+(`jit(function)`, `compile_cache.count_compiles`) it counts.
+
+With `TrainConfig.warmup` (paged engine) the rollout's and the evaluation's programs before step
+1 are the lists `rollout.warmup.programs` gives - every decode program of the first rollout's
+grid, compiled up front - so the count before step 1 is exact: a tiny run's compiles equal it
+(tests/test_compile_cache.py). Without it, the first rollout compiles the decode programs its
+samples pass through, about one per slot bucket plus one per page bucket.
 
 The shapes come from the functions the engines themselves call: prompt widths from
 `RolloutConfig.prompt_width`, the learner's response lengths from `bucket_length` over its
@@ -31,7 +38,15 @@ from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 log = logging.getLogger(__name__)
 
 __all__ = ["Planned", "CompilePlan", "distinct", "prompt_widths", "response_lengths",
-           "plan", "for_trainer", "log_plan"]
+           "plan", "for_trainer", "log_plan", "warm_programs", "FUNCTIONS"]
+
+# The jitted function each plan name counts (its compile events read "jit(<function>)").
+FUNCTIONS = {"rollout/prefill": "prefill_program", "rollout/decode": "decode_program",
+             "rollout/paged_prefill": "prefill_program",
+             "rollout/paged_decode": "decode_chunk_program", "rollout/join": "_join",
+             "learner/analyze": "analyze_program", "learner/grads": "grads_program",
+             "learner/apply": "apply_program", "distill/update": "distill_program",
+             "eval/paged_prefill": "prefill_program", "eval/paged_decode": "decode_chunk_program"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +57,10 @@ class Planned:
     per: str          # what selects a new program of this name
     first: int
     most: int
+
+    @property
+    def function(self) -> str:
+        return FUNCTIONS.get(self.name, "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +77,14 @@ class CompilePlan:
 
     def names(self) -> set[str]:
         return {p.name for p in self.programs}
+
+    def first_by_function(self) -> dict[str, int]:
+        """Programs before step 1 per jitted function (what `count_compiles` sees)."""
+        out: dict[str, int] = {}
+        for p in self.programs:
+            if p.first and p.function:
+                out[p.function] = out.get(p.function, 0) + p.first
+        return out
 
     def lines(self) -> list[str]:
         head = (f"compile plan: about {self.first} programs before step 1 ends, at most "
@@ -159,14 +186,18 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
          distill: bool = False, eval_width: int | None = None,
          eval_rows: int = 0, eval_modes: Sequence[str] = (), reference: bool = False,
          data_shards: int = 1, micro_rows: int = 0, pool_pages: int | None = None,
-         eval_temperature: float | None = None) -> CompilePlan:
+         eval_temperature: float | None = None, warm: Sequence = (),
+         eval_at_start: bool = True) -> CompilePlan:
     """The plan of a run (see the module docstring). `prompts_per_call`: prompts of one rollout
     program call over all processes; `fused`: the learner's analysis runs inside its gradient
     program (`Learner.fused`); `probe`: the controller's teacher-forced replay may run the
     analysis program; `eval_width`, `eval_rows`: the held-out batch's prompt width (None: no
     evaluation) and rows over all processes (paged: run in the training rollout's slots);
     `pool_pages`: pages per pool of a fixed paged pool (None: unknown, preemption assumed);
-    `eval_temperature`: the evaluation's (None: the rollout's; another one compiles its own)."""
+    `eval_temperature`: the evaluation's (None: the rollout's; another one compiles its own);
+    `warm`: the `rollout.warmup.Program`s compiled up front (`TrainConfig.warmup`): the paged
+    rollout's and evaluation's programs before step 1 are exactly these; `eval_at_start`:
+    False when the first evaluation comes after step 1 (its programs then count in `most`)."""
     widths = prompt_widths(rc, longest_prompt)
     responses = response_lengths(length_buckets, rc.max_new_tokens, rc.block_size)
     rows = prompts_per_call * group_size
@@ -191,9 +222,17 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
     out.append(Planned("learner/apply", "the optimizer update", 1, 1))
     if distill:
         out.append(Planned("distill/update", per, 1, w * r))
+    if warm:
+        out = [_warmed(p, warm) for p in out]
     if eval_width is not None and eval_modes:
         n = len(eval_modes)
-        if rc.engine == "paged":
+        if warm and eval_at_start:
+            for name in ("eval/paged_prefill", "eval/paged_decode"):
+                k = sum(w.name == name for w in warm)
+                if k:
+                    out.append(Planned(name, "the evaluation's own (warmed up), at prompt width "
+                                       f"{eval_width}", k, k))
+        elif rc.engine == "paged":
             # In the training rollout's slots (Trainer.train_slots): the training mode's decode
             # programs are shared; prefill (one sample per prompt) and other modes are not.
             first = most = 0
@@ -202,8 +241,10 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
                               data_shards, prompts=eval_rows or rows, pool_pages=pool_pages)
                 shared = (mode == rc.mode and eval_width in widths
                           and eval_temperature in (None, rc.temperature))
-                first += p.first + (0 if shared else d.first)
-                most += p.most + (0 if shared else d.most)
+                # One prefill program for every mode (schedule_state.prefill_config).
+                once = mode == eval_modes[0]
+                first += (p.first if once else 0) + (0 if shared else d.first)
+                most += (p.most if once else 0) + (0 if shared else d.most)
             out.append(Planned("eval/rollout", f"{'/'.join(eval_modes)} at prompt width "
                                f"{eval_width}, paged in the training slots (its "
                                f"{rc.mode} decode shared), about", first, most))
@@ -213,11 +254,80 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
                                2 * n, 2 * n))
         if reference:
             out.append(Planned("eval/reference", "teacher-forced, dense and sparse", 2, 2))
+        if not eval_at_start:       # no step-0 evaluation: its programs come later
+            out = [dataclasses.replace(p, first=0, per=p.per + "; first evaluation after step 1")
+                   if p.name.startswith("eval/") else p for p in out]
     return CompilePlan(tuple(out))
 
 
-def for_trainer(trainer) -> CompilePlan:
-    """The plan of a built `sparrow_jax.train.trainer.Trainer` (its configs, data and learner)."""
+def _warmed(p: Planned, warm: Sequence) -> Planned:
+    k = sum(w.name == p.name for w in warm)
+    if not p.name.startswith("rollout/paged_"):
+        return p
+    return dataclasses.replace(p, per=p.per + f"; {k} warmed up before step 1", first=k,
+                               most=max(p.most, k))
+
+
+def warm_list(rc: RolloutConfig, mcfg, dtype, *, rows: int, group_size: int, data: int = 1,
+              model_shards: int = 1, eval_rows: int = 0, eval_width: int | None = None,
+              eval_modes: Sequence[str] = (), eval_temperature: float | None = None,
+              eval_samples: int = 1, train_slots: int = 0) -> list:
+    """The paged programs `TrainConfig.warmup` compiles before step 1 (`rollout.warmup`): the
+    training rollout's (`rows` samples over all processes, groups of `group_size`) at the
+    smallest prompt width - a first batch of longer prompts compiles its own - then the
+    evaluation's that differ from them (its modes, temperature; in the training slots,
+    `train_slots`). `mcfg`, `dtype`: the model's config and compute dtype (the pool)."""
+    from sparrow_jax.rollout import warmup
+    from sparrow_jax.rollout.page_pool import pool_layout
+
+    if rc.engine != "paged":
+        return []
+
+    def listed(rc_, rows_, width, n, name):
+        layout = pool_layout(mcfg, rc_, dtype, rows=rows_, prompt_width=width, group_size=n,
+                             data=data, model=model_shards)
+        return warmup.programs(rc_, layout, rows=rows_, prompt_width=width, group_size=n,
+                               dtype=dtype, name=name)
+
+    lists = [listed(rc, rows, rc.prompt_width(1), group_size, "rollout")]
+    if eval_width is not None:
+        temp = rc.temperature if eval_temperature is None else eval_temperature
+        for mode in eval_modes:
+            erc = dataclasses.replace(rc, mode=mode, temperature=temp,
+                                      max_slots=train_slots or rc.max_slots)
+            lists.append(listed(erc, eval_rows * eval_samples, eval_width, eval_samples,
+                                "eval"))
+    return warmup.distinct_programs(*lists)
+
+
+def warm_programs(trainer) -> list:
+    """`warm_list` of a built `Trainer`: what its `run` compiles up front."""
+    import jax
+
+    from sparrow_jax.rollout import paged
+
+    cfg, rc, spec, model = trainer.cfg, trainer.rollout_cfg, trainer.spec, trainer.model
+    data = heads = 1
+    if spec is not None:
+        data_axis, heads_axis = paged.mesh_axes(spec, model.config.num_key_value_heads)
+        data = spec.mesh.shape[data_axis] if data_axis else 1
+        heads = spec.mesh.shape[heads_axis] if heads_axis else 1
+    per_call = (cfg.rollout_batch_prompts or cfg.prompts_per_step) * jax.process_count()
+    shape = None if trainer.eval_batch is None else trainer.eval_batch["prompt_ids"].shape
+    if not (cfg.eval_at_start and trainer.step == 0):
+        shape = None                 # the first evaluation comes after step 1: not warmed
+    return warm_list(rc, model.config, trainer.rollout_model().dtype,
+                     rows=per_call * cfg.group_size, group_size=cfg.group_size, data=data,
+                     model_shards=heads,
+                     eval_rows=0 if shape is None else int(shape[0]) * jax.process_count(),
+                     eval_width=None if shape is None else rc.prompt_width(int(shape[1])),
+                     eval_modes=trainer.eval_modes, eval_temperature=cfg.eval_temperature,
+                     eval_samples=cfg.eval_samples, train_slots=trainer.train_slots())
+
+
+def for_trainer(trainer, warm: Sequence | None = None) -> CompilePlan:
+    """The plan of a built `sparrow_jax.train.trainer.Trainer` (its configs, data and learner);
+    `warm`: its `warm_programs` where already listed."""
     import jax
 
     from sparrow_jax.runtime import faults
@@ -249,7 +359,9 @@ def for_trainer(trainer) -> CompilePlan:
                 eval_rows=eval_rows, eval_modes=trainer.eval_modes,
                 reference=trainer.reference is not None, data_shards=data,
                 micro_rows=lc.micro_batch_size, pool_pages=pool,
-                eval_temperature=cfg.eval_temperature)
+                eval_temperature=cfg.eval_temperature,
+                warm=(warm_programs(trainer) if cfg.warmup else ()) if warm is None else warm,
+                eval_at_start=cfg.eval_at_start and trainer.step == 0)
 
 
 def log_plan(p: CompilePlan) -> None:
@@ -289,6 +401,17 @@ def from_gin(mcfg, *, data_shards: int, processes: int = 1, model_shards: int = 
     dtype = jnp.dtype("bfloat16" if cfg.dtype == "auto" else cfg.dtype)   # "auto": accelerator
     per_device = page_bytes(mcfg, dtype, rc.block_size) // split
     pool = rc.pool_bytes // per_device if rc.pool_bytes else None
+    eval_modes = ("dense", "compress" if rc.mode == "compress" else "sparse")
+    eval_rows = -(-cfg.eval_prompts // unit) * unit
+    eval_width = rc.prompt_width(eval_prompt_len) if evaluated else None
+    warm = warm_list(rc, mcfg, dtype, rows=per_call * processes * cfg.group_size,
+                     group_size=cfg.group_size, data=data_shards, model_shards=model_shards,
+                     eval_rows=eval_rows,
+                     eval_width=eval_width if cfg.eval_at_start else None,
+                     eval_modes=eval_modes, eval_temperature=cfg.eval_temperature,
+                     eval_samples=cfg.eval_samples,
+                     train_slots=rc.max_slots or per_call * processes * cfg.group_size
+                     ) if cfg.warmup else ()
     return plan(rc, group_size=cfg.group_size, prompts_per_call=per_call * processes,
                 calls_per_step=cfg.prompts_per_step // per_call,
                 longest_prompt=faults.prompt_capacity(
@@ -298,9 +421,8 @@ def from_gin(mcfg, *, data_shards: int, processes: int = 1, model_shards: int = 
                     rc.max_new_tokens, multiple=rc.block_size),
                 fused=fused, probe=cfg.adapt_schedule and rc.mode == "sparse" and alpha == "full",
                 distill=DistillConfig().enabled and rc.mode == "sparse",
-                eval_width=rc.prompt_width(eval_prompt_len) if evaluated else None,
-                eval_rows=-(-cfg.eval_prompts // unit) * unit,
-                eval_modes=("dense", "compress" if rc.mode == "compress" else "sparse"),
+                eval_width=eval_width, eval_rows=eval_rows, eval_modes=eval_modes,
                 reference=bool(ReferenceEvalConfig().data), data_shards=data_shards,
                 micro_rows=lc.micro_batch_size, pool_pages=pool,
-                eval_temperature=cfg.eval_temperature)
+                eval_temperature=cfg.eval_temperature, warm=warm,
+                eval_at_start=cfg.eval_at_start)

@@ -44,6 +44,10 @@ class TrainConfig:
     # evaluation still runs, and its tokens/s then include the eval programs' compile time. An
     # experiment's arms start from the same checkpoint, so one arm's step-0 evaluation serves all.
     eval_at_start: bool = True
+    # Paged engine: compile the programs the compile plan counts before step 1 (the first
+    # rollout's prefill and decode grid, the evaluation's) up front, one progress line each
+    # (sparrow_jax.rollout.warmup), instead of inside a silent first step.
+    warmup: bool = False
     checkpoint_every: int = 10
     max_to_keep: int = 3
     seed: int = 0

@@ -51,6 +51,7 @@ DATA_KEY = "train_data_sha256"     # in each checkpoint's JSON extra
 
 FREE = frozenset({
     "TrainConfig.run_dir", "TrainConfig.compile_cache_dir", "TrainConfig.reward_processes",
+    "TrainConfig.warmup", "RolloutConfig.min_slots",
     "TrainConfig.distributed", "TrainConfig.coordinator_address", "TrainConfig.num_processes",
     "TrainConfig.process_id", "TrainConfig.mesh_model", "TrainConfig.resume_overrides",
     "RewardPool.start_method", "RewardPool.startup_timeout_s",

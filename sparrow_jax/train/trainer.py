@@ -35,6 +35,7 @@ from sparrow_jax.rl.distill import DistillConfig, Distiller
 from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout import warmup
 from sparrow_jax.runtime import checkpoint as ckpt
 from sparrow_jax.runtime import faults, multihost, resume_check
 from sparrow_jax.runtime import metrics
@@ -321,7 +322,12 @@ class Trainer:
         ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
         # After the resume: a fresh start's TensorBoard "restart" marker would hide it.
         self.writer.text(0, "config/operative_gin", gin_config_markdown(self.operative))
-        compile_plan.log_plan(compile_plan.for_trainer(self))   # why step 1 takes minutes
+        warm = compile_plan.warm_programs(self) if cfg.warmup else []
+        compile_plan.log_plan(compile_plan.for_trainer(self, warm))   # why step 1 takes minutes
+        if warm:                   # the plan's rollout programs, one progress line each
+            sched = self.controller.schedule
+            warmup.warm(self.rollout_model(), warm, spec=self.spec,
+                        budgets=np.asarray(sched.budgets, np.int32), bin_size=sched.bin_size)
         timer = StepTimer()
         history = {}
         if self.step == 0 and self.eval_batch is not None and cfg.eval_at_start:
