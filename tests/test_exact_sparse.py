@@ -240,7 +240,7 @@ def test_bad_settings():
     with pytest.raises(ValueError, match="gamma"):
         RolloutConfig(mode="exact_sparse", gamma=0)
     with pytest.raises(ValueError, match="static engine only"):
-        RolloutConfig(mode="exact_sparse", engine="paged")
+        RolloutConfig(mode="compress", engine="paged")
     with pytest.raises(ValueError, match="mode must be one of"):
         RolloutConfig(mode="exactsparse")
 

@@ -82,9 +82,14 @@ class RolloutConfig:
         if self.engine not in ("static", "paged"):
             raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
                              f"{self.engine!r}")
-        if self.engine == "paged" and self.mode in ("compress", "exact_sparse"):
+        if self.engine == "paged" and self.mode == "compress":
             raise ValueError(f"mode={self.mode!r} runs on the static engine only (the paged "
                              "engine does not implement it); set engine='static'")
+        if self.engine == "paged" and self.mode == "exact_sparse" and \
+                self.chunk_steps < self.gamma + 1:
+            raise ValueError(f"paged exact_sparse: chunk_steps={self.chunk_steps} must be >= "
+                             f"gamma + 1 = {self.gamma + 1} (a chunk runs chunk_steps // "
+                             "(gamma + 1) verify rounds)")
         if self.chunk_steps <= 0 or self.max_slots < 0 or self.pool_bytes < 0 or not (
                 0 <= self.pool_fraction < 1):
             raise ValueError(f"bad paged-engine settings chunk_steps={self.chunk_steps} "

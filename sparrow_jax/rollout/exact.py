@@ -16,7 +16,9 @@ rounding, and `budgets` records 0 (dense). Per token the trajectories carry `acc
 `alpha` (state.Trajectories).
 
 This mode extends the static engine: it reuses engine.py's prefill and per-layer decode
-attention (the paged engine does not implement it).
+attention; what does not touch the cache (the verify's cascade attention, draft sampling, the
+round's acceptance and records) is rollout/verify.py's, shared with the paged engine's mode
+(paged_exact.py).
 """
 
 from __future__ import annotations
@@ -35,40 +37,21 @@ from sparrow_jax.rollout import speculative
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.engine import _decode_attention, _sharded
 from sparrow_jax.rollout.kv_cache import KVCache, write_token
-from sparrow_jax.rollout.sampling import first_argmax, sampling_logprobs, topk_logprobs
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain)
 from sparrow_jax.runtime.shapes import COMPILES
+from sparrow_jax.rollout.verify import (accept_round, cascade_attention, draft_sample,
+                                        round_blocks)
 from sparrow_jax.runtime.sharding import ShardingSpec
 
 
 def verify_attention(q, k_cache, v_cache, starts, k_new, v_new, *, backend: str = "auto"):
-    """Dense causal attention of C consecutive queries per row, as a cascade: the cache prefix
-    (keys < starts[b]) through the dense decode kernel, the C queries folded into its query
-    heads so the prefix KV is read once for all of them, merged by log-sum-exp with the causal
-    C x C attention among the new tokens (k_new/v_new, not re-read from the cache).
+    """The verify pass's dense causal attention of C consecutive queries per row
+    (`verify.cascade_attention`), the prefix (keys < starts[b]) read by the dense decode kernel.
     q [B, C, Hq, D] at positions starts[b] + i; k/v_cache [B, Hkv, S, D]; k/v_new
     [B, C, Hkv, D]. Query i sees keys 0 .. starts[b] + i. Returns [B, C, Hq, D]."""
-    b, c, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    g = hq // hkv
-    # [B, C, Hkv, g, D] -> heads ordered (kv head, c, g): head // (C g) is its KV head.
-    folded = q.reshape(b, c, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv * c * g, d)
-    out_p, lse_p = pallas_kernels.dense_decode(folded, k_cache, v_cache, starts, backend=backend)
-
-    def unfold(x):
-        return x.reshape(b, hkv, c, g, *x.shape[2:]).transpose(0, 2, 1, 3, *range(4, x.ndim + 2))
-    out_p = unfold(out_p).astype(jnp.float32)                             # [B, C, Hkv, g, D]
-    lse_p = unfold(lse_p)                                                 # [B, C, Hkv, g]
-    qg = q.reshape(b, c, hkv, g, d).astype(jnp.float32)
-    s_loc = jnp.einsum("bikgd,bjkd->bikgj", qg, k_new.astype(jnp.float32)) * d ** -0.5
-    causal = jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]             # [C(q), C(k)]
-    s_loc = jnp.where(causal[None, :, None, None, :], s_loc, -jnp.inf)
-    lse_l = jax.nn.logsumexp(s_loc, axis=-1)
-    out_l = jnp.einsum("bikgj,bjkd->bikgd", jnp.exp(s_loc - lse_l[..., None]),
-                       v_new.astype(jnp.float32))
-    lse = jnp.logaddexp(lse_p, lse_l)
-    out = (jnp.exp(lse_p - lse)[..., None] * out_p + jnp.exp(lse_l - lse)[..., None] * out_l)
-    return out.reshape(b, c, hq, d).astype(q.dtype)
+    def prefix(folded):
+        return pallas_kernels.dense_decode(folded, k_cache, v_cache, starts, backend=backend)
+    return cascade_attention(q, prefix, k_new, v_new)
 
 
 def write_tokens(buf, new, starts):
@@ -81,20 +64,19 @@ def write_tokens(buf, new, starts):
 
 def refresh_centroids(centroids, k_cache, starts, new_len, *, span: int, block_size: int):
     """Recomputes, from k_cache, the centroids of the blocks overlapping positions
-    starts .. starts + span - 1 that are full at new_len (per row). centroids [B, Hkv, NB, D],
-    k_cache [B, Hkv, S, D], starts/new_len [B]. Blocks not full keep their value: selection
-    never scores a block until it is full (and then this or update_centroid wrote it)."""
+    starts .. starts + span - 1 that are full at new_len (per row; `verify.round_blocks`).
+    centroids [B, Hkv, NB, D], k_cache [B, Hkv, S, D], starts/new_len [B]."""
     nb = centroids.shape[2]
 
     def one_row(c, kc, start, length):
-        for m in range(span // block_size + 2):       # blocks a span can touch
-            blk = start // block_size + m
-            full = (blk + 1) * block_size <= length
+        blocks, full = round_blocks(start, length, span=span, block_size=block_size)
+        for m in range(blocks.shape[0]):
+            blk = blocks[m]
             safe = jnp.clip(blk, 0, nb - 1)
             keys = jax.lax.dynamic_slice_in_dim(kc, safe * block_size, block_size, axis=1)
             new = jnp.mean(keys.astype(jnp.float32), axis=1, keepdims=True).astype(c.dtype)
             old = jax.lax.dynamic_slice_in_dim(c, safe, 1, axis=1)
-            c = jax.lax.dynamic_update_slice_in_dim(c, jnp.where(full & (blk < nb), new, old),
+            c = jax.lax.dynamic_update_slice_in_dim(c, jnp.where(full[m] & (blk < nb), new, old),
                                                     safe, axis=1)
         return c
     return jax.vmap(one_row)(centroids, k_cache, starts, new_len)
@@ -117,10 +99,6 @@ def verify_forward(model: Qwen3ForCausalLM, ks: list, vs: list, starts, seq, *,
     return ks, vs, model.logits(hidden)
 
 
-def _gumbel_rows(keys, shape):
-    return jax.vmap(lambda k: jax.random.gumbel(k, shape, jnp.float32))(keys)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "bin_size", "spec"),
                    donate_argnames=("state",))
 def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
@@ -129,12 +107,10 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     Returns (Trajectories, final carry) as engine.decode_program does."""
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
     mcfg = model.config
-    g, bs, greedy = cfg.gamma, cfg.block_size, cfg.temperature == 0
+    g, bs = cfg.gamma, cfg.block_size
     b, t_new = state.tokens.shape
     s_max = state.cache.max_length
     max_selected = min(cfg.max_budget, s_max) // bs
-    stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
-    samp = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     attn_fns = {sp: _sharded(functools.partial(_decode_attention, sparse=sp, cfg=cfg,
                                                max_selected=max_selected), spec,
                              mcfg.num_key_value_heads) for sp in (False, True)}
@@ -162,14 +138,9 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
                 return out[:, None]
 
             hidden = model.run_layers(model.embed(tok[:, None]), (start + jj)[:, None], attend)
-            logits = model.logits(hidden[:, 0])
-            q_logp = sampling_logprobs(logits, **samp)
-            if greedy:
-                x = first_argmax(logits.astype(jnp.float32))
-            else:
-                keys = speculative.token_keys(st.rng, st.sample_ids, st.response_lengths + jj,
-                                              speculative.DRAFT)
-                x = first_argmax(q_logp + _gumbel_rows(keys, q_logp.shape[-1:]))
+            x, q_logp = draft_sample(model.logits(hidden[:, 0]), rng=st.rng,
+                                     sample_ids=st.sample_ids, index=st.response_lengths + jj,
+                                     cfg=cfg)
             return (tuple(ks), tuple(vs), tuple(cs), x), (x, q_logp)
 
         c = st.cache
@@ -186,50 +157,27 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         start, r, active = st.cache.lengths, st.response_lengths, ~st.done
         (ks, vs, cs), drafts, q_logp = draft(st)
         ks, vs, p_logits = verify(st, ks, vs, drafts)
-        p_logp = sampling_logprobs(p_logits, **samp)
+        rd = accept_round(p_logits, q_logp, drafts, rng=st.rng, sample_ids=st.sample_ids,
+                          generated=r, active=active, cfg=cfg)
         # Drafted token j (1-based) lands at response index r - 1 + j.
-        idx = r[:, None] + j                                                     # [B, G+1]
-        if greedy:
-            num, nxt = speculative.greedy_accept(p_logits, drafts)
-            alpha = speculative.alpha(p_logp[:, :g], q_logp)
-        else:
-            u_keys = jax.vmap(lambda c: speculative.token_keys(
-                st.rng, st.sample_ids, c, speculative.ACCEPT), in_axes=1, out_axes=1)(idx[:, :g])
-            uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, ())))(u_keys)
-            c_keys = jax.vmap(lambda c: speculative.token_keys(
-                st.rng, st.sample_ids, c, speculative.CORRECT), in_axes=1, out_axes=1)(idx)
-            gumbel = jax.vmap(lambda k: _gumbel_rows(k, p_logp.shape[-1:]))(c_keys)
-            num, nxt, alpha = speculative.speculative_accept(p_logp, q_logp, drafts, uniforms,
-                                                             gumbel)
-        padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        new_tok = jnp.where(j < num[:, None], padded,
-                            jnp.where(j == num[:, None], nxt[:, None], cfg.pad_token_id))
-        lp = jnp.take_along_axis(p_logp, new_tok[..., None], axis=-1)[..., 0]
-        stop = jnp.isin(new_tok, stop_ids) & (j <= num[:, None])
-        first_stop = jnp.min(jnp.where(stop, j, g + 1), axis=1)
-        n_new = jnp.minimum(jnp.minimum(num + 1, first_stop + 1), t_new - r)
-        n_new = jnp.where(active, n_new, 0)
-        keep = j < n_new[:, None]
-        at = jnp.where(keep, idx, t_new)                             # t_new: dropped
-        top_v, top_i = topk_logprobs(p_logits, cfg.record_topk, temperature=cfg.temperature)
+        at = jnp.where(j < rd.n_new[:, None], r[:, None] + j, t_new)   # t_new: dropped
 
         def put(buf, val):
             return buf.at[rows, at].set(val, mode="drop")
+        n_new = rd.n_new
         new_len = start + n_new
-        last = jnp.take_along_axis(new_tok, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
-        stopped = jnp.any(stop & keep, axis=1)
-        done = st.done | (active & (stopped | (r + n_new >= t_new) | (new_len + g + 1 > s_max)))
+        done = st.done | (active & (rd.stopped | (r + n_new >= t_new)
+                                    | (new_len + g + 1 > s_max)))
         cs = [refresh_centroids(c, k, start, new_len, span=g + 1, block_size=bs) if sp else c
               for c, k, sp in zip(cs, ks, sparse_layers)]
         st = dataclasses.replace(
-            st, step=st.step + 1, done=done, token=jnp.where(active, last, st.token),
-            tokens=put(st.tokens, new_tok), logprobs=put(st.logprobs, lp),
-            topk_logprobs=put(st.topk_logprobs, top_v), topk_ids=put(st.topk_ids, top_i),
+            st, step=st.step + 1, done=done, token=jnp.where(active, rd.last, st.token),
+            tokens=put(st.tokens, rd.tokens), logprobs=put(st.logprobs, rd.logprobs),
+            topk_logprobs=put(st.topk_logprobs, rd.topk_values),
+            topk_ids=put(st.topk_ids, rd.topk_ids),
             response_lengths=r + n_new,
             cache=KVCache(k=tuple(ks), v=tuple(vs), centroids=tuple(cs), lengths=new_len))
-        alpha_all = jnp.concatenate([alpha, jnp.full((b, 1), jnp.nan, jnp.float32)], axis=1)
-        alpha_tok = jnp.where(j <= num[:, None], alpha_all, jnp.nan)      # bonus: NaN
-        return st, put(acc_buf, j < num[:, None]), put(alpha_buf, alpha_tok)
+        return st, put(acc_buf, rd.accepted), put(alpha_buf, rd.alpha)
 
     def cond(carry):
         return ~jnp.all(carry[0].done)

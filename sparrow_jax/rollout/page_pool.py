@@ -147,8 +147,10 @@ def pool_layout(mcfg: Qwen3Config, cfg, dtype, *, rows: int, prompt_width: int, 
         raise ValueError(f"{what} must be a multiple of the data axis ({data}) with at least "
                          f"group_size={group_size} slots per data shard: set max_slots to a "
                          f"multiple of {data} that is >= {data * group_size}")
-    # The last sampled token is never fed, so never written.
-    max_pages = pages_for(prompt_width + cfg.max_new_tokens - 1, bs)
+    # The last sampled token is never fed, so never written; exact_sparse's last round writes
+    # up to gamma positions past the last fed token (drafts it may not keep).
+    extra = cfg.gamma if cfg.mode == "exact_sparse" else 0
+    max_pages = pages_for(prompt_width + cfg.max_new_tokens - 1 + extra, bs)
     heads_split = model if mcfg.num_key_value_heads % model == 0 else 1
     full = page_bytes(mcfg, dtype, bs)
     need = max(max_pages, pages_for(prompt_width, bs)

@@ -1,9 +1,12 @@
-"""The paged scheduler's host records (`rollout/scheduler.py`): a sample, a dispatched decode
-chunk, what a rollout did (`PagedStats`), and the shape buckets that bound its compiles."""
+"""The paged scheduler's host records (`rollout/scheduler.py`): a sample, its recorded tokens
+(`Records`), a dispatched decode chunk, what a rollout did (`PagedStats`), and the shape buckets
+that bound its compiles."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from sparrow_jax.rollout import paged
 from sparrow_jax.rollout.config import RolloutConfig
@@ -81,6 +84,31 @@ class Sample:
     pages: list = dataclasses.field(default_factory=list)   # logical block -> physical page
     pool: int = -1
     order: int = 0               # admission counter (the newest is preempted first)
+
+
+class Records:
+    """Every sample's recorded tokens, [rows, T] each (the rollout's `Trajectories` fields):
+    exact_sparse mode adds per token whether it was an accepted draft and its alpha (the first
+    token, from the prefill, neither: False and NaN)."""
+
+    def __init__(self, rows: int, t: int, topk: int, pad_token_id: int, exact: bool):
+        self.tokens = np.full((rows, t), pad_token_id, np.int32)
+        self.logprobs = np.zeros((rows, t), np.float32)
+        self.budgets = np.zeros((rows, t), np.int32)
+        self.topk_v = np.zeros((rows, t, topk), np.float32)
+        self.topk_i = np.zeros((rows, t, topk), np.int32)
+        self.accepted = np.zeros((rows, t), bool) if exact else None
+        self.alpha = np.full((rows, t), np.nan, np.float32) if exact else None
+
+    def put(self, row: int, start: int, toks, lps, buds, top_v, top_i, accepted=None,
+            alpha=None) -> None:
+        """Row `row`'s tokens start .. start + len(toks) - 1."""
+        end = start + len(toks)
+        for buf, val in ((self.tokens, toks), (self.logprobs, lps), (self.budgets, buds),
+                         (self.topk_v, top_v), (self.topk_i, top_i),
+                         (self.accepted, accepted), (self.alpha, alpha)):
+            if buf is not None and val is not None:
+                buf[row, start:end] = val
 
 
 @dataclasses.dataclass

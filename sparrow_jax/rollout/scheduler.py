@@ -17,6 +17,8 @@ the device never waits for the host's bookkeeping. Where the next chunk needs ch
 (samples finished and work is queued: refill; the running samples fit a smaller slot bucket:
 compaction; a pool cannot grow without preempting) the host waits for chunk i+1 and decides as
 above. Rows finished in chunk i idle through chunk i+1 (inactive: no writes, nothing recorded).
+exact_sparse mode runs paged_exact.py's decode chunk (rounds of sparse drafts verified densely)
+and recomputes a preempted sample by a plain dense prefill (its cache holds dense K/V).
 Sampling keys are per (sample, token index), so a sample's tokens do not depend on which slot
 it ran in, what ran beside it, or whether it was preempted (greedy results are bit-identical).
 Several processes: every process runs this same scheduler over the global prompts and global
@@ -37,10 +39,10 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import paged, paged_multihost
+from sparrow_jax.rollout import paged, paged_exact, paged_multihost
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
-from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Sample, page_bucket,
+from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Records, Sample, page_bucket,
                                                 prefill_config, prefill_width, program_config,
                                                 slot_bucket)
 from sparrow_jax.rollout.state import Trajectories, check_budgets, prepare_prompts
@@ -87,12 +89,8 @@ class _Rollout:
         self.graphdef, self.params = nnx.split(model)
         self.program_cfg, self.prefill_cfg = program_config(cfg), prefill_config(cfg)
         self.rng = jax.random.key(0) if rng is None else rng
-        k = cfg.record_topk
-        self.tokens = np.full((self.rows, self.t), cfg.pad_token_id, np.int32)
-        self.logprobs = np.zeros((self.rows, self.t), np.float32)
-        self.budgets = np.zeros((self.rows, self.t), np.int32)
-        self.topk_v = np.zeros((self.rows, self.t, k), np.float32)
-        self.topk_i = np.zeros((self.rows, self.t, k), np.int32)
+        self.rec = Records(self.rows, self.t, cfg.record_topk, cfg.pad_token_id,
+                           exact=cfg.mode == "exact_sparse")
         self.samples = [Sample(i, i // group_size) for i in range(self.rows)]
         self.first_sample = first_sample
         self.queue = collections.deque(("group", g) for g in range(bp))
@@ -111,15 +109,11 @@ class _Rollout:
     def _pages_wanted(self, s: Sample) -> int:
         return self._pages_at(self._length(s))
 
-    def _record(self, s: Sample, toks, lps, buds, top_v, top_i) -> bool:
-        """Appends recorded tokens to sample s; True if it finished."""
+    def _record(self, s: Sample, toks, *rest) -> bool:
+        """Appends recorded tokens (and their `Records.put` fields) to sample s; True if it
+        finished."""
         c = len(toks)
-        g = s.generated
-        self.tokens[s.index, g:g + c] = toks
-        self.logprobs[s.index, g:g + c] = lps
-        self.budgets[s.index, g:g + c] = buds
-        self.topk_v[s.index, g:g + c] = top_v
-        self.topk_i[s.index, g:g + c] = top_i
+        self.rec.put(s.index, s.generated, toks, *rest)
         s.generated += c
         return s.generated >= self.t or (c > 0 and int(toks[-1]) in self.stop_ids)
 
@@ -233,7 +227,7 @@ class _Rollout:
             plen = int(self.prompt_lengths[s0.prompt])
             seq = self.prompts[s0.prompt, :plen]
             if kind == "resume" and s0.generated > 1:
-                seq = np.concatenate([seq, self.tokens[s0.index, :s0.generated - 1]])
+                seq = np.concatenate([seq, self.rec.tokens[s0.index, :s0.generated - 1]])
             tokens[r, :length] = seq
             lengths[r], prompt_lengths[r] = length, plen
             used = pages_for(length, bs)
@@ -304,7 +298,7 @@ class _Rollout:
             for pool, running in enumerate(self.running):
                 for k, s in enumerate(running):
                     row = pool * per_pool + k
-                    for x, v in zip(host, (self.tokens[s.index, s.generated - 1],
+                    for x, v in zip(host, (self.rec.tokens[s.index, s.generated - 1],
                                            self._length(s), s.generated, True,
                                            self.first_sample + s.index)):
                         x[row] = v
@@ -338,7 +332,9 @@ class _Rollout:
                       mode=cfg.mode, pages=self.pages_per_pool,
                       dtype=jnp.dtype(self.model.dtype).name)
         self._note_dispatch()
-        self.kv, out_slots, rec = paged.decode_chunk_program(
+        program = (paged_exact.decode_chunk_program if cfg.mode == "exact_sparse"
+                   else paged.decode_chunk_program)
+        self.kv, out_slots, rec = program(
             self.graphdef, self.params, self.kv, slots, jnp.asarray(budgets), self.rng,
             cfg=self.program_cfg, steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
         return Chunk(order, out_slots, self.sync.start_read(rec))
@@ -362,14 +358,15 @@ class _Rollout:
         """Waits for chunk's records and appends them; finished samples give back their pages
         (a continuation in flight holds them as inactive rows: it neither writes nor records
         them, and later programs run after it). idle: nothing else is in flight."""
-        toks, lps, buds, top_v, top_i, recorded = self.sync.finish_read(chunk.records)
+        # exact_sparse chunks (paged_exact.py) record accepted and alpha after `recorded`.
+        toks, lps, buds, top_v, top_i, recorded, *exact = self.sync.finish_read(chunk.records)
         if idle:
             self.idle_since = time.perf_counter()
         self.stats.chunks += 1
         for row, s in chunk.order:
             c = int(recorded[row].sum())
-            if s.pages and self._record(s, toks[row, :c], lps[row, :c], buds[row, :c],
-                                        top_v[row, :c], top_i[row, :c]):
+            if s.pages and self._record(s, *(x[row, :c] for x in (toks, lps, buds, top_v, top_i,
+                                                                  *exact))):
                 self.running[s.pool].remove(s)
                 self._finish(s)
 
@@ -435,11 +432,13 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
         return np.repeat(x, group_size, axis=0)
     t = np.arange(cfg.max_new_tokens)
     plens = rep(prompt_lengths)
+    rec = ro.rec
     traj = Trajectories(
-        prompt_tokens=rep(prompt_tokens), prompt_lengths=plens, tokens=ro.tokens,
-        logprobs=ro.logprobs, topk_logprobs=ro.topk_v, topk_ids=ro.topk_i, budgets=ro.budgets,
-        cached_lengths=plens[:, None] + t[None], mask=t[None] < rows_lengths[:, None],
-        response_lengths=rows_lengths)
+        prompt_tokens=rep(prompt_tokens), prompt_lengths=plens, tokens=rec.tokens,
+        logprobs=rec.logprobs, topk_logprobs=rec.topk_v, topk_ids=rec.topk_i,
+        budgets=rec.budgets, cached_lengths=plens[:, None] + t[None],
+        mask=t[None] < rows_lengths[:, None], response_lengths=rows_lengths,
+        accepted=rec.accepted, alpha=rec.alpha)
     # Host arrays (whole on every process) -> rows over the data axis: process p's rows on p's
     # devices, the static engine's layout.
     return jax.tree.map(jnp.asarray if spec is None else (lambda x: _place(x, spec)), traj)

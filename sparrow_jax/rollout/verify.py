@@ -1,0 +1,142 @@
+"""What both engines' exact sparse mode shares (`RolloutConfig.mode = "exact_sparse"`).
+
+One round per row: gamma sparse draft steps, one dense verify pass of the gamma + 1 tokens
+[x_0, x_1..x_gamma], the speculative-sampling rule (rollout/speculative.py). The engines differ
+only in where K/V live (exact.py: a cache row per sample; paged_exact.py: page pools), so the
+pieces that do not touch the cache are here, once:
+- `cascade_attention`: the verify pass's dense causal attention of the gamma + 1 queries, as the
+  engine's dense decode kernel over the cached prefix merged with the attention among the new
+  tokens;
+- `draft_sample`: the draft's token and distribution at one step;
+- `accept_round`: the rule applied to one round, and what the round records per token;
+- `round_blocks`: the blocks a round can have filled (their centroids are recomputed from the
+  dense keys the verify wrote: selection must score the policy's keys, not the draft's).
+Random numbers are keyed per (sample, token index, purpose) (`speculative.token_keys`), so a
+sample's tokens do not depend on its engine, slot, neighbours or preemption.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sparrow_jax.rollout import speculative
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.sampling import first_argmax, sampling_logprobs, topk_logprobs
+
+
+def cascade_attention(q: jax.Array, prefix: Callable, k_new: jax.Array, v_new: jax.Array
+                      ) -> jax.Array:
+    """Dense causal attention of C consecutive queries per row over a cached prefix and the C
+    new tokens. q [B, C, Hq, D] at positions starts[b] + i; prefix(folded [B, Hkv*C*g, D]) ->
+    (out [B, Hkv*C*g, D], lse [B, Hkv*C*g]): the engine's dense decode kernel over the keys
+    < starts (the C queries folded into its query heads, so the prefix is read once for all of
+    them; head h's KV head is h // (C g)); k/v_new [B, C, Hkv, D]. Query i sees the prefix and
+    new tokens 0..i; the two parts merge by log-sum-exp. Returns [B, C, Hq, D]."""
+    b, c, hq, d = q.shape
+    hkv = k_new.shape[2]
+    g = hq // hkv
+    folded = q.reshape(b, c, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv * c * g, d)
+    out_p, lse_p = prefix(folded)
+
+    def unfold(x):
+        return x.reshape(b, hkv, c, g, *x.shape[2:]).transpose(0, 2, 1, 3, *range(4, x.ndim + 2))
+    lse_p = unfold(lse_p)                                                 # [B, C, Hkv, g]
+    # An empty prefix (an idle paged slot) has lse -inf and an undefined output: weight 0.
+    out_p = jnp.where(jnp.isfinite(lse_p)[..., None], unfold(out_p).astype(jnp.float32), 0.0)
+    qg = q.reshape(b, c, hkv, g, d).astype(jnp.float32)
+    s_loc = jnp.einsum("bikgd,bjkd->bikgj", qg, k_new.astype(jnp.float32)) * d ** -0.5
+    causal = jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]             # [C(q), C(k)]
+    s_loc = jnp.where(causal[None, :, None, None, :], s_loc, -jnp.inf)
+    lse_l = jax.nn.logsumexp(s_loc, axis=-1)
+    out_l = jnp.einsum("bikgj,bjkd->bikgd", jnp.exp(s_loc - lse_l[..., None]),
+                       v_new.astype(jnp.float32))
+    lse = jnp.logaddexp(lse_p, lse_l)
+    out = (jnp.exp(lse_p - lse)[..., None] * out_p + jnp.exp(lse_l - lse)[..., None] * out_l)
+    return out.reshape(b, c, hq, d).astype(q.dtype)
+
+
+def _gumbel_rows(keys: jax.Array, shape) -> jax.Array:
+    return jax.vmap(lambda k: jax.random.gumbel(k, shape, jnp.float32))(keys)
+
+
+def draft_sample(logits: jax.Array, *, rng: jax.Array, sample_ids: jax.Array,
+                 index: jax.Array, cfg: RolloutConfig) -> tuple[jax.Array, jax.Array]:
+    """One draft step: logits [B, V] of the sparse forward -> (token [B] int32, the draft's
+    sampled log-probs q [B, V] f32). index [B]: the response index the token lands at.
+    Greedy: the argmax (ties to the lowest id, as dense greedy)."""
+    q_logp = sampling_logprobs(logits, temperature=cfg.temperature, top_k=cfg.top_k,
+                               top_p=cfg.top_p)
+    if cfg.temperature == 0:
+        return first_argmax(logits.astype(jnp.float32)), q_logp
+    keys = speculative.token_keys(rng, sample_ids, index, speculative.DRAFT)
+    return first_argmax(q_logp + _gumbel_rows(keys, q_logp.shape[-1:])), q_logp
+
+
+class Round(NamedTuple):
+    """What one verify round gives a row; [B, G+1] per position j: response index
+    generated + j; only j < n_new is kept."""
+    tokens: jax.Array        # [B, G+1] int32: accepted drafts, then the verify's token, then pad
+    logprobs: jax.Array      # [B, G+1] f32: the dense policy's sampled log-prob of each token
+    topk_values: jax.Array   # [B, G+1, k] f32 (the dense policy's)
+    topk_ids: jax.Array      # [B, G+1, k] int32
+    accepted: jax.Array      # [B, G+1] bool: a draft token the verify accepted
+    alpha: jax.Array         # [B, G+1] f32: sum min(p, q) at the position (NaN: no draft there)
+    n_new: jax.Array         # [B] int32 tokens kept (0 for inactive rows)
+    last: jax.Array          # [B] int32 the last kept token (fed next)
+    stopped: jax.Array       # [B] bool: a stop token was kept
+
+
+def accept_round(p_logits: jax.Array, q_logp: jax.Array, drafts: jax.Array, *,
+                 rng: jax.Array, sample_ids: jax.Array, generated: jax.Array,
+                 active: jax.Array, cfg: RolloutConfig) -> Round:
+    """The speculative-sampling rule on one round. p_logits [B, G+1, V] of the verify pass (at
+    x_0..x_G), q_logp [B, G, V] the draft's, drafts [B, G] (x_1..x_G); generated [B] tokens
+    recorded before the round (x_1 lands at response index generated), active [B]. The round
+    keeps the accepted drafts and one token sampled by the verify (correction or bonus), cut at
+    the first stop token and at cfg.max_new_tokens."""
+    b, g = drafts.shape
+    j = jnp.arange(g + 1)[None, :]
+    idx = generated[:, None] + j                                              # [B, G+1]
+    p_logp = sampling_logprobs(p_logits, temperature=cfg.temperature, top_k=cfg.top_k,
+                               top_p=cfg.top_p)
+    if cfg.temperature == 0:
+        num, nxt = speculative.greedy_accept(p_logits, drafts)
+        alpha = speculative.alpha(p_logp[:, :g], q_logp)
+    else:
+        def keys(purpose, cols):
+            return jax.vmap(lambda c: speculative.token_keys(rng, sample_ids, c, purpose),
+                            in_axes=1, out_axes=1)(cols)
+        uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, ())))(
+            keys(speculative.ACCEPT, idx[:, :g]))
+        gumbel = jax.vmap(lambda k: _gumbel_rows(k, p_logp.shape[-1:]))(
+            keys(speculative.CORRECT, idx))
+        num, nxt, alpha = speculative.speculative_accept(p_logp, q_logp, drafts, uniforms, gumbel)
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(j < num[:, None], padded,
+                       jnp.where(j == num[:, None], nxt[:, None], cfg.pad_token_id))
+    lp = jnp.take_along_axis(p_logp, tokens[..., None], axis=-1)[..., 0]
+    stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
+    stop = jnp.isin(tokens, stop_ids) & (j <= num[:, None])
+    first_stop = jnp.min(jnp.where(stop, j, g + 1), axis=1)
+    n_new = jnp.minimum(jnp.minimum(num + 1, first_stop + 1), cfg.max_new_tokens - generated)
+    n_new = jnp.where(active, n_new, 0).astype(jnp.int32)
+    keep = j < n_new[:, None]
+    top_v, top_i = topk_logprobs(p_logits, cfg.record_topk, temperature=cfg.temperature)
+    alpha_all = jnp.concatenate([alpha, jnp.full((b, 1), jnp.nan, jnp.float32)], axis=1)
+    last = jnp.take_along_axis(tokens, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
+    return Round(tokens=tokens, logprobs=lp, topk_values=top_v, topk_ids=top_i,
+                 accepted=j < num[:, None], alpha=jnp.where(j <= num[:, None], alpha_all, jnp.nan),
+                 n_new=n_new, last=last, stopped=jnp.any(stop & keep, axis=1))
+
+
+def round_blocks(starts: jax.Array, new_len: jax.Array, *, span: int, block_size: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The logical blocks a round over positions starts .. starts + span - 1 can touch, and
+    whether each is full at new_len: starts/new_len [...] -> (blocks, full) [..., M]. A block
+    not full keeps its centroid: selection never scores a block until it is full."""
+    m = span // block_size + 2
+    blk = starts[..., None] // block_size + jnp.arange(m)
+    return blk, (blk + 1) * block_size <= new_len[..., None]

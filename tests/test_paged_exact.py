@@ -1,0 +1,124 @@
+"""Exact sparse mode on the paged engine (rollout/paged_exact.py): greedy tokens equal dense
+greedy, sampled tokens equal the static engine's exact-sparse samples for the same seed (both
+key every random number by sample and token index), recorded log-probs equal a teacher-forced
+dense pass to 1e-5 - with GRPO groups sharing prompt pages, stops, long tails and preemption."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_fixtures import make_tiny_qwen3
+from sparrow_jax.model import load_hf
+from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler
+from sparrow_jax.rollout.paged_exact import chunk_rounds
+from sparrow_jax.rollout.teacher_forced import replay_logprobs
+
+BUDGETS = np.full(8, 48, np.int32)           # 3 blocks: sink + 2 local
+# Chunks of 2 rounds of gamma 3 + 1; one page-table width and slot buckets of 1 or all (the
+# exact chunk is the slowest program to compile here: few shapes keep the tests short).
+KW = dict(backend="xla", max_budget=64, dense_layers=(), max_new_tokens=40, gamma=3,
+          chunk_steps=8, min_table_pages=16, slot_ladder=16)
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    """The tiny model with q/k norms x3: peaked attention, so a 3-block draft budget changes
+    many greedy tokens and drafts get rejected (tests/test_exact_sparse.py's fixture)."""
+    path = tmp_path_factory.mktemp("tiny_sharp_paged")
+    make_tiny_qwen3(path, layers=3, vocab=96, hidden=48, heads=4, kv_heads=2)
+    model = load_hf(path, dtype=jnp.float32)
+    for layer in model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.set_value(norm.weight.get_value() * 3.0)
+    return model
+
+
+def _prompts(lengths, seed):
+    r = np.random.default_rng(seed)
+    toks = np.zeros((len(lengths), max(lengths)), np.int32)
+    for i, n in enumerate(lengths):
+        toks[i, :n] = r.integers(3, 96, n)
+    return toks, np.asarray(lengths, np.int32)
+
+
+def _tight(model, pages):
+    return pages * page_pool.page_bytes(model.config, model.dtype, 16)
+
+
+@pytest.mark.slow
+def test_paged_exact_greedy_equals_dense_greedy_with_groups_and_preemption(sharp):
+    """Ragged prompts (row 2's 32 tokens fill two prompt pages: shared by its group), a stop
+    (token 36, found from this fixture's dense greedy output: ends prompt 0's samples at their
+    8th token) and tails to max_new_tokens; a pool too small for every sample at once preempts
+    and recomputes."""
+    toks, lens = _prompts([40, 70, 32, 23], seed=2)
+    cfg = RolloutConfig(temperature=0.0, stop_token_ids=(36,), **KW)
+    dense = generate(sharp, toks, lens, cfg=dataclasses.replace(cfg, mode="dense"),
+                     budgets=BUDGETS, group_size=2)
+    ex = generate(sharp, toks, lens, budgets=BUDGETS, group_size=2,
+                  cfg=dataclasses.replace(cfg, mode="exact_sparse", engine="paged",
+                                          pool_bytes=_tight(sharp, 16)))
+    st = scheduler.LAST_STATS
+    assert st.preemptions > 0 and st.shared_prompt_pages > 0 and st.peak_pages <= 16
+    np.testing.assert_array_equal(np.asarray(ex.tokens), np.asarray(dense.tokens))
+    np.testing.assert_array_equal(np.asarray(ex.response_lengths),
+                                  np.asarray(dense.response_lengths))
+    m = np.asarray(dense.mask)
+    np.testing.assert_allclose(np.asarray(ex.logprobs)[m], np.asarray(dense.logprobs)[m],
+                               atol=1e-5)
+    rl = np.asarray(dense.response_lengths)
+    assert rl.min() == 8 and rl.max() == 40
+    acc, alpha = np.asarray(ex.accepted), np.asarray(ex.alpha)
+    # Drafts were accepted and rejected (> 10 verify-sampled tokens past the first).
+    assert 0 < acc.sum() < m.sum() - m.shape[0] - 10
+    assert not acc[:, 0].any() and np.isnan(alpha[:, 0]).all() and not acc[~m].any()
+    assert np.asarray(ex.budgets).max() == 0
+
+
+@pytest.mark.slow
+def test_paged_exact_samples_equal_static_exact_and_logprobs_are_dense(sharp):
+    """Sampled, groups of 3, a tight pool (preemption): every sample equals the static engine's
+    exact-sparse sample of the same seed, and the recorded log-probs equal a teacher-forced
+    dense pass over the trajectories to 1e-5 (f32)."""
+    toks, lens = _prompts([40, 65, 12, 30], seed=1)
+    cfg = RolloutConfig(mode="exact_sparse", temperature=1.0, record_topk=4, **KW)
+    rng = jax.random.key(5)
+    static = generate(sharp, toks, lens, cfg=cfg, budgets=BUDGETS, group_size=3, rng=rng)
+    paged = generate(sharp, toks, lens, budgets=BUDGETS, group_size=3, rng=rng,
+                     cfg=dataclasses.replace(cfg, engine="paged", pool_bytes=_tight(sharp, 18)))
+    assert scheduler.LAST_STATS.preemptions > 0
+    m = np.asarray(static.mask)
+    for name in ("tokens", "response_lengths", "mask", "accepted", "cached_lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(paged, name)),
+                                      np.asarray(getattr(static, name)), err_msg=name)
+    for name in ("logprobs", "alpha", "topk_logprobs"):
+        np.testing.assert_allclose(np.asarray(getattr(paged, name))[m],
+                                   np.asarray(getattr(static, name))[m], atol=1e-5,
+                                   err_msg=name)
+    replay = np.asarray(replay_logprobs(sharp, paged))
+    np.testing.assert_allclose(replay[m], np.asarray(paged.logprobs)[m], atol=1e-5)
+    acc = np.asarray(paged.accepted)[m]
+    assert 0.2 < acc.mean() < 0.8
+
+
+def test_paged_exact_settings():
+    """A chunk must hold one round; the pool's per-sample maximum has gamma slots of slack (the
+    last round writes up to gamma drafts past the last fed token)."""
+    with pytest.raises(ValueError, match="chunk_steps=3 must be >= gamma"):
+        RolloutConfig(mode="exact_sparse", engine="paged", gamma=3, chunk_steps=3)
+    cfg = RolloutConfig(mode="exact_sparse", engine="paged", gamma=3, chunk_steps=8,
+                        max_new_tokens=40)
+    assert chunk_rounds(cfg) == 2 and chunk_rounds(dataclasses.replace(cfg, chunk_steps=4)) == 1
+    mcfg = Qwen3Config(num_hidden_layers=1)
+
+    def max_pages(c):
+        return page_pool.pool_layout(mcfg, c, jnp.float32, rows=2, prompt_width=32,
+                                     group_size=1).max_pages
+    # 32 + 40 - 1 = 71 positions: 5 pages; + gamma 3 = 74: still 5; gamma 9 = 80: 5; 10: 6.
+    assert max_pages(dataclasses.replace(cfg, mode="sparse")) == 5
+    assert max_pages(dataclasses.replace(cfg, gamma=9, chunk_steps=10)) == 5
+    assert max_pages(dataclasses.replace(cfg, gamma=10, chunk_steps=11)) == 6
