@@ -146,6 +146,26 @@ def test_eight_way_data_parallel_rows_per_device(tiny):
     assert "TPU v5 lite" in report["target_description"] or "V5E" in report["target_description"]
 
 
+@pytest.mark.slow
+def test_exact_sparse_paged_programs_compile_and_report_memory(tiny):
+    """`TrainConfig.rollout_mode = "exact_sparse"` on the paged engine: the dryrun compiles the
+    exact decode chunk (draft + verify rounds, rollout/paged_exact.py) for H100s, reports its
+    memory, and the pool's per-sample maximum has gamma (4) slots of slack: 64 prompt + 63 fed
+    + 4 = 131 tokens -> 9 pages of 16 (the sparse mode's 127 fit 8)."""
+    r = run_dryrun(tiny["gin"], "--target", "h100x8", "--json", "--no_fit", "--no_cost",
+                   *(x for p in ("TrainConfig.rollout_mode = 'exact_sparse'",
+                                 "RolloutConfig.engine = 'paged'", "RolloutConfig.chunk_steps = 8",
+                                 "RolloutConfig.pool_bytes = 1048576",
+                                 "RolloutConfig.max_slots = 32") for x in ("--gin_param", p)))
+    report = _report(r)
+    assert r.returncode == 0 and report["fits"], r.stderr[-3000:]
+    assert report["shape"]["rollout_mode"] == "exact_sparse"
+    progs = {p["name"]: p for p in report["programs"]}
+    decode = progs["rollout.paged_decode[exact_sparse]"]
+    assert decode["error"] is None and decode["peak"] > report["paged_pool"]["bytes_per_device"]
+    assert report["paged_pool"]["max_tokens_per_sample"] == 144
+
+
 def test_model_axis_across_hosts_is_an_error(tiny):
     """v5p hosts have 4 chips: a model axis of 8 would span two hosts. Run from the plain venv:
     the command re-executes itself in the compile environment."""

@@ -32,7 +32,7 @@ from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rl import learner
 from sparrow_jax.rl import learner_programs as learner_programs_mod
-from sparrow_jax.rollout import batching, engine, page_pool, paged, scheduler
+from sparrow_jax.rollout import batching, engine, exact, page_pool, paged, paged_exact, scheduler
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache
 from sparrow_jax.rollout.state import Trajectories
@@ -74,7 +74,8 @@ def step_shape(model: Qwen3Config, target: Target) -> StepShape:
     tc = TrainConfig()
     sched, ctrl = make_schedule(), ControllerConfig()
     rc = dataclasses.replace(RolloutConfig(), mode=tc.rollout_mode)
-    if rc.mode == "sparse":   # the trainer narrows the gather width to the largest reachable budget
+    if rc.mode in ("sparse", "exact_sparse"):   # the trainer narrows the gather width to the
+        # largest reachable budget
         top = max(max(sched.budgets), ctrl.max_budget if tc.adapt_schedule else 0)
         rc = dataclasses.replace(rc, max_budget=min(rc.max_budget,
                                                     -(-top // rc.block_size) * rc.block_size))
@@ -159,7 +160,8 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
     return [Program("rollout.prefill", engine.prefill_program, (graphdef, state, *prompts, rng),
                     ("static", "state", "local", "local", "local"),
                     dict(cfg=rc, group_size=n, spec=spec), traj),
-            Program("rollout.decode", engine.decode_program, (graphdef, state, None, budgets),
+            Program("rollout.decode", exact.decode_program if rc.mode == "exact_sparse"
+                    else engine.decode_program, (graphdef, state, None, budgets),
                     ("static", "state", "local", "local"),
                     dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
 
@@ -216,7 +218,10 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
     slots = paged.Slots(sds((s,), i32, spec), sds((s,), i32, spec), sds((s,), i32, spec),
                         sds((s,), jnp.bool_, spec), sds((s,), i32, spec),
                         sds((s, layout.max_pages), i32, spec))
-    decode = Program("rollout.paged_decode", paged.decode_chunk_program,
+    # exact_sparse: the chunk of draft + verify rounds (rollout/paged_exact.py), named so.
+    exact_mode = rc.mode == "exact_sparse"
+    decode = Program("rollout.paged_decode" + ("[exact_sparse]" if exact_mode else ""),
+                     paged_exact.decode_chunk_program if exact_mode else paged.decode_chunk_program,
                      (graphdef, state, kv, slots, budgets, rng),
                      ("static", "state", "local", "local", "local", "local"),
                      dict(cfg=cfg, steps=rc.chunk_steps, bin_size=shape.bin_size, spec=spec))

@@ -80,8 +80,9 @@ def measure_rollout(shape: StepShape, spec: ShardingSpec, target: Target, rows: 
         progs, _ = paged_rollout_programs(shape, spec, rows, target.hbm_bytes, pages_per_pool)
         out = [compile_program(p, target.kernel_platform, per_dev)[0] for p in progs]
         if probe:                       # one decode step: its cost analysis is one token's
-            d = progs[-1]
-            d.name, d.static = d.name + "[1-step cost probe]", {**d.static, "steps": 1}
+            d = progs[-1]               # (exact_sparse: one round, gamma + 1 tokens at most)
+            steps = shape.rollout.gamma + 1 if shape.rollout.mode == "exact_sparse" else 1
+            d.name, d.static = d.name + f"[{steps}-step cost probe]", {**d.static, "steps": steps}
             out.append(compile_program(d, target.kernel_platform, per_dev)[0])
         return out
     prefill, decode = rollout_programs(shape, spec, rows)

@@ -7,7 +7,7 @@ import dataclasses
 import gin
 import jax.numpy as jnp
 
-ROLLOUT_MODES = ("sparse", "dense", "compress")
+ROLLOUT_MODES = ("sparse", "dense", "compress", "exact_sparse")
 
 
 @gin.configurable
