@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.rollout import paged
+from sparrow_jax.rollout import paged, paged_exact
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PoolLayout, pool_layout
 from sparrow_jax.rollout.schedule_state import (page_bucket, prefill_config, program_config,
@@ -159,7 +159,10 @@ def _lower(model, p: Program, *, spec, budgets, bin_size: int, rng):
     s, width = sh["slots"], sh["pages_per_slot"]
     slots = paged.Slots(*(_rows(np.zeros(s, t), spec) for t in (i32, i32, i32, bool, i32)),
                         _rows(np.zeros((s, width), i32), spec))
-    return paged.decode_chunk_program.lower(
+    # exact_sparse: the chunk of draft + verify rounds the scheduler dispatches in that mode.
+    chunk = (paged_exact.decode_chunk_program if p.cfg.mode == "exact_sparse"
+             else paged.decode_chunk_program)
+    return chunk.lower(
         graphdef, params, kv, slots, jnp.asarray(np.asarray(budgets, np.int32)), rng,
         cfg=p.cfg, steps=sh["steps"], bin_size=bin_size, spec=spec)
 
