@@ -246,3 +246,26 @@ def test_whole_page_and_row_token_writes_give_equal_pools():
     assert jnp.array_equal(pages[:, 1], by_row[0, :, 3])                # the written page
     assert paged._writes_whole_pages("pallas_tpu") and not paged._writes_whole_pages("pallas_triton")
     assert not paged._writes_whole_pages("xla")
+
+
+def test_dense_decoding_in_the_sparse_programs(tiny):
+    """`dense_via_sparse` (the evaluation's dense rollout of a sparse run): dense mode's samples
+    from the sparse mode's programs at the dense rung - no decode program of its own, no
+    budgets recorded - over narrow tables (the selection takes every block) and wide ones (the
+    dense branch)."""
+    from sparrow_jax.runtime.compile_cache import count_compiles
+    _, model = tiny
+    toks, lens = _prompts([20, 37], seed=7)
+    cfg = RolloutConfig(temperature=1.0, mode="sparse", **BASE)
+    COMPILES.clear()
+    _run(model, cfg, toks, lens, rng=jax.random.key(4))
+    # Tables of 8 pages (<= the 8 selected blocks: the selection path) and 12 (the dense branch).
+    assert {s["pages_per_slot"] for s in COMPILES.shapes("rollout/paged_decode")} >= {8, 12}
+    dense = dataclasses.replace(cfg, mode="dense")
+    with count_compiles() as names:
+        shared = _run(model, dataclasses.replace(dense, dense_via_sparse=True), toks, lens,
+                      rng=jax.random.key(4))
+    assert "jit(decode_chunk_program)" not in names, names
+    ref = _run(model, dense, toks, lens, rng=jax.random.key(4))
+    _assert_same(shared, ref)
+    assert not np.asarray(shared.budgets).any()

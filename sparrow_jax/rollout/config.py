@@ -70,6 +70,11 @@ class RolloutConfig:
     # decode in min_slots rows (empty rows cost little where a step is bound by the weights'
     # reads, an accelerator's small batches), for one slot bucket fewer per factor of the ladder.
     min_slots: int = 1
+    # Paged engine, mode "dense": decode in the sparse mode's programs with every budget bin at
+    # the dense rung (every row attends to all its keys: dense attention, up to the float
+    # rounding of the order blocks are summed in), so that a sparse run's dense evaluation
+    # compiles no decode programs of its own (Trainer.evaluate sets it).
+    dense_via_sparse: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:

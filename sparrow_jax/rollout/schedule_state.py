@@ -10,6 +10,7 @@ import numpy as np
 
 from sparrow_jax.rollout import paged
 from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 
 
 def pow2_bucket(n: int, cap: int) -> int:
@@ -48,9 +49,27 @@ def page_bucket(n: int, cap: int, cfg: RolloutConfig | None = None) -> int:
 def program_config(cfg: RolloutConfig) -> RolloutConfig:
     """The programs' static config without the host-only settings (pool source, slot cap,
     overlap flag, shape ladders): one compiled program per shape whatever they are."""
+    mode = "sparse" if dense_rung(cfg) else cfg.mode
     return dataclasses.replace(cfg, pool_bytes=0, pool_fraction=0.0, max_slots=0,
                                overlap_chunks=True, slot_ladder=2, page_ladder=2,
-                               min_table_pages=4, min_slots=1)
+                               min_table_pages=4, min_slots=1, dense_via_sparse=False,
+                               mode=mode)
+
+
+def dense_rung(cfg: RolloutConfig) -> bool:
+    """Dense decoding in the sparse programs (`RolloutConfig.dense_via_sparse`)."""
+    return cfg.dense_via_sparse and cfg.mode == "dense"
+
+
+def decode_budgets(cfg: RolloutConfig, budgets: np.ndarray) -> np.ndarray:
+    """The budget table [num_bins] a decode chunk gets: the schedule's, or with `dense_rung`
+    the dense rung in every bin (covered rows attend densely; same shape: same program)."""
+    return np.full_like(budgets, DENSE_BUDGET) if dense_rung(cfg) else budgets
+
+
+def recorded_budgets(cfg: RolloutConfig, budgets: np.ndarray) -> np.ndarray:
+    """A rollout's recorded budgets [B, T]: dense decoding records none (0), as dense mode."""
+    return np.zeros_like(budgets) if dense_rung(cfg) else budgets
 
 
 def prefill_config(cfg: RolloutConfig) -> RolloutConfig:

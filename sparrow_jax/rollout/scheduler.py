@@ -42,8 +42,9 @@ from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import paged, paged_exact, paged_multihost
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
-from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Records, Sample, page_bucket,
-                                                prefill_config, prefill_width, program_config,
+from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Records, Sample,
+                                                decode_budgets, page_bucket, prefill_config,
+                                                prefill_width, program_config, recorded_budgets,
                                                 slot_bucket)
 from sparrow_jax.rollout.state import Trajectories, check_budgets, prepare_prompts
 from sparrow_jax.runtime import multihost
@@ -329,14 +330,15 @@ class _Rollout:
         self.dispatched += 1
         COMPILES.note("rollout/paged_decode", slots=slots.token.shape[0],
                       pages_per_slot=slots.page_table.shape[1], steps=cfg.chunk_steps,
-                      mode=cfg.mode, pages=self.pages_per_pool,
+                      mode=self.program_cfg.mode, pages=self.pages_per_pool,
                       dtype=jnp.dtype(self.model.dtype).name)
         self._note_dispatch()
         program = (paged_exact.decode_chunk_program if cfg.mode == "exact_sparse"
                    else paged.decode_chunk_program)
         self.kv, out_slots, rec = program(
-            self.graphdef, self.params, self.kv, slots, jnp.asarray(budgets), self.rng,
-            cfg=self.program_cfg, steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
+            self.graphdef, self.params, self.kv, slots, jnp.asarray(decode_budgets(cfg, budgets)),
+            self.rng, cfg=self.program_cfg, steps=cfg.chunk_steps, bin_size=self.bin_size,
+            spec=self.spec)
         return Chunk(order, out_slots, self.sync.start_read(rec))
 
     def _grow_ahead(self, samples: list[Sample]) -> bool:
@@ -436,7 +438,7 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     traj = Trajectories(
         prompt_tokens=rep(prompt_tokens), prompt_lengths=plens, tokens=rec.tokens,
         logprobs=rec.logprobs, topk_logprobs=rec.topk_v, topk_ids=rec.topk_i,
-        budgets=rec.budgets, cached_lengths=plens[:, None] + t[None],
+        budgets=recorded_budgets(cfg, rec.budgets), cached_lengths=plens[:, None] + t[None],
         mask=t[None] < rows_lengths[:, None], response_lengths=rows_lengths,
         accepted=rec.accepted, alpha=rec.alpha)
     # Host arrays (whole on every process) -> rows over the data axis: process p's rows on p's

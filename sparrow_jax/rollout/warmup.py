@@ -86,7 +86,7 @@ def programs(cfg: RolloutConfig, layout: PoolLayout, *, rows: int, prompt_width:
                    ("prefill", pre_cfg, pools, shapes), shapes, pre_cfg, pools)]
     for s in buckets(lambda n: slot_bucket(n, per_pool, cfg), 1, live):
         for p in buckets(lambda n: page_bucket(n, layout.max_pages, cfg), 1, layout.max_pages):
-            shapes = (("dtype", dt), ("mode", cfg.mode), ("pages", layout.pages_per_pool),
+            shapes = (("dtype", dt), ("mode", dec_cfg.mode), ("pages", layout.pages_per_pool),
                       ("pages_per_slot", p), ("slots", s * pools), ("steps", cfg.chunk_steps))
             out.append(Program(f"{name}/paged_decode", "decode_chunk_program",
                                ("decode", dec_cfg, pools, shapes), shapes, dec_cfg, pools))

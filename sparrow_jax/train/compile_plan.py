@@ -234,12 +234,14 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
                                        f"{eval_width}", k, k))
         elif rc.engine == "paged":
             # In the training rollout's slots (Trainer.train_slots): the training mode's decode
-            # programs are shared; prefill (one sample per prompt) and other modes are not.
+            # programs are shared; prefill (one sample per prompt) is its own.
             first = most = 0
             for mode in eval_modes:
                 p, d = _paged(dataclasses.replace(rc, mode=mode), (eval_width,), rows, 1,
                               data_shards, prompts=eval_rows or rows, pool_pages=pool_pages)
-                shared = (mode == rc.mode and eval_width in widths
+                # Dense decoding of a sparse run runs in its sparse programs (dense_via_sparse).
+                shared = (mode in (rc.mode, "dense" if rc.mode == "sparse" else rc.mode)
+                          and eval_width in widths
                           and eval_temperature in (None, rc.temperature))
                 # One prefill program for every mode (schedule_state.prefill_config).
                 once = mode == eval_modes[0]
@@ -294,7 +296,8 @@ def warm_list(rc: RolloutConfig, mcfg, dtype, *, rows: int, group_size: int, dat
         temp = rc.temperature if eval_temperature is None else eval_temperature
         for mode in eval_modes:
             erc = dataclasses.replace(rc, mode=mode, temperature=temp,
-                                      max_slots=train_slots or rc.max_slots)
+                                      max_slots=train_slots or rc.max_slots,
+                                      dense_via_sparse=rc.mode == "sparse")   # as Trainer
             lists.append(listed(erc, eval_rows * eval_samples, eval_width, eval_samples,
                                 "eval"))
     return warmup.distinct_programs(*lists)

@@ -274,7 +274,8 @@ class Trainer:
 
     def train_slots(self) -> int:
         """Slots of a training rollout (all processes); the paged evaluation runs in the same
-        slots, so that it shares the training rollout's decode programs (compile_plan)."""
+        slots, so that it shares the training rollout's decode programs (compile_plan) - its
+        dense decoding too, in the sparse programs at the dense rung (`dense_via_sparse`)."""
         per_call = self.cfg.rollout_batch_prompts or self.cfg.prompts_per_step
         return self.rollout_cfg.max_slots or per_call * self.cfg.group_size * jax.process_count()
 
@@ -287,7 +288,8 @@ class Trainer:
         for mode in self.eval_modes:
             rc = dataclasses.replace(self.rollout_cfg, mode=mode,
                                      temperature=self.cfg.eval_temperature,
-                                     max_slots=self.train_slots())
+                                     max_slots=self.train_slots(),
+                                     dense_via_sparse=self.rollout_cfg.mode == "sparse")
             # Dense decoding evaluates the policy itself, never the sparse actor's adapter.
             model = (compute_copy(self.model) if self.distiller and mode == "dense"
                      else self.rollout_model())
