@@ -324,6 +324,8 @@ def test_the_warm_up_lists_the_decode_grid_the_scheduler_can_reach():
         assert {(d["slots"], d["pages_per_slot"]) for d in decode} == grid
         assert len(decode) == len(grid) and layout.max_pages == 23
         [pre] = [dict(p.shapes) for p in progs if p.function == "prefill_program"]
-        assert pre["rows"] == 2 * scheduler.slot_bucket(3, 12, rc) and pre["group_size"] == 4
+        assert pre["rows"] == 2 * scheduler.row_bucket(3, 12, rc) and pre["group_size"] == 4
     assert grid == {(4, 3), (4, 23), (16, 3), (16, 23), (24, 3), (24, 23)}
+    # min_slots floors the running slots, not the prefill rows (an empty row prefills its width).
+    assert scheduler.slot_bucket(1, 12, rc) == 2 and scheduler.row_bucket(1, 12, rc) == 1
     assert warmup.distinct_programs(progs, progs) == progs

@@ -210,7 +210,7 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
 
     # The scheduler's largest prefills: every slot's group at once (rows per pool on the slot
     # ladder), and one resumed sample per pool of prompt + all but one new token.
-    groups_per_pool = scheduler.slot_bucket(max(1, layout.slots_per_pool // n),
+    groups_per_pool = scheduler.row_bucket(max(1, layout.slots_per_pool // n),
                                             layout.slots_per_pool, rc)
     longest = shape.prompt_len + rc.max_new_tokens - 1
     widest = scheduler.prefill_width(rc, longest, longest)

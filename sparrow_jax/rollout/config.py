@@ -66,9 +66,10 @@ class RolloutConfig:
     slot_ladder: int = 2
     page_ladder: int = 2
     min_table_pages: int = 4
-    # The fewest running slots (and prefill rows) per pool a program has: the last few samples
-    # decode in min_slots rows (empty rows cost little where a step is bound by the weights'
-    # reads, an accelerator's small batches), for one slot bucket fewer per factor of the ladder.
+    # The fewest running slots per pool a decode program has (prefill rows are not floored):
+    # the last few samples decode in min_slots rows (empty rows cost little where a step is
+    # bound by the weights' reads, an accelerator's small batches), one decode slot bucket
+    # fewer per factor of the ladder.
     min_slots: int = 1
     # Paged engine, mode "dense": decode in the sparse mode's programs with every budget bin at
     # the dense rung (every row attends to all its keys: dense attention, up to the float

@@ -32,9 +32,16 @@ def ladder_bucket(n: int, cap: int, factor: int, floor: int = 1) -> int:
 
 
 def slot_bucket(n: int, cap: int, cfg: RolloutConfig) -> int:
-    """Running slots (or prefill rows) per pool for n samples: powers of `cfg.slot_ladder` from
-    `cfg.min_slots`, at most cap."""
+    """Running slots per pool for n samples: powers of `cfg.slot_ladder` from `cfg.min_slots`,
+    at most cap."""
     return ladder_bucket(n, cap, cfg.slot_ladder, cfg.min_slots)
+
+
+def row_bucket(n: int, cap: int, cfg: RolloutConfig) -> int:
+    """Prefill rows per pool for n prompts (or resumed samples): powers of `cfg.slot_ladder`
+    from 1 - not `min_slots`: an empty prefill row computes its whole width (a resume's is a
+    whole sample long)."""
+    return ladder_bucket(n, cap, cfg.slot_ladder)
 
 
 def page_bucket(n: int, cap: int, cfg: RolloutConfig | None = None) -> int:

@@ -45,7 +45,7 @@ from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, po
 from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Records, Sample,
                                                 decode_budgets, page_bucket, prefill_config,
                                                 prefill_width, program_config, recorded_budgets,
-                                                slot_bucket)
+                                                row_bucket, slot_bucket)
 from sparrow_jax.rollout.state import Trajectories, check_budgets, prepare_prompts
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.shapes import COMPILES
@@ -209,7 +209,7 @@ class _Rollout:
         cfg, bs = self.cfg, self.bs
         n = self.n if units[0][0] == "group" else 1       # samples per prefill row
         width = prefill_width(cfg, max(u[3] for u in units), self.width + self.t - 1)
-        per_pool = slot_bucket(max(sum(u[2] == p for u in units) for p in range(self.pools)),
+        per_pool = row_bucket(max(sum(u[2] == p for u in units) for p in range(self.pools)),
                                self.slots_per_pool, cfg)
         rows = per_pool * self.pools
         tokens = np.full((rows, width), cfg.pad_token_id, np.int32)

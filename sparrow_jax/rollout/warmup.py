@@ -26,7 +26,7 @@ from sparrow_jax.rollout import paged, paged_exact
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PoolLayout, pool_layout
 from sparrow_jax.rollout.schedule_state import (page_bucket, prefill_config, program_config,
-                                                slot_bucket)
+                                                row_bucket, slot_bucket)
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec
 
@@ -78,7 +78,7 @@ def programs(cfg: RolloutConfig, layout: PoolLayout, *, rows: int, prompt_width:
     groups = -(-rows // group_size)
     groups_per_pool = min(-(-groups // pools), per_pool // group_size)
     live = min(per_pool, groups_per_pool * group_size)
-    pre_rows = slot_bucket(groups_per_pool, per_pool, cfg) * pools
+    pre_rows = row_bucket(groups_per_pool, per_pool, cfg) * pools
     pre_cfg, dec_cfg = prefill_config(cfg), program_config(cfg)
     shapes = (("dtype", dt), ("group_size", group_size), ("pages", layout.pages_per_pool),
               ("replay", False), ("rows", pre_rows), ("width", prompt_width))

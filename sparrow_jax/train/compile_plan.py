@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import pages_for
-from sparrow_jax.rollout.schedule_state import page_bucket, prefill_width, slot_bucket
+from sparrow_jax.rollout.schedule_state import (page_bucket, prefill_width, row_bucket,
+                                                slot_bucket)
 from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ def _paged(rc: RolloutConfig, widths: Sequence[int], rows: int, group_size: int,
         groups = min(groups, -(-prompts // max(data, 1)))
         live = min(slots, groups * group_size)
     slot_buckets = len(distinct(lambda n: slot_bucket(n, slots, rc), 1, live))
-    group_rows = len(distinct(lambda n: slot_bucket(n, slots, rc), 1, groups))
+    group_rows = len(distinct(lambda n: row_bucket(n, slots, rc), 1, groups))
 
     def page_buckets(width: int) -> set[int]:
         cap = pages_for(width + rc.max_new_tokens - 1, rc.block_size)
