@@ -329,6 +329,15 @@ _REGISTRY = {
     _ROLLOUT_BENCH + "--workload exact --context 8192 16384 32768 --budget 1024 --gamma 4 "
     "--dense_layers none 0,1 --batch 4 --new_tokens 64 --repeats 3":
         (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
+    # docs/benchmarks.md: exact sparse acceptance vs alpha on the demo model (issue 42)
+    "python -m sparrow_jax.bench.acceptance --num_prompts 16 --samples 4 --budgets 48 128 "
+    "--dense_layers none --plot docs/images/exact_acceptance.png":
+        (ByTest("tests/test_exact_sparse.py::test_acceptance_bench_on_demo_model"),),
+    # docs/experiment.md: an exact-sparse arm beside dense, paired seeds (issue 42)
+    "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_paired.gin "
+    "configs/experiment_exact.gin":
+        (ByTest("tests/test_experiment.py::test_exact_experiment_config_parses_every_arm"),
+         ByTest("tests/test_experiment.py::test_exact_sparse_arm_beside_dense")),
     # docs/benchmarks.md, README.md: static vs paged engine on the long-tailed workload
     _ROLLOUT_BENCH + "--workload longtail --chunk_steps 16 32 64 --repeats 2":
         (Twin("bench_rollout_longtail"),),

@@ -263,3 +263,29 @@ def test_bench_exact_workload(capsys):
     assert sparse["kv_bytes_per_token"] < dense["kv_bytes_per_token"]
     assert 1 <= ex["tokens_per_pass"] <= 3 and 0 < ex["mean_alpha"] <= 1 + 1e-5
     assert ex["rounds"] >= 11 / 3 and ex["verify_ms"] > 0 and ex["draft_ms"] > 0
+
+
+@pytest.mark.slow
+def test_acceptance_bench_on_demo_model(tmp_path, capsys):
+    """`python -m sparrow_jax.bench.acceptance` (docs/benchmarks.md's acceptance vs alpha on the
+    demo checkpoint) at CPU-twin size: per bin, measured tokens per pass beside the prediction,
+    every row's rounds accounted for, a table and a plot."""
+    import json
+    from pathlib import Path
+
+    from sparrow_jax.bench import acceptance
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "acc.json"
+    acceptance.main(["--model", str(repo / "checkpoints/demo_sft"), "--prompts",
+                     str(repo / "data/demo/eval.jsonl"), "--num_prompts", "2", "--samples", "2",
+                     "--budgets", "48", "--max_new_tokens", "64", "--bin_size", "32",
+                     "--dense_layers", "none", "--json", str(out),
+                     "--plot", str(tmp_path / "acc.png")])
+    text = capsys.readouterr().out
+    assert "| all |" in text and "bins within 10%" in text
+    res, = json.loads(out.read_text())
+    assert res["rows"] == 4 and res["rounds"] == sum(b["rounds"] for b in res["bins"]) > 8
+    for b in res["bins"]:
+        assert 1.0 <= b["tokens_per_pass"] <= 5.0 and 1.0 <= b["predicted"] <= 5.0
+        assert b["rel_diff"] == pytest.approx(b["tokens_per_pass"] / b["predicted"] - 1)
+    assert (tmp_path / "acc.png").stat().st_size > 5_000

@@ -81,6 +81,66 @@ def test_two_arms_write_comparison_and_resume(base, capsys):
         _run([str(cfg), "--arms", "nope"])
 
 
+def test_exact_sparse_arm_beside_dense(base):
+    """An exact-sparse arm (`TrainConfig.rollout_mode = 'exact_sparse'`, issue 42) beside the
+    dense one, same base and seed: its samples are the dense policy's, so the learner sees no
+    mismatch (TIS weights 1, nothing rejected or vetoed, recorded = learner logprobs to 1e-5),
+    greedy held-out decoding equals dense greedy, and the acceptance per bin is logged beside
+    its alpha prediction. Reuses the dense arm of the test above when it ran first."""
+    root, cfg = base
+    arms = ("{'dense': [\"TrainConfig.rollout_mode = 'dense'\"], 'exact': "
+            "[\"TrainConfig.rollout_mode = 'exact_sparse'\", \"RolloutConfig.gamma = 3\"]}")
+    assert _run([str(cfg), "--gin_param", f"ExperimentConfig.arms = {arms}",
+                 "--gin_param", "ExperimentConfig.report = 'comparison_exact'"]) == 0
+    out = root / "out"
+    assert "| exact |" in (out / "comparison_exact.md").read_text()
+    rows = read_jsonl(out / "exact")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["loss/tis_weight_mean"] == pytest.approx(1.0, abs=1e-5), r
+        assert r["loss/tis_capped_frac"] == 0 and r["loss/token_rejected_frac"] == 0
+        assert r["loss/seq_vetoed_frac"] == 0
+        assert r["exact/logp_max_abs_diff"] < 1e-5
+        assert "alpha/tail_min" not in r            # no controller, no replayed mismatch
+        bins = sorted(k.split("/")[1] for k in r if k.startswith("exact_tokens_per_pass/"))
+        assert bins, r
+        for b in bins:
+            assert 1.0 <= r[f"exact_tokens_per_pass/{b}"] <= 4.0
+            assert 1.0 <= r[f"exact_predicted/{b}"] <= 4.0
+        assert 0 < r["exact/accepted_frac"] < 1 and 0 < r["exact/alpha_mean"] <= 1.0 + 1e-6
+        assert 0 < r["exact/kv_read_model"] and r["kv/read_model"] == 1.0    # samples: dense
+    # Greedy held-out decoding: exact sparse gives dense greedy's tokens, hence its rewards.
+    evals = [r for r in rows if "eval_exact_sparse/reward" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    for r in evals:
+        assert r["eval_exact_sparse/reward"] == r["eval_dense/reward"]
+        assert r["eval_exact_sparse/response_length"] == r["eval_dense/response_length"]
+    dense0 = next(r for r in read_jsonl(out / "dense") if r["step"] == 0)
+    assert evals[0]["eval_dense/reward"] == dense0["eval_dense/reward"]     # same start
+
+
+def test_exact_experiment_config_parses_every_arm():
+    """configs/experiment_exact.gin on top of the paired experiment: dense@seed (the paired
+    experiment's own arms, reused) and exact@seed with the same seed, fixed draft budgets."""
+    from sparrow_jax.experiment import runner as experiment
+    from sparrow_jax.train.config import TrainConfig
+    repo = Path(__file__).resolve().parents[1]
+    files = [str(repo / f"configs/{n}.gin")
+             for n in ("demo_cpu", "experiment_paired", "experiment_exact")]
+    cli.parse_gin(files, [])
+    cfg = experiment.ExperimentConfig()
+    assert cfg.output_dir == "runs/experiment_paired" and cfg.report == "comparison_exact"
+    assert list(cfg.arms) == ["dense@0", "exact@0", "dense@1", "exact@1"]
+    for name in cfg.arms:
+        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
+        tc = TrainConfig()
+        assert (tc.rollout_mode, tc.seed) == (
+            "exact_sparse" if name.startswith("exact") else "dense", int(name[-1]))
+        assert tc.eval_at_start == (name == "dense@0")
+    gin.clear_config()
+
+
 def test_budget_mean_and_final_values():
     row = {"step": 3, "alpha_count/bin_00": 30.0, "alpha_count/bin_01": 10.0,
            "budget/bin_00": 64.0, "budget/bin_01": 128.0, "budget/bin_02": 512.0,

@@ -13,9 +13,11 @@ new_tokens tokens; the exact loop runs until the slowest row is done (its idle r
 
 Reported per run: decode tokens/s (batch x (new_tokens - 1) / median seconds) and the ratio to
 dense; for exact runs the measured tokens per verify pass, mean alpha, verify rounds (loop
-iterations) and a cost breakdown per round: draft = gamma x the sparse run's ms per step (same
-budget and dense layers), verify = a separately timed verify pass (gamma + 1 tokens, dense),
-rest = measured ms per round - draft - verify (acceptance, rollback, records). KV bytes read
+iterations) and a cost breakdown per round, measured: one more run of the exact program under
+the JAX profiler (bench/xplane.py) gives each phase's share of its op time - draft (the gamma
+sparse steps), verify (the dense pass), accept (the acceptance rule, records, rollback), other
+(the loop's own ops) - scaled to the measured ms per round. `verify_alone_ms` is a verify pass
+timed alone (gamma + 1 tokens, dense, in place), for comparison. KV bytes read
 per generated token (per row, at the full context, K+V of every layer plus the sparse layers'
 centroid scoring) follow from the shapes: dense reads the whole context every layer; sparse
 reads the budget in sparse layers; exact reads gamma sparse steps + one dense pass per round,
@@ -35,6 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from sparrow_jax.bench import xplane
+
+PHASES = ("exact_draft", "exact_verify", "exact_accept")     # rollout/exact.py's named scopes
 
 
 def kv_bytes_per_token(mcfg, context: int, *, budget: int | None, dense_layers, block_size: int,
@@ -114,6 +120,10 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
         for name in progs:
             wall.setdefault(name, []).append(_time(run(name)))
     verify_ms = {g: _verify_ms(model, state, g, args.repeats) for g in gammas}
+    shares = {}
+    for name, (cfg, _) in progs.items():
+        if cfg.mode == "exact_sparse":        # untimed: the profiler slows the run down
+            shares[name] = xplane.profile(run(name), compiled[name].as_text(), PHASES)
 
     steps = args.batch * (args.new_tokens - 1)
     med = {k: statistics.median(v) for k, v in wall.items()}
@@ -144,11 +154,12 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
             sparse_ms = 1e3 * med[f"sparse:{','.join(map(str, layers)) or 'none'}"] / (
                 args.new_tokens - 1)
             round_ms = 1e3 * med[name] / rounds
-            draft = cfg.gamma * sparse_ms
+            phase = {f"{k.removeprefix('exact_')}_ms": round_ms * v
+                     for k, v in shares[name].items()}
             row.update(gamma=cfg.gamma, tokens_per_pass=per_pass, mean_alpha=stats["mean_alpha"],
                        predicted_tokens_per_pass=stats["predicted"], rounds=rounds,
-                       ms_per_round=round_ms, draft_ms=draft, verify_ms=verify_ms[cfg.gamma],
-                       rest_ms=round_ms - draft - verify_ms[cfg.gamma],
+                       ms_per_round=round_ms, **phase, verify_alone_ms=verify_ms[cfg.gamma],
+                       sparse_step_ms=sparse_ms,
                        kv_bytes_per_token=(cfg.gamma * sparse_kv + dense_kv) / per_pass)
         results.append(row)
     return results
@@ -186,7 +197,7 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
           f"backend {backend}, device {device}, repeats {args.repeats}", flush=True)
     print(f"{'context':>8} {'mode':>13} {'dense lyr':>9} {'g':>2} {'tok/s':>8} {'ratio':>6} "
           f"{'tok/pass':>8} {'pred':>5} {'alpha':>6} {'KV MB/tok':>9} {'round ms':>9} "
-          f"{'draft':>7} {'verify':>7} {'rest':>7}", flush=True)
+          f"{'draft':>7} {'verify':>7} {'accept':>7} {'other':>7}", flush=True)
     for context in args.context:
         for r in bench_context(model, context, args, base_cfg):
             def f(key, spec, width):
@@ -197,7 +208,8 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
                   f"{f('tok_s', '.1f', 8)} {r['ratio']:>5.2f}x {f('tokens_per_pass', '.2f', 8)} "
                   f"{f('predicted_tokens_per_pass', '.2f', 5)} {f('mean_alpha', '.3f', 6)} "
                   f"{r['kv_bytes_per_token'] / 2**20:>9.2f} {f('ms_per_round', '.1f', 9)} "
-                  f"{f('draft_ms', '.1f', 7)} {f('verify_ms', '.1f', 7)} {f('rest_ms', '.1f', 7)}",
+                  f"{f('draft_ms', '.1f', 7)} {f('verify_ms', '.1f', 7)} "
+                  f"{f('accept_ms', '.1f', 7)} {f('other_ms', '.1f', 7)}",
                   flush=True)
             if args.json:
                 print(json.dumps({"bench": "rollout_exact", "device": device, "backend": backend,

@@ -80,7 +80,7 @@ def step_shape(model: Qwen3Config, target: Target) -> StepShape:
         rc = dataclasses.replace(rc, max_budget=min(rc.max_budget,
                                                     -(-top // rc.block_size) * rc.block_size))
     lc = learner.LearnerConfig()
-    if rc.mode == "dense" and lc.alpha_mode == "full":
+    if rc.mode in ("dense", "exact_sparse") and lc.alpha_mode == "full":
         lc = dataclasses.replace(lc, alpha_mode="none")
     rc = rc.for_alpha_mode(lc.alpha_mode)     # the vocabulary top-k only where the learner reads it
     hosts = target.num_hosts           # prompts_per_step is per process, one process per host

@@ -70,8 +70,9 @@ def _trim(traj: Trajectories, *, length: int) -> Trajectories:
     def cut(x):
         return x[:, :length] if x.ndim >= 2 else x
     per_token = {"tokens", "logprobs", "topk_logprobs", "topk_ids", "budgets", "cached_lengths",
-                 "mask"}
-    return Trajectories(**{k: cut(v) if k in per_token else v for k, v in vars(traj).items()})
+                 "mask", "accepted", "alpha"}     # the last two: exact_sparse mode only
+    return Trajectories(**{k: cut(v) if k in per_token and v is not None else v
+                           for k, v in vars(traj).items()})
 
 
 def trim_to_bucket(traj: Trajectories, buckets: Sequence[int], *, multiple: int = 16

@@ -155,8 +155,17 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     def body(carry):
         st, acc_buf, alpha_buf = carry
         start, r, active = st.cache.lengths, st.response_lengths, ~st.done
-        (ks, vs, cs), drafts, q_logp = draft(st)
-        ks, vs, p_logits = verify(st, ks, vs, drafts)
+        # Named scopes: a profile attributes each op to its phase (bench/exact.py's breakdown).
+        with jax.named_scope("exact_draft"):
+            (ks, vs, cs), drafts, q_logp = draft(st)
+        with jax.named_scope("exact_verify"):
+            ks, vs, p_logits = verify(st, ks, vs, drafts)
+        with jax.named_scope("exact_accept"):
+            return finish(st, acc_buf, alpha_buf, ks, vs, cs, drafts, q_logp, p_logits)
+
+    def finish(st, acc_buf, alpha_buf, ks, vs, cs, drafts, q_logp, p_logits):
+        """The acceptance rule, the records and the rollback (lengths, centroids)."""
+        start, r, active = st.cache.lengths, st.response_lengths, ~st.done
         rd = accept_round(p_logits, q_logp, drafts, rng=st.rng, sample_ids=st.sample_ids,
                           generated=r, active=active, cfg=cfg)
         # Drafted token j (1-based) lands at response index r - 1 + j.
@@ -219,15 +228,25 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     return traj
 
 
-def acceptance_by_bin(traj: Trajectories, *, gamma: int, bin_size: int) -> list[dict]:
+def acceptance_by_bin(traj: Trajectories, *, gamma: int, bin_size: int,
+                      drop_last_round: bool = False) -> list[dict]:
+    """`acceptance_by_bin_arrays` of a trajectory batch (one process's rows)."""
+    return acceptance_by_bin_arrays(np.asarray(traj.accepted), np.asarray(traj.alpha),
+                                    np.asarray(traj.mask), np.asarray(traj.cached_lengths),
+                                    gamma=gamma, bin_size=bin_size,
+                                    drop_last_round=drop_last_round)
+
+
+def acceptance_by_bin_arrays(acc: np.ndarray, alpha: np.ndarray, mask: np.ndarray,
+                             cached: np.ndarray, *, gamma: int, bin_size: int,
+                             drop_last_round: bool = False) -> list[dict]:
     """Per length bin (of the cache length when a verify round started): measured tokens per
-    verify pass beside the prediction (1 - a^(g+1)) / (1 - a) from the bin's mean alpha.
+    verify pass (and its standard error over rounds) beside the prediction
+    (1 - a^(g+1)) / (1 - a) from the bin's mean alpha.
+    acc/alpha/mask/cached [B, T] as Trajectories.accepted/alpha/mask/cached_lengths.
     A round ends at each token the verify pass sampled (accepted False); rounds cut short by a
-    stop or max_new_tokens count with the tokens they gave."""
-    acc = np.asarray(traj.accepted)
-    alpha = np.asarray(traj.alpha)
-    mask = np.asarray(traj.mask)
-    cached = np.asarray(traj.cached_lengths)
+    stop or max_new_tokens count with the tokens they gave, unless `drop_last_round` leaves
+    each row's last round out (the only one a stop or the length cap can cut short)."""
     per_bin: dict[int, list] = {}
     for r in range(acc.shape[0]):
         n = int(mask[r].sum())
@@ -236,17 +255,20 @@ def acceptance_by_bin(traj: Trajectories, *, gamma: int, bin_size: int) -> list[
             e = t
             while e < n - 1 and acc[r, e]:
                 e += 1
+            if drop_last_round and e == n - 1:
+                break
             # The round started with cache length cached[r, t] - 1 (x_0 was fed).
-            rec = per_bin.setdefault(int((cached[r, t] - 1) // bin_size), [0, 0, []])
-            rec[0] += 1
-            rec[1] += e - t + 1
-            rec[2].extend(a for a in alpha[r, t:e + 1] if np.isfinite(a))
+            rec = per_bin.setdefault(int((cached[r, t] - 1) // bin_size), [[], []])
+            rec[0].append(e - t + 1)
+            rec[1].extend(a for a in alpha[r, t:e + 1] if np.isfinite(a))
             t = e + 1
     out = []
     for k in sorted(per_bin):
-        rounds, toks, alphas = per_bin[k]
+        sizes, alphas = np.asarray(per_bin[k][0], np.float64), per_bin[k][1]
         a = float(np.mean(alphas)) if alphas else float("nan")
-        out.append({"bin": k, "rounds": rounds, "tokens_per_pass": toks / rounds,
-                    "mean_alpha": a,
+        # Standard error of the mean over rounds (rounds of one row are not quite independent).
+        se = float(sizes.std(ddof=1) / np.sqrt(len(sizes))) if len(sizes) > 1 else float("nan")
+        out.append({"bin": k, "rounds": len(sizes), "tokens_per_pass": float(sizes.mean()),
+                    "tokens_per_pass_se": se, "mean_alpha": a,
                     "predicted": float(speculative.expected_tokens_per_pass(a, gamma))})
     return out

@@ -393,7 +393,8 @@ def from_gin(mcfg, *, data_shards: int, processes: int = 1, model_shards: int = 
 
     cfg, lc = TrainConfig(), LearnerConfig()
     rc = dataclasses.replace(RolloutConfig(), mode=cfg.rollout_mode)
-    alpha = "none" if rc.mode == "dense" and lc.alpha_mode == "full" else lc.alpha_mode
+    alpha = ("none" if rc.mode in ("dense", "exact_sparse") and lc.alpha_mode == "full"
+             else lc.alpha_mode)
     rc = rc.for_alpha_mode(alpha)
     per_call = cfg.rollout_batch_prompts or cfg.prompts_per_step
     step_rows = cfg.prompts_per_step * cfg.group_size * processes
@@ -405,7 +406,7 @@ def from_gin(mcfg, *, data_shards: int, processes: int = 1, model_shards: int = 
     dtype = jnp.dtype("bfloat16" if cfg.dtype == "auto" else cfg.dtype)   # "auto": accelerator
     per_device = page_bytes(mcfg, dtype, rc.block_size) // split
     pool = rc.pool_bytes // per_device if rc.pool_bytes else None
-    eval_modes = ("dense", "compress" if rc.mode == "compress" else "sparse")
+    eval_modes = ("dense", rc.mode if rc.mode in ("compress", "exact_sparse") else "sparse")
     eval_rows = -(-cfg.eval_prompts // unit) * unit
     eval_width = rc.prompt_width(eval_prompt_len) if evaluated else None
     warm = warm_list(rc, mcfg, dtype, rows=per_call * processes * cfg.group_size,

@@ -32,6 +32,8 @@ class TrainConfig:
     total_steps: int = 100
     rollout_mode: str = "sparse"      # "sparse" (block top-k) | "dense" | "compress" (KV
                                       # eviction, RolloutConfig.kv_budget / compress_scorer)
+                                      # | "exact_sparse" (sparse drafts verified densely: the
+                                      # dense policy's samples, docs/rollout.md)
     adapt_schedule: bool = True       # online schedule controller on the measured tail
     tail_quantile: float = 0.05       # the per-bin tail statistic the controller targets
     eval_every: int = 10

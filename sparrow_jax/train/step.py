@@ -16,7 +16,7 @@ from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
 from sparrow_jax.runtime import faults, multihost
 from sparrow_jax.runtime.metrics import StepTimer
 from sparrow_jax.sparsity import mismatch
-from sparrow_jax.train import schedule_step
+from sparrow_jax.train import exact_step, schedule_step
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,13 @@ def rl_step(self, timer: StepTimer) -> dict[str, float]:
     if cfg.rollout_mode == "sparse":    # the sparse layers' share, under its older name
         m["schedule/kv_fraction"] = m["kv/read_sparse_layers"]
     m.update(schedule_step.budget_metrics(self.controller.schedule))
+    if self.rollout_cfg.mode == "exact_sparse":
+        # The samples are the dense policy's: no mismatch, TIS weights 1 (checked here), and
+        # the draft's acceptance per bin beside its alpha prediction.
+        m.update(exact_step.acceptance_metrics(
+            traj, budgets, gamma=self.rollout_cfg.gamma, bin_size=sched.bin_size,
+            num_layers=layers, num_sparse_layers=self.rollout_cfg.num_sparse_layers(layers)))
+        m.update(exact_step.logprob_agreement(traj, analysis["logp_old"]))
     return m
 
 

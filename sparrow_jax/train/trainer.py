@@ -44,7 +44,7 @@ from sparrow_jax.runtime.shapes import default_buckets
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 from sparrow_jax.sparsity.controller import ControllerConfig, ScheduleController
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, make_schedule
-from sparrow_jax.train import compile_plan, resume_config, schedule_step, step
+from sparrow_jax.train import compile_plan, exact_step, resume_config, schedule_step, step
 from sparrow_jax.train.config import TrainConfig, gin_value
 
 __all__ = ["Trainer"]
@@ -136,13 +136,17 @@ class Trainer:
                 log.info("selection width: max_budget %d -> %d (largest reachable budget)",
                          rc.max_budget, top)
                 self.rollout_cfg = rc = dataclasses.replace(rc, max_budget=top)
+        elif rc.mode == "exact_sparse":
+            self.rollout_cfg = rc = exact_step.draft_config(rc, schedule.budgets,
+                                                            adapt_schedule=cfg.adapt_schedule)
         self.controller = ScheduleController(schedule, ctrl_cfg)
         self.replay = SparseReplay(bin_size=schedule.bin_size,
                                    max_selected=rc.max_budget // rc.block_size,
                                    block_size=rc.block_size, dense_layers=tuple(rc.dense_layers),
                                    mode="compress" if rc.mode == "compress" else "sparse")
         # Held-out evaluation: the dense policy, and the actor as training samples it.
-        self.eval_modes = ("dense", "compress" if rc.mode == "compress" else "sparse")
+        self.eval_modes = ("dense", rc.mode if rc.mode in ("compress", "exact_sparse")
+                           else "sparse")
         # Teacher-forced reference evaluation (exact p(T=1 sample = reference), greedy
         # reproduction; sparrow_jax.evaluation.reference), when ReferenceEvalConfig.data is set.
         self.reference = None
@@ -154,7 +158,8 @@ class Trainer:
                 rows_path=str(self.run_dir / "eval_reference.jsonl")
                 if "://" not in str(cfg.run_dir) else None)
         learner_cfg = LearnerConfig()
-        if rc.mode == "dense" and learner_cfg.alpha_mode == "full":
+        # Dense and exact-sparse samples are the dense policy's: no sparse replay to compare.
+        if rc.mode in ("dense", "exact_sparse") and learner_cfg.alpha_mode == "full":
             learner_cfg = dataclasses.replace(learner_cfg, alpha_mode="none")
         # The vocabulary top-k is recorded per token only when the learner's alpha reads it.
         self.rollout_cfg = rc = self.rollout_cfg.for_alpha_mode(learner_cfg.alpha_mode)

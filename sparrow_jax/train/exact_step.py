@@ -1,0 +1,101 @@
+"""`sparrow train` with `TrainConfig.rollout_mode = "exact_sparse"` (rollout/exact.py): the draft's
+selection width, and the step metrics that show the samples are the dense policy's.
+
+Exact sparse rollout samples from the dense policy (sparse drafts, dense verify), and records
+the dense logprobs. So the learner needs no mismatch correction: its TIS weights are 1 up to f32
+rounding, no token is rejected and no sequence vetoed; the step checks this (`exact/*`
+metrics beside the learner's `loss/tis_*`). The controller does not run (there is no mismatch
+tail to control): the drafts use the schedule's budgets as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from sparrow_jax.rollout import exact
+from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.state import Trajectories
+from sparrow_jax.runtime import multihost
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET
+from sparrow_jax.train import schedule_step
+
+log = logging.getLogger(__name__)
+
+
+def draft_config(rc: RolloutConfig, budgets, *, adapt_schedule: bool) -> RolloutConfig:
+    """The rollout config with the draft's selection width narrowed to the largest finite
+    schedule budget (a wider gather only reads padding). Raises when a budget exceeds
+    `max_budget`; logs what the drafts run."""
+    finite = [int(b) for b in budgets if b < DENSE_BUDGET]
+    if finite and max(finite) > rc.max_budget:
+        raise ValueError(f"schedule budgets reach {max(finite)} tokens but RolloutConfig."
+                         f"max_budget = {rc.max_budget} (the draft's selection width): raise "
+                         "max_budget")
+    if adapt_schedule:
+        log.info("exact_sparse rollout: the schedule controller does not run (the samples are "
+                 "the dense policy's: no mismatch tail to control); drafts use the schedule's "
+                 "budgets as they are")
+    if not finite:
+        log.warning("exact_sparse rollout: every schedule budget is the dense rung, so the "
+                    "drafts attend densely (every draft is accepted; no KV read is saved)")
+        return rc
+    top = -(-max(finite) // rc.block_size) * rc.block_size
+    top = max(top, 3 * rc.block_size)         # the selection's minimum (sink + 2 local blocks)
+    if top < rc.max_budget:
+        log.info("draft selection width: max_budget %d -> %d (largest schedule budget)",
+                 rc.max_budget, top)
+        rc = dataclasses.replace(rc, max_budget=top)
+    log.info("exact_sparse rollout: gamma %d drafts per dense verify pass, draft budgets %s",
+             rc.gamma, sorted(set(int(b) for b in budgets)))
+    return rc
+
+
+def _global(x) -> np.ndarray:
+    """Every process's rows of a [B, ...] trajectory array."""
+    return multihost.all_rows(multihost.local_rows(x))
+
+
+def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int, bin_size: int,
+                       num_layers: int, num_sparse_layers: int) -> dict[str, float]:
+    """Per length bin: the measured tokens per verify pass, the alpha prediction
+    (1 - a^(gamma+1)) / (1 - a) from the bin's mean alpha, the mean alpha and the rounds; and
+    overall: the share of tokens accepted from the draft, the mean alpha, and the whole model's
+    KV read relative to dense decoding, `exact/kv_read_model` = (gamma x the drafts' read at
+    the schedule's `budgets` [num_bins] + 1 dense verify) / tokens per pass (above 1 when
+    drafts are rejected more than they save: `kv/read_*` count the samples' dense reads)."""
+    acc, alpha, mask, cached = (_global(traj.accepted), _global(traj.alpha), _global(traj.mask),
+                                _global(traj.cached_lengths))
+    rows = exact.acceptance_by_bin_arrays(acc, alpha, mask, cached, gamma=gamma,
+                                          bin_size=bin_size)
+    m: dict[str, float] = {}
+    for r in rows:
+        b = f"bin_{r['bin']:02d}"
+        m[f"exact_tokens_per_pass/{b}"] = r["tokens_per_pass"]
+        m[f"exact_predicted/{b}"] = r["predicted"]
+        m[f"exact_alpha/{b}"] = r["mean_alpha"]
+        m[f"exact_rounds/{b}"] = float(r["rounds"])
+    rounds = sum(r["rounds"] for r in rows)
+    tokens = sum(r["rounds"] * r["tokens_per_pass"] for r in rows)
+    finite = np.isfinite(alpha) & mask
+    per_pass = tokens / max(rounds, 1)
+    budgets = np.asarray(budgets)
+    per_token = budgets[np.minimum(cached // bin_size, len(budgets) - 1)]
+    draft = schedule_step.kv_read(per_token, cached, mask, num_layers=num_layers,
+                                  num_sparse_layers=num_sparse_layers, bin_size=bin_size,
+                                  num_bins=len(budgets))["kv/read_model"]
+    m.update({"exact/tokens_per_pass": per_pass,
+              "exact/kv_read_model": (gamma * draft + 1.0) / per_pass,
+              "exact/accepted_frac": float(acc[mask].mean()) if mask.any() else float("nan"),
+              "exact/alpha_mean": float(alpha[finite].mean()) if finite.any() else float("nan")})
+    return m
+
+
+def logprob_agreement(traj: Trajectories, logp_old) -> dict[str, float]:
+    """max |recorded logprob - the learner's dense logprob| over generated tokens: the recorded
+    logprobs are the dense policy's, so this is f32 rounding (TIS weight exp(diff) = 1)."""
+    mask = _global(traj.mask)
+    diff = np.abs(_global(traj.logprobs) - _global(logp_old))
+    return {"exact/logp_max_abs_diff": float(diff[mask].max()) if mask.any() else 0.0}
