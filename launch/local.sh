@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Local launcher: creates/uses ./.venv, installs the project, then runs one job.
 #   launch/local.sh demo   [gin overrides...]  CPU RL demo (sparse-rollout GRPO on the synthetic task)
-#   launch/local.sh test   [pytest args...]    the whole test suite (what CI runs)
+#   launch/local.sh test   [pytest args...]    the test suite as CI runs it (not `slow`; every `guard`)
+#   launch/local.sh test --all [pytest args]   every test, the slow ones too
 #   launch/local.sh sparrow <subcommand> ...   any CLI command inside the venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,19 @@ case "$job" in
     # keep one core busy (tracing, compiling, Python), so two of them fill a 2-core machine.
     # SPARROW_TEST_WORKERS=0 runs in one process (e.g. with pdb).
     # --durations: every CI log names its 30 slowest tests (the suite has a time budget).
-    python -m pytest -n "${SPARROW_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"
+    # Default selection: every test except the `slow` ones, and every `guard` even when slow
+    # (CI's budget is ~25 minutes on 2 cores). `--all` runs everything; a `-m` of your own wins.
+    select=(-m "not slow or guard"); args=()
+    for a in "$@"; do
+      case "$a" in
+        --all) select=() ;;
+        -m|-m*) select=(); args+=("$a") ;;
+        *) args+=("$a") ;;
+      esac
+    done
+    [ ${#select[@]} -eq 0 ] || echo "[local.sh] running the tests not marked slow, and every guard (--all: the whole suite)"
+    python -m pytest -n "${SPARROW_TEST_WORKERS:-2}" --dist loadfile --durations=30 \
+      ${select[@]+"${select[@]}"} ${args[@]+"${args[@]}"}
     rc=$?
     # pytest exit 5 = no tests collected: that is a failure for us, never a silent pass.
     if [ $rc -eq 5 ]; then echo "[local.sh] pytest collected no tests: failing"; exit 1; fi

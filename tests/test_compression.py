@@ -206,6 +206,7 @@ def test_config_errors():
         RolloutConfig(mode="evict")
 
 
+@pytest.mark.slow       # ~30 s: `launch/local.sh test --all`
 def test_sharded_equals_unsharded(tmp_path):
     rows = run_on_cpu_devices([os.path.join(HERE, "compression_sharded_check.py"), str(tmp_path)])
     assert len(rows) == 2

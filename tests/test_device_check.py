@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.guard      # issue #43: the quick device check runs in CI
 def test_quick_device_check_writes_its_report(tmp_path):
     out = tmp_path / "devices"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": sys.executable}

@@ -91,6 +91,7 @@ def test_merged_weights_are_base_plus_b_a_scaled(ckpt_dir):
                            _kernel(merged, 2, "mlp", "down_proj"))
 
 
+@pytest.mark.slow       # ~35 s each; the adapter run end to end stays in CI
 def test_dense_side_never_sees_the_adapter(ckpt_dir):
     """With a non-zero adapter merged into the sparse actor, the learner's dense logprobs and the
     base gradient equal those without it; only the alpha replay runs the merged weights."""
@@ -166,6 +167,7 @@ def test_kl_only_update_lowers_the_kl(ckpt_dir):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow       # `launch/local.sh test --all`
 def test_micro_batched_adapter_step_is_exact_and_runs_per_mini_batch(ckpt_dir):
     learner, traj, batch = _kl_batch(ckpt_dir, LearnerConfig(learning_rate=1e-3))
     cfg = DistillConfig(rank=2, budget_blocks=3, kl_coef=0.1)

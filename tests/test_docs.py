@@ -705,6 +705,19 @@ def test_twin_local_test():
     assert r.returncode == 1 and "collected no tests" in r.stdout, r.stdout[-2000:]
 
 
+def test_default_test_selection_skips_slow_tests_but_never_a_guard():
+    """`launch/local.sh test` (= CI) runs every test not marked `slow` and every `guard`, slow or
+    not; `--all` runs the slow ones too."""
+    files = ["tests/test_shipped_configs.py", "tests/test_faults.py"]
+    r = _launch(["test", "--collect-only", "-q", "-p", "no:cacheprovider", *files])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "test_shipped_configs_fit[qwen3_8b_tpu.gin]" in r.stdout            # slow, a guard
+    assert "test_damaged_latest_checkpoint_falls_back" in r.stdout               # slow, a guard
+    assert "test_kill9_anywhere" not in r.stdout                                 # slow only
+    r = _launch(["test", "--all", "--collect-only", "-q", "-p", "no:cacheprovider", *files])
+    assert r.returncode == 0 and "test_kill9_anywhere" in r.stdout, r.stdout[-2000:]
+
+
 def test_twin_rollout(tmp_path, capsys):
     from sparrow_jax import cli
     prompts = (REPO / "data/demo/eval.jsonl").read_text().splitlines()[:2]
@@ -736,6 +749,7 @@ def test_twin_bench_rollout(capsys):
     assert len(records) == 2 and all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in records)
 
 
+@pytest.mark.slow       # ~30 s: `launch/local.sh test --all`
 def test_twin_bench_rollout_longtail(capsys):
     """The longtail workload at toy size: both engines, dense and sparse, the paged one with and
     without the host loop overlap (--before), the same samples, the paged pool exactly the

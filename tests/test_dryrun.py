@@ -3,8 +3,9 @@
 Every test runs the command in a subprocess with the compile environment (.compile-env, from
 `bash .ci/compile_env.sh`) on PYTHONPATH, from a directory outside the repo (a `libtpu` folder in
 the working directory would shadow the package), like tests/test_compile.py. A tiny model keeps
-the unit tests to seconds of compiling; `test_shipped_configs_fit` (slow) compiles the real
-configs for their targets and fails when one stops fitting.
+the unit tests to seconds of compiling; the shipped configs' guard (which compiles the real configs
+for their targets) is tests/test_shipped_configs.py, a file of its own so that CI's other worker
+takes these tests while one worker compiles the guard.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def _report(r: subprocess.CompletedProcess) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow       # ~40 s: `launch/local.sh test --all`
 def test_argument_bytes_are_the_sharded_shapes(tiny):
     """Compiled per-device argument bytes = the abstract shards the dryrun reports, and those are
     the parameter / optimizer / KV-cache sizes computed independently."""
@@ -184,6 +186,8 @@ def test_missing_toolchain_names_the_install(tiny):
     assert "needs libtpu" in r.stderr and "bash .ci/compile_env.sh" in r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.guard      # the 8B guard compiles its rollout at 4 and 5 layers on this basis
 def test_depth_extrapolation_equals_full_depth(tmp_path):
     """`--rollout_depth 3 --depth 4` on a 7-layer paged config: the rollout programs compiled at
     3 and 4 layers (the pool keeps the full model's pages), the learner's (gradients with the
@@ -237,61 +241,3 @@ def test_oversized_does_not_fit(tiny):
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "DOES NOT FIT" in r.stdout
     assert "FITS" not in r.stdout.replace("DOES NOT FIT", "")
-
-
-def _shipped_configs() -> list[tuple[str, list[str]]]:
-    """(config, dryrun arguments) from each real config's header line `# dryrun: --target ...`."""
-    out = []
-    for path in sorted((REPO / "configs").glob("*.gin")):
-        m = re.search(r"^# dryrun: (.+)$", path.read_text(), re.M)
-        if m:
-            out.append((path.name, m.group(1).split()))
-    return out
-
-
-@pytest.fixture(scope="module")
-def shipped_results(tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """Every shipped config's dryrun for its target (`--no_fit --no_cost`: the memory verdict's
-    compiles only), one after another. Not side by side: libtpu's and XLA's compiles are
-    multi-threaded, and three at once on CI's 2 cores took twice the CPU time of the three in a
-    row (measured 2026-11-25: 959 s wall and ~30 CPU-minutes side by side; 568 s wall and 15
-    CPU-minutes in a row), which the other pytest worker then lacked."""
-    if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
-        pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
-    if not (COMPILE_ENV / ".sparrow-compile-env").exists():
-        pytest.fail(f"compile environment missing at {COMPILE_ENV}: run `bash .ci/compile_env.sh`")
-    root = tmp_path_factory.mktemp("shipped")
-    results = {}
-    for config, argv in _shipped_configs():
-        try:
-            r = subprocess.run(
-                [sys.executable, "-m", "sparrow_jax.cli", "dryrun", str(REPO / "configs" / config),
-                 *argv, "--no_fit", "--no_cost"], cwd=root, env=_env(), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, timeout=1800)
-            results[config] = (r.returncode, r.stdout)
-        except subprocess.TimeoutExpired as e:     # its output arrives as bytes, text=True or not
-            results[config] = (-9, (e.stdout or b"").decode(errors="replace"))
-    return results
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("config", [c for c, _ in _shipped_configs()])
-def test_shipped_configs_fit(shipped_results, config):
-    """The guard: CI fails when a shipped real config stops fitting its target."""
-    code, out = shipped_results[config]
-    verdict = [line for line in out.splitlines() if "FIT" in line]
-    print(out[-8000:])
-    assert code == 0 and verdict and verdict[-1].startswith("FITS"), out[-6000:]
-    if config in ("qwen3_1p7b_gpu.gin", "qwen3_8b_tpu.gin"):
-        # The whole step's 512 rollouts in one paged rollout, its pool reported (on the pod:
-        # one scheduler on every host, the rollout programs extrapolated from 4 and 5 layers).
-        assert "512 rollouts/step in 1 call(s)" in out and "on the paged engine" in out, out
-        assert "paged KV pool per device:" in out and "rollout.paged_prefill[resume]" in out, out
-    if config == "qwen3_8b_tpu.gin":
-        assert "rollout compiled at 4 and 5 layers, extrapolated to 36" in out, out
-        assert "learner compiled at full depth (36 layers)" in out, out
-
-
-def test_every_real_config_names_its_target():
-    names = {c for c, _ in _shipped_configs()}
-    assert {"qwen3_1p7b_gpu.gin", "qwen3_8b_tpu.gin", "qwen3_0p6b_v5e.gin"} <= names

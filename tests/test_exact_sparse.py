@@ -186,6 +186,7 @@ KW = dict(backend="xla", max_budget=64, dense_layers=())
 
 
 @pytest.mark.slow
+@pytest.mark.guard      # the exactness of exact sparse rollout is checked in CI
 def test_greedy_exact_sparse_equals_dense_greedy(sharp):
     """Ragged prompts, a stop (token 18 ends row 2 at its 21st token: found from this
     fixture's dense greedy output) and long tails to max_new_tokens; sparse greedy differs
@@ -206,6 +207,7 @@ def test_greedy_exact_sparse_equals_dense_greedy(sharp):
 
 
 @pytest.mark.slow
+@pytest.mark.guard
 def test_sampled_tokens_are_dense_samples_and_logprobs_are_dense(sharp):
     """Randomised PIT: for tokens sampled from the dense conditionals, F(x-) + u p(x) is i.i.d.
     uniform; the conditionals come from a teacher-forced dense pass over the trajectories."""

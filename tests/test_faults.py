@@ -27,7 +27,11 @@ import pytest
 
 from hf_fixtures import gin_argv, make_tiny_qwen3, make_tiny_run, tiny_train_bindings
 
-slow = pytest.mark.slow   # the subprocess tests; the unit tests at the end are quick
+# The subprocess tests (the unit tests at the end are quick): slow, and guards too - the faults a
+# user meets run in CI (`launch/local.sh test`); only kill -9's many runs wait for `--all`.
+def slow(test):
+    return pytest.mark.guard(pytest.mark.slow(test))
+
 
 TESTS = Path(__file__).parent
 STEPS = 6
@@ -163,7 +167,7 @@ def _wait_for(trace: Path, offset: int, wanted: str, proc: subprocess.Popen,
     raise TimeoutError(f"no {wanted!r} in {trace} after {timeout}s")
 
 
-@slow
+@pytest.mark.slow       # ~60 s of runs: `launch/local.sh test --all`, not CI
 def test_kill9_anywhere_then_resume_equals_uninterrupted_run(root, reference):
     rng = random.Random(17)
     trace = root / "killed.trace"

@@ -136,6 +136,7 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@pytest.mark.slow       # ~60 s: `launch/local.sh test --all`
 def test_varying_lengths_compile_one_program_per_bucket(varied_run):
     root = varied_run
     prompt_buckets, length_buckets = (16, 32, 64), (16, 32, 48, 64)

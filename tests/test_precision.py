@@ -251,7 +251,8 @@ def test_logprob_chunks_keep_one_chunk_of_logits_alive():
 # The sparse fn (a two-layer dense scan and a one-layer sparse scan) is held exact in f32; bf16's rounding is checked on the
 # dense fn (one scan), whose compiles are a fraction of the sparse one's (CI time).
 @pytest.mark.parametrize("compute,sparse,remat", [(jnp.float32, False, "none"),
-                                                  (jnp.float32, True, "full"),
+                                                  pytest.param(jnp.float32, True, "full",
+                                                               marks=pytest.mark.slow),
                                                   (jnp.bfloat16, False, "full")])
 def test_scanned_layers_equal_unrolled_layers(ckpt, compute, sparse, remat):
     """Runs of alike layers are a `lax.scan` over stacked weights (`_scan_layers`); values and

@@ -63,6 +63,7 @@ def test_teacher_forced_equals_greedy_decoding(demo, budget):
     assert (~tie).sum() >= PROMPTS - 1
 
 
+@pytest.mark.slow       # ~100 s of T=1 sampling: `launch/local.sh test --all`
 def test_exact_probability_matches_sampling(demo):
     tok, model, ref, ids, lens = demo
     t = int(ref.tokens.shape[1])

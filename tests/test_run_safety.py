@@ -35,7 +35,10 @@ import pytest
 
 from hf_fixtures import gin_argv, make_tiny_run, tiny_train_bindings
 
-slow = pytest.mark.slow
+# `sparrow train` subprocesses: slow, and guards too - what a user does wrong is checked in CI.
+def slow(test):
+    return pytest.mark.guard(pytest.mark.slow(test))
+
 TESTS = Path(__file__).parent
 
 
