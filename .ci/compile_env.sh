@@ -18,6 +18,13 @@ PY=${PYTHON:-.venv/bin/python}
 DEST=${SPARROW_COMPILE_ENV:-.compile-env}     # another jax's own: .ci/second_jax.sh
 STAMP="$DEST/.sparrow-compile-env"
 
+# One install at a time (`launch/local.sh test` runs this in the background, and a test may start
+# `launch/local.sh test` again): a second caller waits, then finds the folder up to date.
+if command -v flock > /dev/null; then
+  exec 9> "$DEST.lock"
+  flock 9
+fi
+
 JAX_VERSION=$("$PY" -c 'import jax; print(jax.__version__)')
 # libtpu's pin comes from jax's own [tpu] extra (e.g. "libtpu==0.0.42.*" for jax 0.10.2).
 LIBTPU_SPEC=$("$PY" - <<'EOF'

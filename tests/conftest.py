@@ -59,10 +59,15 @@ import pytest  # noqa: E402
 # them alone sets the run's tail. Longest first, the quick files fill in beside them. The
 # in-process files come right after the dryruns (one compile subprocess at a time): the
 # multi-process files' own timeouts (a launch, a dead peer noticed) should not start beside them.
+#
+# The two files of `sparrow train` subprocesses go first: `launch/local.sh test` installs the
+# compile-only toolchains in the background meanwhile (minutes of downloads), which the guard
+# (tests/test_shipped_configs.py, CI's longest item) waits for; it starts as soon as one of them ends.
 LONGEST_FIRST = (
-    "test_shipped_configs.py", "test_dryrun.py", "test_train.py", "test_reference_eval.py", "test_multihost_paged.py",
-    "test_faults.py", "test_decode_hlo.py", "test_compile.py", "test_doctor.py",
-    "test_multihost.py", "test_run_safety.py", "test_experiment.py", "test_docs.py",
+    "test_faults.py", "test_run_safety.py", "test_shipped_configs.py", "test_dryrun.py",
+    "test_train.py", "test_reference_eval.py", "test_multihost_paged.py",
+    "test_decode_hlo.py", "test_compile.py", "test_doctor.py",
+    "test_multihost.py", "test_experiment.py", "test_docs.py",
     "test_kernels.py", "test_distill.py", "test_compression.py", "test_rollout_sharded.py",
 )
 

@@ -156,3 +156,34 @@ def run_on_cpu_devices(args: list[str], *, devices: int = 8, timeout: float = 90
     assert proc.returncode == 0, (f"{' '.join(args)} failed on {devices} CPU devices:\n"
                                   f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def require_compile_env(path: Path, timeout_s: float = 1800) -> None:
+    """Fails the test unless the compile-only toolchains (`.ci/compile_env.sh`) are at `path`.
+
+    `launch/local.sh test` installs them in the background while the tests that need none run
+    (minutes of downloads, otherwise idle CPU): it names a file the installer writes its exit
+    status to when done (SPARROW_COMPILE_ENV_DONE) and its log (SPARROW_COMPILE_ENV_LOG). A test
+    that needs them waits for that file, then fails with the log's tail if the install failed.
+    """
+    import os
+    import time
+
+    import pytest
+
+    done = os.environ.get("SPARROW_COMPILE_ENV_DONE")
+    if done:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(done):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the compile environment's install ran over {timeout_s:.0f} s "
+                            f"(log: {os.environ.get('SPARROW_COMPILE_ENV_LOG')})")
+            time.sleep(1.0)
+        status = Path(done).read_text().strip()
+        if status != "0":
+            log = Path(os.environ.get("SPARROW_COMPILE_ENV_LOG", "/nonexistent"))
+            tail = log.read_text()[-3000:] if log.is_file() else "(no log)"
+            pytest.fail(f"installing the compile environment failed (exit {status}):\n{tail}")
+    if not (path / ".sparrow-compile-env").exists():
+        pytest.fail(f"compile environment missing at {path}: run `bash .ci/compile_env.sh` "
+                    "(launch/local.sh test installs it)")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_fixtures import require_compile_env
+
 REPO = Path(__file__).resolve().parents[1]
 # SPARROW_COMPILE_ENV: another jax version's compile environment (.ci/second_jax.sh).
 COMPILE_ENV = Path(os.environ.get("SPARROW_COMPILE_ENV") or REPO / ".compile-env").absolute()
@@ -26,9 +28,7 @@ pytestmark = pytest.mark.compile
 def _run_check(target: str, **extra_env: str) -> subprocess.CompletedProcess:
     if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
         pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
-    if not (COMPILE_ENV / ".sparrow-compile-env").exists():
-        pytest.fail(f"compile environment missing at {COMPILE_ENV}: run `bash .ci/compile_env.sh`"
-                    " (launch/local.sh test does this before pytest)")
+    require_compile_env(COMPILE_ENV)
     env = dict(os.environ)
     env.update(
         PYTHONPATH=f"{COMPILE_ENV}{os.pathsep}{REPO}",

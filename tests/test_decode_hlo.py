@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_fixtures import require_compile_env
+
 REPO = Path(__file__).resolve().parents[1]
 # SPARROW_COMPILE_ENV: another jax version's compile environment (.ci/second_jax.sh).
 COMPILE_ENV = Path(os.environ.get("SPARROW_COMPILE_ENV") or REPO / ".compile-env").absolute()
@@ -30,8 +32,7 @@ pytestmark = pytest.mark.compile
 def _decode_ops(target: str, *extra: str) -> dict:
     if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
         pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
-    if not (COMPILE_ENV / ".sparrow-compile-env").exists():
-        pytest.fail(f"compile environment missing at {COMPILE_ENV}: run `bash .ci/compile_env.sh`")
+    require_compile_env(COMPILE_ENV)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(COMPILE_ENV), str(REPO)]))
     argv = [sys.executable, "-m", "sparrow_jax.dryrun.hlo", str(REPO / "configs/qwen3_1p7b_gpu.gin"),

@@ -224,11 +224,11 @@ _REGISTRY = {
     "sparrow dryrun configs/qwen3_8b_tpu.gin --target v5p-32 --preset qwen3-8b":
         (ByTest("tests/test_dryrun.py::test_argument_bytes_are_the_sharded_shapes"),
          ByTest("tests/test_dryrun.py::test_oversized_does_not_fit"),
-         ByTest("tests/test_dryrun.py::test_shipped_configs_fit"),
-         ByTest("tests/test_dryrun.py::test_every_real_config_names_its_target")),
+         ByTest("tests/test_shipped_configs.py::test_shipped_configs_fit"),
+         ByTest("tests/test_shipped_configs.py::test_every_real_config_names_its_target")),
     # README.md (Train a real model)
     "sparrow dryrun configs/qwen3_1p7b_gpu.gin --target h100x8 --preset qwen3-1.7b":
-        (ByTest("tests/test_dryrun.py::test_shipped_configs_fit"),),
+        (ByTest("tests/test_shipped_configs.py::test_shipped_configs_fit"),),
     # docs/distill.md
     "launch/local.sh demo --gin_param 'DistillConfig.rank = 8'": (_DISTILL_TRAIN,),
     _DISTILL_DEMO + "--gin_param 'TrainConfig.run_dir = \"/tmp/distill_demo/base\"'":

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_fixtures import require_compile_env
+
 from sparrow_jax.model.config import Qwen3Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,8 +68,7 @@ def run_dryrun(*argv: str, compile_env: bool = True, env: dict | None = None,
                timeout: int = 900) -> subprocess.CompletedProcess:
     if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
         pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
-    if not (COMPILE_ENV / ".sparrow-compile-env").exists():
-        pytest.fail(f"compile environment missing at {COMPILE_ENV}: run `bash .ci/compile_env.sh`")
+    require_compile_env(COMPILE_ENV)
     with tempfile.TemporaryDirectory(prefix="sparrow-dryrun-test-") as cwd:
         return subprocess.run([sys.executable, "-m", "sparrow_jax.cli", "dryrun", *argv],
                               cwd=cwd, env={**_env(compile_env), **(env or {})},

@@ -275,3 +275,37 @@ def test_constraints_pin_the_tested_versions():
     for script in ("gpu.sh", "tpu_setup.sh"):
         assert '-c "$SPARROW_CONSTRAINTS"' in (REPO / "launch" / script).read_text()
     assert "pip install -q -c launch/constraints.txt" in (REPO / "launch/local.sh").read_text()
+
+
+def test_compile_tests_wait_for_the_background_install(tmp_path, monkeypatch):
+    """`launch/local.sh test` installs the compile environment in the background: a compile test
+    waits for the installer's exit status, passes when it installed, and fails with the log's
+    tail (not a missing-folder message) when it failed."""
+    import threading
+
+    from _pytest.outcomes import Failed
+
+    from hf_fixtures import require_compile_env
+
+    env_dir, done, log = tmp_path / "ce", tmp_path / "exit_status", tmp_path / "install.log"
+    env_dir.mkdir()
+    monkeypatch.setenv("SPARROW_COMPILE_ENV_DONE", str(done))
+    monkeypatch.setenv("SPARROW_COMPILE_ENV_LOG", str(log))
+
+    def finish():                           # the installer ends while the test waits
+        (env_dir / ".sparrow-compile-env").write_text("stamp")
+        done.write_text("0\n")
+    timer = threading.Timer(1.0, finish)
+    timer.start()
+    require_compile_env(env_dir, timeout_s=60)
+    timer.join()
+    assert done.exists()
+
+    done.write_text("1\n")
+    log.write_text("ERROR: No matching distribution found for libtpu==0.0.42.*\n")
+    with pytest.raises(Failed, match=r"(?s)installing the compile environment failed \(exit 1\).*libtpu"):
+        require_compile_env(env_dir, timeout_s=60)
+
+    done.unlink()
+    with pytest.raises(Failed, match="ran over 1 s"):
+        require_compile_env(env_dir, timeout_s=1)

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from hf_fixtures import require_compile_env
 from test_dryrun import COMPILE_ENV, REPO, _env
 
 pytestmark = [pytest.mark.compile, pytest.mark.guard]
@@ -39,8 +40,7 @@ def shipped_results(tmp_path_factory) -> dict[str, tuple[int, str]]:
     CPU-minutes in a row), which the other pytest worker then lacked."""
     if os.environ.get("SPARROW_SKIP_COMPILE_CHECK") == "1":
         pytest.skip("SPARROW_SKIP_COMPILE_CHECK=1")
-    if not (COMPILE_ENV / ".sparrow-compile-env").exists():
-        pytest.fail(f"compile environment missing at {COMPILE_ENV}: run `bash .ci/compile_env.sh`")
+    require_compile_env(COMPILE_ENV)
     root = tmp_path_factory.mktemp("shipped")
     results = {}
     for config, argv in _shipped_configs():
