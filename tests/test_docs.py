@@ -226,6 +226,10 @@ _REGISTRY = {
          ByTest("tests/test_dryrun.py::test_oversized_does_not_fit"),
          ByTest("tests/test_shipped_configs.py::test_shipped_configs_fit"),
          ByTest("tests/test_shipped_configs.py::test_every_real_config_names_its_target")),
+    "sparrow dryrun configs/qwen3_1p7b_gpu.gin --target h100x8 --preset qwen3-1.7b --no_fit "
+    "--no_cost --gin_param 'TrainConfig.rollout_mode = \"exact_sparse\"'":
+        (ByTest("tests/test_dryrun.py::"
+                "test_exact_sparse_paged_programs_compile_and_report_memory"),),
     # README.md (Train a real model)
     "sparrow dryrun configs/qwen3_1p7b_gpu.gin --target h100x8 --preset qwen3-1.7b":
         (ByTest("tests/test_shipped_configs.py::test_shipped_configs_fit"),),

@@ -4,8 +4,8 @@
 - paged engine (scheduler.py over paged.py): page pools and continuous batching,
   `RolloutConfig.engine = "paged"`;
 - compress mode (compress.py): KV eviction on the static engine's prefill, `mode = "compress"`;
-- exact sparse mode (exact.py): sparse drafts verified densely on the static engine,
-  `mode = "exact_sparse"`.
+- exact sparse mode: sparse drafts verified densely, `mode = "exact_sparse"` (static engine:
+  exact.py; paged engine: paged_exact.py, dispatched by the scheduler; shared: verify.py).
 The engines share rollout/state.py and never import each other; only this module knows them all.
 """
 
