@@ -149,7 +149,7 @@ def test_eight_way_data_parallel_rows_per_device(tiny):
     assert "TPU v5 lite" in report["target_description"] or "V5E" in report["target_description"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow       # ~130 s loaded (~40 s alone): `launch/local.sh test --all`
 def test_exact_sparse_paged_programs_compile_and_report_memory(tiny):
     """`TrainConfig.rollout_mode = "exact_sparse"` on the paged engine: the dryrun compiles the
     exact decode chunk (draft + verify rounds, rollout/paged_exact.py) for H100s, reports its

@@ -50,6 +50,7 @@ def _tight(model, pages):
 
 
 @pytest.mark.slow
+@pytest.mark.guard      # the paged engine's exact sparse mode is checked in CI (~45 s loaded)
 def test_paged_exact_greedy_equals_dense_greedy_with_groups_and_preemption(sharp):
     """Ragged prompts (row 2's 32 tokens fill two prompt pages: shared by its group), a stop
     (token 36, found from this fixture's dense greedy output: ends prompt 0's samples at their
@@ -79,7 +80,7 @@ def test_paged_exact_greedy_equals_dense_greedy_with_groups_and_preemption(sharp
     assert np.asarray(ex.budgets).max() == 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow       # ~90 s loaded: `launch/local.sh test --all`
 def test_paged_exact_samples_equal_static_exact_and_logprobs_are_dense(sharp):
     """Sampled, groups of 3, a tight pool (preemption): every sample equals the static engine's
     exact-sparse sample of the same seed, and the recorded log-probs equal a teacher-forced
