@@ -172,6 +172,8 @@ _REGISTRY = {
     "launch/local.sh test tests/test_multihost_paged.py -s":
         (ByTest("tests/test_multihost_paged.py::test_two_process_paged_rollout_equals_one_process"),),
     "launch/local.sh test -m 'not slow'": (Twin("local_test"),),
+    "launch/local.sh test --all":
+        (ByTest("tests/test_docs.py::test_default_test_selection_skips_slow_tests_but_never_a_guard"),),
     "bash .ci/run": (CI(),),
     # README.md, docs/training.md: real hardware
     "launch/gpu.sh configs/qwen3_1p7b_gpu.gin "
