@@ -13,9 +13,10 @@ import pytest
 from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import load_hf
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler
+from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler, warmup
 from sparrow_jax.rollout.paged_exact import chunk_rounds
 from sparrow_jax.rollout.teacher_forced import replay_logprobs
+from sparrow_jax.runtime.compile_cache import count_compiles
 
 BUDGETS = np.full(8, 48, np.int32)           # 3 blocks: sink + 2 local
 # Chunks of 2 rounds of gamma 3 + 1; one page-table width and slot buckets of 1 or all (the
@@ -55,14 +56,22 @@ def test_paged_exact_greedy_equals_dense_greedy_with_groups_and_preemption(sharp
     """Ragged prompts (row 2's 32 tokens fill two prompt pages: shared by its group), a stop
     (token 36, found from this fixture's dense greedy output: ends prompt 0's samples at their
     8th token) and tails to max_new_tokens; a pool too small for every sample at once preempts
-    and recomputes."""
+    and recomputes. The warm-up's decode grid (`rollout.warmup`, compiled first) is the exact
+    chunk the rollout then runs: it compiles no decode program of its own."""
     toks, lens = _prompts([40, 70, 32, 23], seed=2)
     cfg = RolloutConfig(temperature=0.0, stop_token_ids=(36,), **KW)
     dense = generate(sharp, toks, lens, cfg=dataclasses.replace(cfg, mode="dense"),
                      budgets=BUDGETS, group_size=2)
-    ex = generate(sharp, toks, lens, budgets=BUDGETS, group_size=2,
-                  cfg=dataclasses.replace(cfg, mode="exact_sparse", engine="paged",
-                                          pool_bytes=_tight(sharp, 16)))
+    ecfg = dataclasses.replace(cfg, mode="exact_sparse", engine="paged",
+                               pool_bytes=_tight(sharp, 16))
+    width = ecfg.prompt_width(int(lens.max()))
+    layout = warmup.layout_for(sharp, ecfg, rows=8, prompt_width=width, group_size=2, spec=None)
+    grid = [p for p in warmup.programs(ecfg, layout, rows=8, prompt_width=width, group_size=2,
+                                       dtype=sharp.dtype) if p.function == "decode_chunk_program"]
+    warmup.warm(sharp, grid, spec=None, budgets=BUDGETS, bin_size=2000)
+    with count_compiles() as compiled:
+        ex = generate(sharp, toks, lens, budgets=BUDGETS, group_size=2, cfg=ecfg)
+    assert not [c for c in compiled if "decode_chunk" in c], compiled
     st = scheduler.LAST_STATS
     assert st.preemptions > 0 and st.shared_prompt_pages > 0 and st.peak_pages <= 16
     np.testing.assert_array_equal(np.asarray(ex.tokens), np.asarray(dense.tokens))
