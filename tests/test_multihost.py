@@ -59,6 +59,7 @@ def root(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.guard      # CI keeps one jax.distributed run (the quickest); the rest: --all
 def test_two_process_rollout_equals_single_process(root):
     from sparrow_jax.model import load_hf
     from sparrow_jax.rollout import RolloutConfig, generate
