@@ -4,13 +4,14 @@ key every random number by sample and token index), recorded log-probs equal a t
 dense pass to 1e-5 - with GRPO groups sharing prompt pages, stops, long tails and preemption."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_fixtures import make_tiny_qwen3
+from hf_fixtures import make_tiny_qwen3, run_on_cpu_devices
 from sparrow_jax.model import load_hf
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler, warmup
@@ -113,6 +114,22 @@ def test_paged_exact_samples_equal_static_exact_and_logprobs_are_dense(sharp):
     np.testing.assert_allclose(replay[m], np.asarray(paged.logprobs)[m], atol=1e-5)
     acc = np.asarray(paged.accepted)[m]
     assert 0.2 < acc.mean() < 0.8
+
+
+@pytest.mark.slow       # ~3 min loaded: `launch/local.sh test --all`
+def test_sharded_paged_exact_equals_unsharded_static_exact(tmp_path):
+    """On a data=2 x model=4 mesh of 8 CPU devices (a pool per data shard; KV heads over model
+    where they divide it, replicated where not), with preemption: the unsharded static
+    engine's exact-sparse samples (tests/paged_exact_sharded_check.py)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    rows = run_on_cpu_devices([os.path.join(here, "paged_exact_sharded_check.py"),
+                               str(tmp_path)])
+    assert [r["case"] for r in rows] == ["kv4_sharded_heads", "kv2_replicated_heads"], rows
+    for r in rows:
+        assert r["tokens_equal"] and r["mask_equal"] and r["accepted_equal"], r
+        assert r["max_logprob_diff"] <= 1e-5 and 0.2 < r["accept_rate"] < 0.95, r
+        assert r["pools"] == 2 and r["preemptions"] > 0, r
+        assert r["tokens_sharding"].startswith("P('data'"), r
 
 
 def test_paged_exact_settings():
