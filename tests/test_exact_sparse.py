@@ -139,15 +139,19 @@ def test_greedy_accept_rule():
     assert num.tolist() == [2, 1] and nxt.tolist() == [2, 0]
 
 
-def test_verify_attention_cascade_equals_causal_attention():
-    """The verify pass's cascade (dense decode kernel over the prefix + causal attention among
-    the new tokens, merged by log-sum-exp) == plain masked causal attention over the cache."""
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_verify_attention_cascade_equals_causal_attention(one_pass, monkeypatch):
+    """The verify pass's cascade (the prefix in one XLA pass, or through the dense decode
+    kernel, + causal attention among the new tokens, merged by log-sum-exp) == plain masked
+    causal attention over the cache; an empty prefix (row 0) too."""
+    if not one_pass:
+        monkeypatch.setattr(exact, "ONE_PASS_BYTES", 0)
     b, c, hq, hkv, d, s = 3, 5, 4, 2, 16, 64
     r = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(r[0], (b, c, hq, d))
     k = jax.random.normal(r[1], (b, hkv, s, d))
     v = jax.random.normal(r[2], (b, hkv, s, d))
-    starts = jnp.asarray([1, 30, 59])
+    starts = jnp.asarray([0, 30, 59])
     k_new = jnp.stack([k[i, :, int(t):int(t) + c] for i, t in enumerate(starts)]).transpose(0, 2, 1, 3)
     v_new = jnp.stack([v[i, :, int(t):int(t) + c] for i, t in enumerate(starts)]).transpose(0, 2, 1, 3)
     got = exact.verify_attention(q, k, v, starts, k_new, v_new, backend="xla")

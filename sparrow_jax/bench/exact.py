@@ -17,7 +17,9 @@ iterations) and a cost breakdown per round, measured: one more run of the exact 
 the JAX profiler (bench/xplane.py) gives each phase's share of its op time - draft (the gamma
 sparse steps), verify (the dense pass), accept (the acceptance rule, records, rollback), other
 (the loop's own ops) - scaled to the measured ms per round. `verify_alone_ms` is a verify pass
-timed alone (gamma + 1 tokens, dense, in place), for comparison. KV bytes read
+timed alone (gamma + 1 tokens, dense, in place), for comparison. --before adds, per gamma, the
+exact program with the verify's prefix through the chunked dense decode kernel (as before
+2026-11-27; rollout/exact.py ONE_PASS_BYTES), side by side. KV bytes read
 per generated token (per row, at the full context, K+V of every layer plus the sparse layers'
 centroid scoring) follow from the shapes: dense reads the whole context every layer; sparse
 reads the budget in sparse layers; exact reads gamma sparse steps + one dense pass per round,
@@ -98,11 +100,18 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
             progs[f"exact:{tag}:{g}"] = (dataclasses.replace(
                 base_cfg, mode="exact_sparse", dense_layers=layers, gamma=g, **common),
                 exact.decode_program)
+            if args.before:        # the verify's prefix through the chunked dense decode kernel
+                progs[f"exact:{tag}:{g}:kernel"] = progs[f"exact:{tag}:{g}"]
     compiled = {}
     for name, (cfg, prog) in progs.items():
         t0 = time.perf_counter()
-        compiled[name] = prog.lower(graphdef, params, state, budgets, cfg=cfg, bin_size=2000,
-                                    spec=None).compile()
+        one_pass = exact.ONE_PASS_BYTES
+        exact.ONE_PASS_BYTES = 0 if name.endswith(":kernel") else one_pass   # read when traced
+        try:
+            compiled[name] = prog.lower(graphdef, params, state, budgets, cfg=cfg,
+                                        bin_size=2000, spec=None).compile()
+        finally:
+            exact.ONE_PASS_BYTES = one_pass
         print(f"#   compiled {name} at {context} in {time.perf_counter() - t0:.1f}s", flush=True)
 
     outputs: dict[str, Any] = {}
@@ -140,7 +149,8 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
         layers = cfg.dense_layers
         sparse_kv = kv_bytes_per_token(mcfg, context, budget=budget, dense_layers=layers,
                                        block_size=bs, itemsize=itemsize)
-        row = {"context": context, "mode": cfg.mode, "budget": budget,
+        row = {"context": context, "mode": cfg.mode + (" (kernel prefix)" if name.endswith(
+                   ":kernel") else ""), "budget": budget,
                "dense_layers": list(layers), "tok_s": steps / med[name],
                "ratio": med["dense"] / med[name]}
         if cfg.mode == "sparse":
