@@ -260,11 +260,18 @@ def test_bench_exact_workload(capsys):
     argv = ["bench", "rollout", "--", "--json", "--workload", "exact", "--layers", "2",
             "--hidden", "32", "--heads", "4", "--kv_heads", "2", "--head_dim", "16", "--vocab",
             "64", "--context", "160", "--budget", "48", "--gamma", "2", "--dense_layers", "none",
-            "--batch", "2", "--new_tokens", "12", "--repeats", "1", "--dtype", "float32"]
+            "--batch", "2", "--new_tokens", "12", "--repeats", "1", "--dtype", "float32",
+            "--before"]
     assert cli.main(argv) == 0
     records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert [r["mode"] for r in records] == ["dense", "sparse", "exact_sparse"]
-    dense, sparse, ex = records
+    assert [r["mode"] for r in records] == ["dense", "sparse", "exact_sparse",
+                                            "exact_sparse (kernel prefix)"]
+    dense, sparse, ex, before = records
+    # The profile's phases cover the round: draft + verify + accept + other = ms per round.
+    for r in (ex, before):
+        phases = r["draft_ms"] + r["verify_ms"] + r["accept_ms"] + r["other_ms"]
+        assert phases == pytest.approx(r["ms_per_round"], rel=1e-6)
+        assert r["verify_ms"] > 0 and r["draft_ms"] > 0
     assert all(r["tok_s"] > 0 for r in records)
     assert sparse["kv_bytes_per_token"] < dense["kv_bytes_per_token"]
     assert 1 <= ex["tokens_per_pass"] <= 3 and 0 < ex["mean_alpha"] <= 1 + 1e-5
