@@ -363,6 +363,10 @@ _REGISTRY = {
     _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
     "--chunk_steps 32 --repeats 3 --ladders 8 8 4":
         (Twin("bench_rollout_longtail"),),
+    # docs/benchmarks.md: where the coarse ladders' cost comes from (slots vs page tables)
+    _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
+    "--chunk_steps 32 --repeats 3 --no_static --ladders 8 2 4 --ladders 2 8 4 --ladders 8 8 4":
+        (Twin("bench_rollout_longtail"),),
     # docs/benchmarks.md: the same across 2 local processes (issue 30's multi-process overlap)
     _ROLLOUT_BENCH + "--workload longtail --processes 2 --modes sparse --samples 32 "
     "--new_tokens 512 --chunk_steps 32 --repeats 5":

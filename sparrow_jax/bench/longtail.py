@@ -19,8 +19,9 @@ engines interleaved (median). `host ms/chunk`: the paged engine's host time per 
 with no program in flight (the device waiting for the scheduler's bookkeeping,
 `PagedStats.host_seconds`); `--before` adds each paged run without the overlap
 (`RolloutConfig.overlap_chunks = False`: every chunk read back before the next is dispatched);
-`--ladders S P M` adds each paged run at `RolloutConfig.slot_ladder` S, `page_ladder` P and
-`min_table_pages` M (coarser shape buckets: fewer programs). `programs`: the distinct program
+`--ladders S P M [N]` adds each paged run at `RolloutConfig.slot_ladder` S, `page_ladder` P,
+`min_table_pages` M (and `min_slots` N); repeated, one arm each (coarser shape buckets: fewer
+programs). `programs`: the distinct program
 shapes the engine's warm-up compiled (`COMPILES`).
 """
 
@@ -134,18 +135,23 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
                                   stop_token_ids=stop_ids, max_budget=max(budget, 48))
         # Several processes: the paged engine alone (one pool per process, each of the static
         # engine's bytes), compared with its own sync loop.
-        engines: dict[str, Any] = {} if spec else {"static": (cfg, _static_rollout)}
+        engines: dict[str, Any] = ({} if spec or args.no_static
+                                   else {"static": (cfg, _static_rollout)})
         for c in args.chunk_steps:
             for overlap in (True, False) if args.before or spec else (True,):
                 engines[f"paged/chunk{c}" + ("" if overlap else "/sync")] = (dataclasses.replace(
                     cfg, engine="paged", pool_bytes=static_bytes, max_slots=args.samples,
                     chunk_steps=c, overlap_chunks=overlap), _paged_rollout)
-            if args.ladders:           # the same paged run at coarser shape ladders, interleaved
-                sl, pl, mp = args.ladders
-                engines[f"paged/chunk{c}/L{sl}x{pl}"] = (dataclasses.replace(
+            for lad in args.ladders or ():   # the same paged run at other ladders, interleaved
+                if len(lad) not in (3, 4):
+                    raise SystemExit(f"--ladders takes SLOT PAGE MIN_PAGES [MIN_SLOTS], got {lad}")
+                sl, pl, mp, ms = (*lad, 1)[:4]
+                name = f"paged/chunk{c}/L{sl}x{pl}" + (f"s{ms}" if len(lad) == 4 else "")
+                name += f"m{mp}" if name in engines else ""
+                engines[name] = (dataclasses.replace(
                     cfg, engine="paged", pool_bytes=static_bytes, max_slots=args.samples,
-                    chunk_steps=c, slot_ladder=sl, page_ladder=pl, min_table_pages=mp),
-                    _paged_rollout)
+                    chunk_steps=c, slot_ladder=sl, page_ladder=pl, min_table_pages=mp,
+                    min_slots=ms), _paged_rollout)
 
         def go(name):
             ecfg, fn = engines[name]

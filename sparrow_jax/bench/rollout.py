@@ -96,10 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(sparrow_jax.bench.longtail)")
     lt = p.add_argument_group("longtail workload")
     lt.add_argument("--samples", type=int, default=64)
-    lt.add_argument("--ladders", type=int, nargs=3, default=None,
-                    metavar=("SLOT", "PAGE", "MIN_PAGES"),
-                    help="also run each paged config at these RolloutConfig.slot_ladder, "
-                         "page_ladder, min_table_pages (interleaved; 'programs' counts shapes)")
+    lt.add_argument("--ladders", type=int, nargs="+", action="append", default=None,
+                    metavar="N",
+                    help="SLOT PAGE MIN_PAGES [MIN_SLOTS]: also run each paged config at these "
+                         "RolloutConfig.slot_ladder, page_ladder, min_table_pages (and "
+                         "min_slots); repeat the flag for more arms (interleaved; 'programs' "
+                         "counts shapes)")
+    lt.add_argument("--no_static", action="store_true",
+                    help="paged runs only (the first paged config is the ratios' reference)")
     lt.add_argument("--group", type=int, default=8, help="samples per prompt")
     lt.add_argument("--prompt_len", type=int, default=128)
     lt.add_argument("--mean_len", type=int, default=256, help="mean response length")
