@@ -187,3 +187,19 @@ def require_compile_env(path: Path, timeout_s: float = 1800) -> None:
     if not (path / ".sparrow-compile-env").exists():
         pytest.fail(f"compile environment missing at {path}: run `bash .ci/compile_env.sh` "
                     "(launch/local.sh test installs it)")
+
+
+def make_sharp_tiny_model(path: Path):
+    """The tiny Qwen3 (3 layers, vocab 96) with its q/k norms x3, loaded in f32: peaked attention,
+    so a 3-block draft budget changes many greedy tokens and exact-sparse drafts get rejected (a
+    random tiny model's sparse and dense decodes agree otherwise)."""
+    import jax.numpy as jnp
+
+    from sparrow_jax.model import load_hf
+
+    make_tiny_qwen3(path, layers=3, vocab=96, hidden=48, heads=4, kv_heads=2)
+    model = load_hf(path, dtype=jnp.float32)
+    for layer in model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.set_value(norm.weight.get_value() * 3.0)
+    return model

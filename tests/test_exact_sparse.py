@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from hf_fixtures import make_tiny_qwen3
-from sparrow_jax.model import load_hf
+from hf_fixtures import make_sharp_tiny_model
 from sparrow_jax.rollout import RolloutConfig, exact, generate, speculative
 from sparrow_jax.rollout.sampling import sampling_logprobs
 from sparrow_jax.rollout.teacher_forced import replay_logprobs, trajectory_hidden
@@ -166,15 +165,8 @@ def test_verify_attention_cascade_equals_causal_attention(one_pass, monkeypatch)
 # -- the engine ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sharp(tmp_path_factory):
-    """The tiny model with q/k norms x3: peaked attention, so a 3-block draft budget changes
-    30% of greedy tokens (a random tiny model's sparse and dense decodes agree otherwise)."""
-    path = tmp_path_factory.mktemp("tiny_sharp")
-    make_tiny_qwen3(path, layers=3, vocab=96, hidden=48, heads=4, kv_heads=2)
-    model = load_hf(path, dtype=jnp.float32)
-    for layer in model.layers:
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-            norm.weight.set_value(norm.weight.get_value() * 3.0)
-    return model
+    """hf_fixtures.make_sharp_tiny_model: drafts at a 3-block budget get rejected."""
+    return make_sharp_tiny_model(tmp_path_factory.mktemp("tiny_sharp"))
 
 
 def _prompts(lengths, seed=0, vocab=96):

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_fixtures import make_tiny_qwen3, run_on_cpu_devices
-from sparrow_jax.model import load_hf
+from hf_fixtures import make_sharp_tiny_model, run_on_cpu_devices
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler, warmup
 from sparrow_jax.rollout.paged_exact import chunk_rounds
@@ -28,15 +27,8 @@ KW = dict(backend="xla", max_budget=64, dense_layers=(), max_new_tokens=40, gamm
 
 @pytest.fixture(scope="module")
 def sharp(tmp_path_factory):
-    """The tiny model with q/k norms x3: peaked attention, so a 3-block draft budget changes
-    many greedy tokens and drafts get rejected (tests/test_exact_sparse.py's fixture)."""
-    path = tmp_path_factory.mktemp("tiny_sharp_paged")
-    make_tiny_qwen3(path, layers=3, vocab=96, hidden=48, heads=4, kv_heads=2)
-    model = load_hf(path, dtype=jnp.float32)
-    for layer in model.layers:
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-            norm.weight.set_value(norm.weight.get_value() * 3.0)
-    return model
+    """hf_fixtures.make_sharp_tiny_model: drafts at a 3-block budget get rejected."""
+    return make_sharp_tiny_model(tmp_path_factory.mktemp("tiny_sharp_paged"))
 
 
 def _prompts(lengths, seed):

@@ -5,6 +5,7 @@ that bound its compiles."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -173,3 +174,16 @@ class PagedStats:
     @property
     def peak_bytes(self) -> int:
         return self.peak_pages * self.page_bytes
+
+
+def distinct(fn: Callable[[int], int], lo: int, hi: int) -> tuple[int, ...]:
+    """Every value of the monotone bucket function `fn` over the lengths lo..hi (each bucket
+    >= its argument: the next length past a bucket starts the next one)."""
+    out, n = [], max(lo, 1)
+    while n <= hi:
+        b = fn(n)
+        if b < n:
+            raise ValueError(f"bucket {b} of length {n} is below it: not a bucket function")
+        out.append(b)
+        n = b + 1
+    return tuple(out)

@@ -25,8 +25,8 @@ import numpy as np
 from sparrow_jax.rollout import paged, paged_exact
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PoolLayout, pool_layout
-from sparrow_jax.rollout.schedule_state import (page_bucket, prefill_config, program_config,
-                                                row_bucket, slot_bucket)
+from sparrow_jax.rollout.schedule_state import (distinct, page_bucket, prefill_config,
+                                                program_config, row_bucket, slot_bucket)
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec
 
@@ -52,19 +52,6 @@ class Program:
         return ", ".join(f"{k}={v}" for k, v in self.shapes)
 
 
-def buckets(fn, lo: int, hi: int) -> tuple[int, ...]:
-    """Every value of the monotone bucket function `fn` over lo..hi (each bucket >= its
-    argument, so the next length past a bucket starts the next one)."""
-    out, n = [], max(lo, 1)
-    while n <= hi:
-        b = fn(n)
-        if b < n:
-            raise ValueError(f"bucket {b} of length {n} is below it: not a bucket function")
-        out.append(b)
-        n = b + 1
-    return tuple(out)
-
-
 def programs(cfg: RolloutConfig, layout: PoolLayout, *, rows: int, prompt_width: int,
              group_size: int, dtype, name: str = "rollout") -> list[Program]:
     """The programs of one paged rollout of `rows` samples (groups of `group_size`) at
@@ -84,8 +71,8 @@ def programs(cfg: RolloutConfig, layout: PoolLayout, *, rows: int, prompt_width:
               ("replay", False), ("rows", pre_rows), ("width", prompt_width))
     out = [Program(f"{name}/paged_prefill", "prefill_program",
                    ("prefill", pre_cfg, pools, shapes), shapes, pre_cfg, pools)]
-    for s in buckets(lambda n: slot_bucket(n, per_pool, cfg), 1, live):
-        for p in buckets(lambda n: page_bucket(n, layout.max_pages, cfg), 1, layout.max_pages):
+    for s in distinct(lambda n: slot_bucket(n, per_pool, cfg), 1, live):
+        for p in distinct(lambda n: page_bucket(n, layout.max_pages, cfg), 1, layout.max_pages):
             shapes = (("dtype", dt), ("mode", dec_cfg.mode), ("pages", layout.pages_per_pool),
                       ("pages_per_slot", p), ("slots", s * pools), ("steps", cfg.chunk_steps))
             out.append(Program(f"{name}/paged_decode", "decode_chunk_program",

@@ -28,11 +28,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import pages_for
-from sparrow_jax.rollout.schedule_state import (page_bucket, prefill_width, row_bucket,
+from sparrow_jax.rollout.schedule_state import (distinct, page_bucket, prefill_width, row_bucket,
                                                 slot_bucket)
 from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 
@@ -94,19 +94,6 @@ class CompilePlan:
                 "compilation cache keeps them for a restart):")
         return [head] + [f"  {p.name}: {p.first} at the start, at most {p.most} ({p.per})"
                          for p in self.programs]
-
-
-def distinct(fn: Callable[[int], int], lo: int, hi: int) -> tuple[int, ...]:
-    """Every value of the monotone bucket function `fn` over the lengths lo..hi (each bucket
-    >= its argument: the next length past a bucket starts the next one)."""
-    out, n = [], max(lo, 1)
-    while n <= hi:
-        b = fn(n)
-        if b < n:
-            raise ValueError(f"bucket {b} of length {n} is below it: not a bucket function")
-        out.append(b)
-        n = b + 1
-    return tuple(out)
 
 
 def prompt_widths(rc: RolloutConfig, longest_prompt: int) -> tuple[int, ...]:
