@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from sparrow_jax.model.attention import map_causal_query_chunks, masked_gqa_attention
+from sparrow_jax.model.attention import visible_causal_attention
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.kv_cache import KVCache, write_token
@@ -195,16 +195,11 @@ def replay_attention_fn(evicted_at: jax.Array, *, query_chunk: int = 0):
         alive_until = _fit(evicted_at[:, layer_idx], t)                     # [B, T]
         key_mask = attention_mask.astype(bool)
 
-        def rows(q_c, pos_c, offset, key_end):
-            qi = offset + jnp.arange(q_c.shape[1])                            # [C]
-            causal = jnp.arange(key_end)[None, :] <= qi[:, None]              # [C, S']
-            kept = qi[None, :, None] < alive_until[:, None, :key_end]         # [B, C, S']
-            visible = causal[None] & kept & key_mask[:, None, :key_end]
-            return masked_gqa_attention(q_c, k[:, :key_end], v[:, :key_end], visible[:, None])
+        def visible(q_c, pos_c, q_idx, k_idx):      # -> [B, 1, M, C, C'] (causality aside)
+            kept = q_idx[None, None, :, None] < alive_until[:, k_idx][:, :, None, :]
+            return (kept & key_mask[:, k_idx][:, :, None, :])[:, None]
 
-        if not query_chunk:
-            return rows(q, positions, 0, t)
-        return map_causal_query_chunks(rows, query_chunk, q, positions)
+        return visible_causal_attention(visible, query_chunk, q, k, v, positions)
     return attend
 
 

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax.model.attention import (alike_layers, chunked_causal_attention,
-                                         dense_causal_attention, map_causal_query_chunks,
-                                         masked_gqa_attention)
+                                         dense_causal_attention, visible_causal_attention)
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout.config import padded_length
 from sparrow_jax.rollout.state import Trajectories, budget_for_lengths
@@ -61,40 +60,34 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
     def attend(layer_idx, q, k, v, positions, attention_mask):
         if layer_idx in dense_layers:
             return dense_fn(layer_idx, q, k, v, positions, attention_mask)
-        b, t = q.shape[:2]
+        t = q.shape[1]
         kt = k.transpose(0, 2, 1, 3)                                   # [B, Hkv, S, D]
         centroids = selection.block_centroids(kt, block_size)           # [B, Hkv, NB, D]
         key_mask = attention_mask.astype(bool)
 
-        def rows(q_c, pos_c, offset, key_end):
-            """Queries at indices offset.. against keys [0, key_end) (their causal prefix):
-            q_c [B, C, Hq, D], pos_c [B, C] -> [B, C, Hq, D]."""
-            key_end = min(-(-key_end // block_size) * block_size, t)   # whole blocks
-            nb = key_end // block_size
-            c = q_c.shape[1]
-            scores = selection.centroid_scores(q_c, centroids[:, None, :, :nb])   # [B, C, Hkv, NB]
+        def visible(q_c, pos_c, q_idx, k_idx):
+            """Which keys k_idx [M, C'] the queries q_c [B, C, Hq, D] at positions pos_c [B, C]
+            see besides causality: all in the prompt, the blocks decode-time selection picked
+            after it -> [B, Hkv, M, C, C'] (`map_causal_query_chunks`)."""
+            scores = selection.centroid_scores(q_c, centroids[:, None])       # [B, C, Hkv, NB]
             budget = budget_for_lengths(budgets, pos_c + 1, bin_size)
             budget_blocks = jnp.minimum(budget // block_size, max_selected)
             chosen = selection.selected_keys(scores, pos_c, budget_blocks,
                                              max_selected=max_selected,
                                              block_size=block_size)       # [B, C, Hkv, S']
+            chosen = jnp.pad(chosen, ((0, 0), (0, 0), (0, 0), (0, t - chosen.shape[-1])))
             # A budget covering the length is dense, also beyond the selection width (the
             # rollout's dense path for such rows, e.g. the controller's dense rung).
             chosen = chosen | (budget >= pos_c + 1)[..., None, None]
-            causal = jnp.arange(key_end)[None, :] <= (offset + jnp.arange(c))[:, None]  # [C, S']
             is_decode = pos_c >= prompt_lengths[:, None]                         # [B, C]
-            visible = causal[None, :, None, :] & jnp.where(is_decode[..., None, None], chosen,
-                                                           True)
-            visible = visible & key_mask[:, None, None, :key_end]               # [B, C, Hkv, S']
-            return masked_gqa_attention(q_c, k[:, :key_end], v[:, :key_end],
-                                        visible.transpose(0, 2, 1, 3))
+            seen = jnp.where(is_decode[..., None, None, None], chosen[..., k_idx], True)
+            seen = seen & key_mask[:, k_idx][:, None, None]                  # [B, C, Hkv, M, C']
+            return seen.transpose(0, 2, 3, 1, 4)
 
-        if not query_chunk:
-            return rows(q, positions, 0, t)
-        return map_causal_query_chunks(rows, query_chunk, q, positions)
+        return visible_causal_attention(visible, query_chunk, q, k, v, positions)
     # Runs of dense layers and the sparse ones between them (`run_layers` scans each): a split
     # only where dense-ness changes, so adjacent dense layers (the default 0, 1) share one scan -
-    # each run costs the compiler `CAUSAL_GROUPS` query-chunk scans whatever its length.
+    # each run costs the compiler one attention body (`map_causal_query_chunks`).
     dense = set(dense_layers)
     return alike_layers(attend, tuple(sorted({j for i in dense for j in (i, i + 1)
                                               if (j in dense) != (j - 1 in dense)})))
