@@ -299,6 +299,20 @@ _REGISTRY = {
     "\"ExperimentConfig.output_dir = 'runs/experiment_promise_reduced'\"":
         (ByTest("tests/test_prereg.py::test_the_registered_config_parses_every_arm"),
          ByTest("tests/test_experiment.py::test_two_arms_write_comparison_and_resume")),
+    # docs/benchmarks.md: the long-context task's own model (issue 41)
+    _ROLLOUT_BENCH + "--layers 4 --hidden 128 --heads 4 --kv_heads 2 --head_dim 32 "
+    "--intermediate 384 --vocab 48 --context 2048 4608 --budget 256 512 --batch 32 "
+    "--new_tokens 32 --repeats 3 --dense_layers 0 0,1 --dtype float32": (Twin("bench_rollout"),),
+    # docs/experiment.md, docs/checkpoints.md: the long-context task (issue 41)
+    "python -m sparrow_jax.data.synthetic data/long/heldout64.jsonl --n 64 --seed 33 --k-min 50 "
+    "--k-max 55": (Run(),),
+    "launch/make_long_checkpoint.sh":
+        (Hardware(), ByTest("tests/test_sft.py::test_sft_command_writes_checkpoint"),
+         ByTest("tests/test_sft.py::test_long_warmup_never_draws_the_long_task_prompts")),
+    "launch/local.sh sparrow calibrate configs/calibrate_long.gin configs/controller_certified.gin":
+        (ByTest("tests/test_calibrate.py::test_calibrate_end_to_end"),
+         ByTest("tests/test_certified_calibration.py::test_certified_by_the_controllers_own_rule")),
+    "launch/local.sh sparrow train configs/demo_long.gin": (Twin("demo_long"),),
     # docs/benchmarks.md: the long-context shape of issue 41
     _ROLLOUT_BENCH + "--layers 8 --hidden 128 --heads 4 --kv_heads 4 --head_dim 64 "
     "--intermediate 256 --vocab 43 --context 4096 8192 --budget 256 512 --batch 8 "
@@ -611,15 +625,16 @@ def test_run_verbatim(text, tmp_path):
         argv[0] = sys.executable
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     (tmp_path / "data/demo").mkdir(parents=True)
+    (tmp_path / "data/long").mkdir(parents=True)
     r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"`{text}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     if "sparrow_jax.data.synthetic train.jsonl" in text:
         rows = (tmp_path / "train.jsonl").read_text().splitlines()
         assert len(rows) == 512 and {"prompt", "answer"} <= set(json.loads(rows[0]))
-    for name in ("heldout64.jsonl", "heldout128.jsonl"):   # shipped sets are what they say
-        if name in text:
-            made = (tmp_path / "data/demo" / name).read_text()
-            assert made == (REPO / "data/demo" / name).read_text()
+    shipped = re.search(r"(data/(?:demo|long)/heldout\d+\.jsonl)", text)
+    if shipped:                                  # shipped sets are what they say
+        made = (tmp_path / shipped.group(1)).read_text()
+        assert made == (REPO / shipped.group(1)).read_text()
 
 
 # -- CPU-sized twins ---------------------------------------------------------------------------
@@ -680,6 +695,23 @@ def test_twin_demo(demo_run):
         assert (run_dir / name).is_file(), name
     assert list(run_dir.glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.slow    # ~80 CPU-s (4.5K-token reference-eval programs): CI keeps the 1K demo's twin
+def test_twin_demo_long(tmp_path):
+    """configs/demo_long.gin (the long-context task, issue 41) for 2 steps at 24-token
+    generations: its checkpoint, data, certified table and 2-of-4-dense-layer accounting load,
+    and the summary shows the whole-model KV read and the side-by-side speed."""
+    run_dir = tmp_path / "run"
+    r = _launch(["sparrow", "train", "configs/demo_long.gin", *DEMO_TWIN,
+                 "--gin_param", f"TrainConfig.run_dir = '{run_dir}'"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    for line in ("measured rollout speed, sparse vs dense", "final schedule (tokens per bin)",
+                 "KV read over the run's rollouts, whole model (2 of 4 layers sparse): "):
+        assert line in r.stdout, r.stdout
+    assert "1073741824" not in r.stdout
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [0, 1, 2] and rows[-1]["kv/read_model"] >= 0.5
 
 
 def test_demo_console_is_quiet(demo_run):

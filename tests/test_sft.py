@@ -26,6 +26,40 @@ def test_crops_keep_real_positions_and_mask_missing_context():
     np.testing.assert_array_equal(weights[0], expect)
 
 
+def test_prompt_crops_keep_the_prompt_before_each_window():
+    """SFTConfig.crop_keep_prompt: every row is its prompt at positions 0.. then a window of the
+    target at its real positions; a weight sits exactly where the next token is a target token
+    whose source lies inside the row (the first `context` window tokens unweighted unless the
+    window starts the target), and the windows chosen to end with the sequence end with <eos>."""
+    rng = np.random.default_rng(1)
+    prompt = np.arange(1, 8, dtype=np.int32)                   # 7 tokens
+    target = np.arange(100, 160, dtype=np.int32)              # 60 tokens (the last = <eos>)
+    starts = set()
+    for start_fraction, end_fraction in ((1.0, 0.0), (0.0, 1.0), (0.0, 0.0)):
+        for _ in range(5):
+            tokens, positions, weights, mask = _crops([(prompt, target)] * 2, 20, 5, rng,
+                                                      start_fraction, True, end_fraction)
+            assert tokens.shape == positions.shape == weights.shape == mask.shape == (2, 27)
+            np.testing.assert_array_equal(tokens[:, :7], np.stack([prompt] * 2))
+            np.testing.assert_array_equal(positions[:, :7], np.stack([np.arange(7)] * 2))
+            assert (mask == 1).all()
+            for row in range(2):
+                start = int(positions[row, 7]) - 7
+                starts.add(start)
+                np.testing.assert_array_equal(tokens[row, 7:], target[start:start + 20])
+                np.testing.assert_array_equal(positions[row, 7:], 7 + np.arange(start, start + 20))
+                expect = np.zeros(27)
+                expect[6:26] = 1                      # predicts window tokens 0..19
+                if start:
+                    expect[6:6 + 5] = 0               # their sources precede the window
+                np.testing.assert_array_equal(weights[row], expect)
+                if start_fraction == 1.0:
+                    assert start == 0
+                if end_fraction == 1.0:
+                    assert start == 40 and tokens[row, -1] == target[-1]
+    assert len(starts) > 3                            # uniform windows do move
+
+
 def test_sft_command_writes_checkpoint(tmp_path, capsys):
     gin.clear_config()
     out = tmp_path / "sft"
@@ -41,6 +75,20 @@ def test_sft_command_writes_checkpoint(tmp_path, capsys):
     tok = load_tokenizer(out)
     assert model.config.vocab_size == len(tok) and model.config.num_hidden_layers == 3
     assert "greedy_exact=" in (out / "sft_summary.txt").read_text()
+    # A long-task stage continues it: prompt-kept crops, chunked attention, a longer context.
+    gin.clear_config()
+    longer = tmp_path / "sft_long"
+    rc = cli.main(["sft", "--gin_param", f"SFTConfig.output_dir = '{longer}'",
+                   "--gin_param", f"SFTConfig.init_from = '{out}'",
+                   "--gin_param", "SFTConfig.crop_keep_prompt = True",
+                   "--gin_param", "SFTConfig.crop_end_fraction = 0.5",
+                   "--gin_param", "SFTConfig.attention_chunk = 32",
+                   "--gin_param", "SFTConfig.max_position_embeddings = 8192",
+                   "--gin_param", "SFTConfig.crop_steps = 2", "--gin_param", "SFTConfig.long_steps = 0",
+                   "--gin_param", "SFTConfig.long_k_range = (2, 3)",
+                   "--gin_param", "SFTConfig.crop_length = 64", "--gin_param", "SFTConfig.eval_problems = 1"])
+    assert rc == 0
+    assert load_hf(longer).config.max_position_embeddings == 8192
 
 
 def test_demo_checkpoint_stages_never_train_on_demo_data():
@@ -72,3 +120,35 @@ def test_demo_checkpoint_stages_never_train_on_demo_data():
             # The control: seed 5 made data/demo/heldout128.jsonl; its draws hit the data under
             # either K range (measured), so the check can fail.
             assert bool(prompts & drawn) == (seed == 5), (seed, k_range)
+
+
+def test_long_warmup_never_draws_the_long_task_prompts():
+    """The long task's warm-up (configs/sft_long.gin, launch/make_long_checkpoint.sh) draws its
+    problems from seeds none of data/long/*.jsonl used, so it never trains on its held-out
+    prompts; the control (seed 33, which made data/long/heldout64.jsonl) shows the check can
+    fail."""
+    import json
+    import re
+    from pathlib import Path
+
+    from sparrow_jax.data import synthetic
+
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "configs" / "sft_long.gin").read_text() + (
+        repo / "launch" / "make_long_checkpoint.sh").read_text()
+    data_seeds, prompts = set(), set()
+    for path in (repo / "data" / "long").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            data_seeds.add(int(row["id"].split("-")[1]))
+            prompts.add(row["prompt"])
+    stage_seeds = {int(s) for s in re.findall(r"SFTConfig\.seed = (\d+)", text)}
+    assert data_seeds == {31, 32, 33} and stage_seeds and not stage_seeds & data_seeds
+    k_range = tuple(int(k) for k in re.search(r"long_k_range = \((\d+), (\d+)\)", text).groups())
+    for seed in stage_seeds | {33}:
+        for ks in (k_range, (50, 55)):
+            rng = np.random.default_rng(seed)
+            drawn = {synthetic.make_problem(rng, ks)["prompt"] for _ in range(512)}
+            # the control: seed 33 made data/long/heldout64.jsonl; its draws hit the data under
+            # either K range (measured), so the check can fail
+            assert bool(prompts & drawn) == (seed == 33), (seed, ks)

@@ -10,6 +10,7 @@ tokenizer) that `load_hf` and transformers both read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from sparrow_jax.data import synthetic
 from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
 from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
+from sparrow_jax.model.attention import chunked_causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,13 @@ class SFTConfig:
     crop_length: int = 240
     crop_batch: int = 8
     crop_start_fraction: float = 0.5  # crops that start at the prompt: cycle 1 reads the table
+    # Long tasks (K ~ 50, ~4.5K tokens): each crop keeps the prompt before its window (real
+    # positions on both), so the window's cycle labels and the stop decision ("label == K ->
+    # '='") see the prompt at their true distance, at the cost of a (P + crop_length)^2 window
+    # instead of a whole sequence's T^2; a `crop_end_fraction` of the windows end with the
+    # sequence (the stop decision is one token per sequence and uniform windows rarely hold it).
+    crop_keep_prompt: bool = False
+    crop_end_fraction: float = 0.0
     long_steps: int = 250
     long_k_range: tuple[int, int] = (8, 13)
     long_batch: int = 8
@@ -57,6 +66,11 @@ class SFTConfig:
     warmup_steps: int = 50
     eval_problems: int = 16
     log_every: int = 25
+    attention_chunk: int = 0          # > 0: causal attention in query chunks of this size
+                                      # (model.attention.chunked_causal_attention): a 4.5K-token
+                                      # batch then never holds [B, H, T, T] scores
+    max_position_embeddings: int = 0  # > 0: written into the model's config (the demo model
+                                      # says 4096; the long task needs ~4.6K positions)
 
 
 def _pack(pairs, pad_id: int, block: int = 64):
@@ -74,7 +88,7 @@ def _pack(pairs, pad_id: int, block: int = 64):
 
 
 def _crops(pairs, length: int, context: int, rng: np.random.Generator,
-           start_fraction: float = 0.0):
+           start_fraction: float = 0.0, keep_prompt: bool = False, end_fraction: float = 0.0):
     """Random windows of `length` tokens of prompt ++ target, with their real positions.
 
     The loss skips the first `context` tokens of a window: what they copy lies before it.
@@ -83,6 +97,8 @@ def _crops(pairs, length: int, context: int, rng: np.random.Generator,
     and uniformly placed windows almost never contain it (measured: greedy decoding then fails
     in cycle 1 on every problem).
     """
+    if keep_prompt:
+        return _prompt_crops(pairs, length, context, rng, start_fraction, end_fraction)
     tokens = np.zeros((len(pairs), length), np.int32)
     positions = np.zeros_like(tokens)
     weights = np.zeros((len(pairs), length), np.float32)
@@ -103,8 +119,49 @@ def _crops(pairs, length: int, context: int, rng: np.random.Generator,
     return tokens, positions, weights
 
 
-def _loss(model: Qwen3ForCausalLM, tokens, positions, weights):
-    logits = model(tokens, positions, attention_mask=jnp.ones_like(tokens))
+def _prompt_crops(pairs, length: int, context: int, rng: np.random.Generator,
+                  start_fraction: float, end_fraction: float):
+    """Windows of `length` target tokens, each after its own prompt: tokens [B, P + length]
+    (P the longest prompt; shorter prompts are left-padded with masked-out pad tokens at
+    position 0), positions [B, P + length] real (the window's start where it lies in the
+    sequence), weights [B, P + length] as in `_crops` (the first `context` window tokens
+    unweighted unless the window starts right after the prompt)."""
+    width = max(len(p) for p, _ in pairs)
+    tokens = np.zeros((len(pairs), width + length), np.int32)
+    positions = np.zeros_like(tokens)
+    weights = np.zeros(tokens.shape, np.float32)
+    mask = np.ones(tokens.shape, np.int32)
+    for i, (p, t) in enumerate(pairs):
+        if len(t) < length:
+            raise ValueError(f"SFTConfig.crop_length = {length} is longer than a target "
+                             f"({len(t)} tokens, SFTConfig.long_k_range): use a crop_length of "
+                             f"at most {len(t)}")
+        u = rng.random()
+        if u < start_fraction:
+            start = 0
+        elif u < start_fraction + end_fraction:
+            start = len(t) - length
+        else:
+            start = int(rng.integers(0, len(t) - length + 1))
+        lead = width - len(p)
+        mask[i, :lead] = 0
+        tokens[i, lead:width] = p
+        positions[i, lead:width] = np.arange(len(p))
+        tokens[i, width:] = t[start:start + length]
+        positions[i, width:] = len(p) + np.arange(start, start + length)
+        # position j predicts j + 1: the last prompt token predicts the window's first token
+        # only when the window starts the target
+        w = np.ones(length, np.float32)
+        if start:
+            w[:context] = 0.0
+        weights[i, width:width + length - 1] = w[1:]
+        weights[i, width - 1] = w[0] if start == 0 else 0.0
+    return tokens, positions, weights, mask
+
+
+def _loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, attention_chunk: int):
+    fn = chunked_causal_attention(attention_chunk) if attention_chunk > 0 else None
+    logits = model(tokens, positions, attention_mask=mask, attention_fn=fn)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
     w = weights[:, :-1]
@@ -112,9 +169,10 @@ def _loss(model: Qwen3ForCausalLM, tokens, positions, weights):
     return jnp.sum(nll * w) / jnp.sum(w), jnp.sum(correct) / jnp.sum(w)
 
 
-@nnx.jit
-def _train_step(model, optimizer, tokens, positions, weights):
-    (loss, acc), grads = nnx.value_and_grad(_loss, has_aux=True)(model, tokens, positions, weights)
+@functools.partial(nnx.jit, static_argnames=("attention_chunk",))
+def _train_step(model, optimizer, tokens, positions, weights, mask, attention_chunk: int = 0):
+    (loss, acc), grads = nnx.value_and_grad(_loss, has_aux=True)(
+        model, tokens, positions, weights, mask, attention_chunk)
     optimizer.update(model, grads)
     return loss, acc
 
@@ -124,7 +182,7 @@ def demo_model_config(cfg: SFTConfig, tokenizer) -> Qwen3Config:
                        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, rope_theta=10000.0, tie_word_embeddings=True,
-                       max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                       max_position_embeddings=cfg.max_position_embeddings or 4096, bos_token_id=tokenizer.bos_token_id,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
@@ -168,6 +226,9 @@ def run_sft(cfg: SFTConfig) -> Path:
         from sparrow_jax.model import load_hf, load_tokenizer
         tokenizer, model = load_tokenizer(cfg.init_from), load_hf(cfg.init_from, dtype=jnp.float32)
         mcfg = model.config
+        if cfg.max_position_embeddings:
+            mcfg = dataclasses.replace(mcfg, max_position_embeddings=cfg.max_position_embeddings)
+            model.config = mcfg
     else:
         tokenizer = build_synthetic_tokenizer()
         mcfg = demo_model_config(cfg, tokenizer)
@@ -188,14 +249,17 @@ def run_sft(cfg: SFTConfig) -> Path:
             problems = [synthetic.make_problem(rng, cfg.long_k_range) for _ in range(batch)]
             pairs = synthetic.sft_examples(tokenizer, problems=problems)
             if crop:
-                tokens, positions, weights = _crops(pairs, cfg.crop_length,
-                                                    synthetic.cycle_tokens() + 3, rng,
-                                                    cfg.crop_start_fraction)
+                tokens, positions, weights, *mask = _crops(
+                    pairs, cfg.crop_length, synthetic.cycle_tokens() + 3, rng,
+                    cfg.crop_start_fraction, cfg.crop_keep_prompt, cfg.crop_end_fraction)
+                mask = mask[0] if mask else np.ones_like(tokens)
             else:
                 tokens, weights = _pack(pairs, tokenizer.pad_token_id)
                 positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+                mask = np.ones_like(tokens)
             loss, acc = _train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(positions),
-                                    jnp.asarray(weights))
+                                    jnp.asarray(weights), jnp.asarray(mask),
+                                    attention_chunk=cfg.attention_chunk)
             bar.update(1)
             if step % cfg.log_every == 0 or step == total - 1:
                 bar.set_postfix(loss=f"{float(loss):.3f}", token_acc=f"{float(acc):.3f}",
