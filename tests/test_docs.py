@@ -313,6 +313,12 @@ _REGISTRY = {
         (ByTest("tests/test_calibrate.py::test_calibrate_end_to_end"),
          ByTest("tests/test_certified_calibration.py::test_certified_by_the_controllers_own_rule")),
     "launch/local.sh sparrow train configs/demo_long.gin": (Twin("demo_long"),),
+    "launch/local.sh sparrow sft configs/sft_long.gin --gin_param \"SFTConfig.output_dir = "
+    "'runs/long_sft2'\" --gin_param \"SFTConfig.init_from = 'checkpoints/long_sft'\" --gin_param "
+    "\"SFTConfig.crop_steps = 0\" --gin_param \"SFTConfig.long_steps = 60\" --gin_param "
+    "\"SFTConfig.learning_rate = 3e-4\" --gin_param \"SFTConfig.warmup_steps = 5\" --gin_param "
+    "\"SFTConfig.seed = 22\" --gin_param \"SFTConfig.eval_problems = 4\"":
+        (ByTest("tests/test_sft.py::test_sft_command_writes_checkpoint"),),
     # docs/benchmarks.md: the long-context shape of issue 41
     _ROLLOUT_BENCH + "--layers 8 --hidden 128 --heads 4 --kv_heads 4 --head_dim 64 "
     "--intermediate 256 --vocab 43 --context 4096 8192 --budget 256 512 --batch 8 "
