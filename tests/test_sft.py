@@ -60,6 +60,17 @@ def test_prompt_crops_keep_the_prompt_before_each_window():
     assert len(starts) > 3                            # uniform windows do move
 
 
+def test_sft_config_refuses_bad_crop_fractions():
+    import pytest
+
+    from sparrow_jax.train.sft import SFTConfig
+    for bad in (dict(crop_start_fraction=0.8, crop_end_fraction=0.3),
+                dict(crop_end_fraction=-0.1), dict(attention_chunk=-1)):
+        with pytest.raises(ValueError, match="SFTConfig"):
+            SFTConfig(**bad)
+    SFTConfig(crop_start_fraction=0.5, crop_end_fraction=0.5)
+
+
 def test_sft_command_writes_checkpoint(tmp_path, capsys):
     gin.clear_config()
     out = tmp_path / "sft"

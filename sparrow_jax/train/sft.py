@@ -72,6 +72,17 @@ class SFTConfig:
     max_position_embeddings: int = 0  # > 0: written into the model's config (the demo model
                                       # says 4096; the long task needs ~4.6K positions)
 
+    def __post_init__(self):
+        fractions = (self.crop_start_fraction, self.crop_end_fraction)
+        if min(fractions) < 0 or sum(fractions) > 1:
+            raise ValueError(f"SFTConfig.crop_start_fraction = {self.crop_start_fraction} and "
+                             f"crop_end_fraction = {self.crop_end_fraction} must be >= 0 and sum "
+                             f"to at most 1 (the rest of the windows start anywhere)")
+        if self.attention_chunk < 0 or self.max_position_embeddings < 0:
+            raise ValueError(f"SFTConfig.attention_chunk = {self.attention_chunk} and "
+                             f"max_position_embeddings = {self.max_position_embeddings} must be "
+                             f">= 0 (0 = off)")
+
 
 def _pack(pairs, pad_id: int, block: int = 64):
     """(prompt, target) id pairs -> tokens [B, L], loss mask [B, L] (1 where the next token is a
