@@ -1,17 +1,46 @@
 """`sparrow sft`: the warm-up command writes a loadable HF directory and lowers the loss."""
 
+import json
+import re
+from pathlib import Path
+
 import gin
 import numpy as np
+import pytest
 
 from sparrow_jax import cli
+from sparrow_jax.data import synthetic
 from sparrow_jax.model import load_hf, load_tokenizer
 from sparrow_jax.train.sft import _crops
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _shipped_problems(data_dir: str) -> tuple[set[int], set[str]]:
+    """The generator seeds (ids "synthetic-<seed>-<i>") and prompts of data/<data_dir>/*.jsonl."""
+    seeds, prompts = set(), set()
+    for path in (REPO / "data" / data_dir).glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            seeds.add(int(row["id"].split("-")[1]))
+            prompts.add(row["prompt"])
+    return seeds, prompts
+
+
+def _stage_seeds(text: str) -> set[int]:
+    return {int(s) for s in re.findall(r"SFTConfig\.seed = (\d+)", text)}
+
+
+def _draws(seed: int, k_range: tuple[int, int], n: int) -> set[str]:
+    rng = np.random.default_rng(seed)
+    return {synthetic.make_problem(rng, k_range)["prompt"] for _ in range(n)}
 
 
 def test_crops_keep_real_positions_and_mask_missing_context():
     rng = np.random.default_rng(0)
     pairs = [(np.arange(1, 11, dtype=np.int32), np.arange(11, 60, dtype=np.int32))]
-    tokens, positions, weights = _crops(pairs, 20, 5, rng)
+    tokens, positions, weights, mask = _crops(pairs, 20, 5, rng)
+    assert (mask == 1).all()
     start = int(positions[0, 0])
     np.testing.assert_array_equal(tokens[0], np.arange(1, 60)[start:start + 20])
     np.testing.assert_array_equal(positions[0], np.arange(start, start + 20))
@@ -61,14 +90,13 @@ def test_prompt_crops_keep_the_prompt_before_each_window():
 
 
 def test_sft_config_refuses_bad_crop_fractions():
-    import pytest
-
     from sparrow_jax.train.sft import SFTConfig
-    for bad in (dict(crop_start_fraction=0.8, crop_end_fraction=0.3),
-                dict(crop_end_fraction=-0.1), dict(attention_chunk=-1)):
+    for bad in (dict(crop_start_fraction=0.8, crop_end_fraction=0.3, crop_keep_prompt=True),
+                dict(crop_end_fraction=-0.1), dict(attention_chunk=-1),
+                dict(crop_end_fraction=0.3)):
         with pytest.raises(ValueError, match="SFTConfig"):
             SFTConfig(**bad)
-    SFTConfig(crop_start_fraction=0.5, crop_end_fraction=0.5)
+    SFTConfig(crop_start_fraction=0.5, crop_end_fraction=0.5, crop_keep_prompt=True)
 
 
 def test_sft_command_writes_checkpoint(tmp_path, capsys):
@@ -108,29 +136,15 @@ def test_demo_checkpoint_stages_never_train_on_demo_data():
     with a data file's seed and K range would train on those very prompts, held-out ones
     included. Every stage of launch/make_demo_checkpoint.sh must use another seed, and no
     problem it draws may be a data/demo prompt."""
-    import json
-    import re
-    from pathlib import Path
-
-    from sparrow_jax.data import synthetic
-
-    repo = Path(__file__).resolve().parents[1]
-    script = (repo / "launch" / "make_demo_checkpoint.sh").read_text()
-    data_seeds, prompts = set(), set()
-    for path in (repo / "data" / "demo").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            data_seeds.add(int(row["id"].split("-")[1]))
-            prompts.add(row["prompt"])
-    stage_seeds = {int(s) for s in re.findall(r"SFTConfig\.seed = (\d+)", script)} | {0}
+    script = (REPO / "launch" / "make_demo_checkpoint.sh").read_text()
+    data_seeds, prompts = _shipped_problems("demo")
+    stage_seeds = _stage_seeds(script) | {0}
     assert data_seeds and not stage_seeds & data_seeds, (stage_seeds, data_seeds)
     for seed in stage_seeds | {5}:   # the first problems each stage trains on; 5 = control
         for k_range in ((8, 13), (10, 13)):
-            rng = np.random.default_rng(seed)
-            drawn = {synthetic.make_problem(rng, k_range)["prompt"] for _ in range(256)}
             # The control: seed 5 made data/demo/heldout128.jsonl; its draws hit the data under
             # either K range (measured), so the check can fail.
-            assert bool(prompts & drawn) == (seed == 5), (seed, k_range)
+            assert bool(prompts & _draws(seed, k_range, 256)) == (seed == 5), (seed, k_range)
 
 
 def test_long_warmup_never_draws_the_long_task_prompts():
@@ -138,28 +152,16 @@ def test_long_warmup_never_draws_the_long_task_prompts():
     problems from seeds none of data/long/*.jsonl used, so it never trains on its held-out
     prompts; the control (seed 33, which made data/long/heldout64.jsonl) shows the check can
     fail."""
-    import json
-    import re
-    from pathlib import Path
-
-    from sparrow_jax.data import synthetic
-
-    repo = Path(__file__).resolve().parents[1]
-    text = (repo / "configs" / "sft_long.gin").read_text() + (
-        repo / "launch" / "make_long_checkpoint.sh").read_text()
-    data_seeds, prompts = set(), set()
-    for path in (repo / "data" / "long").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            data_seeds.add(int(row["id"].split("-")[1]))
-            prompts.add(row["prompt"])
-    stage_seeds = {int(s) for s in re.findall(r"SFTConfig\.seed = (\d+)", text)}
-    assert data_seeds == {31, 32, 33} and stage_seeds and not stage_seeds & data_seeds
+    # the stages that made checkpoints/long_sft, and the further stage docs/experiment.md shows
+    text = "".join((REPO / f).read_text() for f in (
+        "configs/sft_long.gin", "launch/make_long_checkpoint.sh", "docs/experiment.md"))
+    data_seeds, prompts = _shipped_problems("long")
+    stage_seeds = _stage_seeds(text)
+    assert data_seeds == {31, 32, 33} and {21, 22} <= stage_seeds
+    assert not stage_seeds & data_seeds, (stage_seeds, data_seeds)
     k_range = tuple(int(k) for k in re.search(r"long_k_range = \((\d+), (\d+)\)", text).groups())
     for seed in stage_seeds | {33}:
         for ks in (k_range, (50, 55)):
-            rng = np.random.default_rng(seed)
-            drawn = {synthetic.make_problem(rng, ks)["prompt"] for _ in range(512)}
             # the control: seed 33 made data/long/heldout64.jsonl; its draws hit the data under
             # either K range (measured), so the check can fail
-            assert bool(prompts & drawn) == (seed == 33), (seed, ks)
+            assert bool(prompts & _draws(seed, ks, 512)) == (seed == 33), (seed, ks)

@@ -78,6 +78,10 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.crop_start_fraction = {self.crop_start_fraction} and "
                              f"crop_end_fraction = {self.crop_end_fraction} must be >= 0 and sum "
                              f"to at most 1 (the rest of the windows start anywhere)")
+        if self.crop_end_fraction and not self.crop_keep_prompt:
+            raise ValueError(f"SFTConfig.crop_end_fraction = {self.crop_end_fraction} needs "
+                             f"crop_keep_prompt = True (windows without their prompt cannot "
+                             f"learn the stop decision, which reads K from the prompt)")
         if self.attention_chunk < 0 or self.max_position_embeddings < 0:
             raise ValueError(f"SFTConfig.attention_chunk = {self.attention_chunk} and "
                              f"max_position_embeddings = {self.max_position_embeddings} must be "
@@ -106,7 +110,8 @@ def _crops(pairs, length: int, context: int, rng: np.random.Generator,
     A `start_fraction` of the windows start at 0: the first cycle looks digits up in the prompt
     table at irregular offsets, a different skill from the later cycles' constant-offset copy,
     and uniformly placed windows almost never contain it (measured: greedy decoding then fails
-    in cycle 1 on every problem).
+    in cycle 1 on every problem). keep_prompt: `_prompt_crops` (end_fraction is theirs).
+    Returns tokens, positions, weights and the attention mask (all ones here), [B, length] each.
     """
     if keep_prompt:
         return _prompt_crops(pairs, length, context, rng, start_fraction, end_fraction)
@@ -127,7 +132,7 @@ def _crops(pairs, length: int, context: int, rng: np.random.Generator,
         if start:
             w[start:start + context] = 0.0
         weights[i] = w[start:start + length]
-    return tokens, positions, weights
+    return tokens, positions, weights, np.ones_like(tokens)
 
 
 def _prompt_crops(pairs, length: int, context: int, rng: np.random.Generator,
@@ -260,10 +265,9 @@ def run_sft(cfg: SFTConfig) -> Path:
             problems = [synthetic.make_problem(rng, cfg.long_k_range) for _ in range(batch)]
             pairs = synthetic.sft_examples(tokenizer, problems=problems)
             if crop:
-                tokens, positions, weights, *mask = _crops(
+                tokens, positions, weights, mask = _crops(
                     pairs, cfg.crop_length, synthetic.cycle_tokens() + 3, rng,
                     cfg.crop_start_fraction, cfg.crop_keep_prompt, cfg.crop_end_fraction)
-                mask = mask[0] if mask else np.ones_like(tokens)
             else:
                 tokens, weights = _pack(pairs, tokenizer.pad_token_id)
                 positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
