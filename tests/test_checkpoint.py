@@ -240,6 +240,7 @@ def test_sigterm_turns_into_preemption_stop(tmp_path):
         while not mngr.should_stop_for_preemption(3) and time.time() < deadline:
             time.sleep(0.01)  # Python runs signal handlers between bytecodes of the main thread
         assert mngr.should_stop_for_preemption(3)
+        assert mngr.stop_exit_code == 143      # `sparrow train` then exits 128 + SIGTERM
         assert mngr.save(3, params, opt_state, {"preempted": True})  # off-interval, still saved
         assert mngr.latest_step() == 3
     finally:
@@ -263,3 +264,20 @@ def test_encode_extra_and_save_json_atomic(tmp_path):
     save_json_atomic(path, {"v": 2, "b": b"z"})
     assert decode_extra(json.loads(path.read_text())) == {"v": 2, "b": b"z"}
     assert os.listdir(path.parent) == ["state.json"]  # no temp files left behind
+
+
+def test_a_run_stopped_by_a_signal_exits_nonzero(monkeypatch, capsys):
+    """A run that saved a step and stopped on Ctrl-C / SIGTERM is resumable, not finished: a
+    Kubernetes Job or SLURM requeue, `sparrow train && sparrow export` and `sparrow experiment`
+    all read exit status 0 as "done". (The whole path, with signals to a real run:
+    tests/test_run_safety.py.)"""
+    from sparrow_jax.runtime import faults
+    from sparrow_jax.train import command
+
+    def stopped():
+        raise faults.RunStopped(7, "interrupted (Ctrl-C)", 130)
+    monkeypatch.setattr(command, "train", stopped)
+    assert command.main(None) == 130
+    err = capsys.readouterr().err
+    assert ("sparrow train: interrupted (Ctrl-C): saved step 7 and stopped before the run's last "
+            "step; the same command resumes from it (exit status 130)") in err

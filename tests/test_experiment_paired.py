@@ -281,3 +281,17 @@ def test_arm_command_is_sparrow_train_with_the_arm_bindings():
     assert argv == [sys.executable, "-m", "sparrow_jax.cli", "--log_level", "DEBUG", "train",
                     "a.gin", "b.gin", "--gin_param", "X.y = 1", "--gin_param", "X.z = 2",
                     "--gin_param", "T.r = 'd'"]
+
+
+def test_an_arm_stopped_by_a_signal_is_not_counted_as_finished(tmp_path, caplog):
+    """`sparrow train` exits 130/143 after it saved a step on Ctrl-C / SIGTERM (a stop it did not
+    get from this runner, e.g. a scheduler's): the arm is reported as stopped, never finished,
+    so the report is not written over an arm that ran part of its steps."""
+    from sparrow_jax.experiment import runner as experiment
+    commands = {"cut": [sys.executable, "-c", "raise SystemExit(143)"],
+                "done": [sys.executable, "-c", "pass"]}
+    with caplog.at_level("INFO", logger=experiment.__name__):
+        codes = experiment.run_parallel(commands, tmp_path, 2, poll_s=0.05)
+    assert codes == {"cut": 143, "done": 0}
+    assert "arm cut: stopped by a signal after" in caplog.text and "re-running resumes" in caplog.text
+    assert "arm cut: finished" not in caplog.text and "arm done: finished" in caplog.text

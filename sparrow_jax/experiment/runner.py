@@ -37,8 +37,12 @@ import numpy as np
 
 # Registers PreregConfig with gin, so an experiment's gin file can bind it.
 from sparrow_jax.experiment import prereg
+from sparrow_jax.runtime.faults import RunStopped
 
 log = logging.getLogger(__name__)
+
+# `sparrow train`'s exit status after it saved a step and stopped on Ctrl-C / SIGTERM (RunStopped).
+STOPPED_EXIT_CODES = (130, 143)
 
 # (metric key in metrics.jsonl, plot title) of comparison.png, in panel order.
 PANELS = (
@@ -264,6 +268,10 @@ def run_parallel(commands: Mapping[str, Sequence[str]], log_dir: Path, parallel:
                 seconds = time.monotonic() - start
                 if code == 0:
                     log.info("arm %s: finished in %.0f s (exit code 0)", name, seconds)
+                elif code in STOPPED_EXIT_CODES:
+                    log.warning("arm %s: stopped by a signal after %.0f s (exit code %d): it "
+                                "saved its step and did not finish; re-running resumes it",
+                                name, seconds, code)
                 else:
                     log.error("arm %s: FAILED after %.0f s (exit code %d); the end of %s:\n%s",
                               name, seconds, code, log_dir / f"{name}.log",
@@ -350,7 +358,12 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
                      "; ".join(cfg.arms[name]) or "base configuration")
             # A fresh gin configuration per arm: base files + overrides + the arm's bindings.
             cli.parse_gin(gin_files, [*gin_params, *_arm_bindings(cfg, name)])
-            train.train()
+            try:
+                train.train()
+            except RunStopped as e:      # the arm saved and stopped on a signal: so do we
+                print(f"sparrow experiment: arm {name}: {e}; the report was not written "
+                      f"(exit status {e.exit_code})", file=sys.stderr, flush=True)
+                raise SystemExit(e.exit_code) from None
         cli.parse_gin(gin_files, gin_params)          # leave the base configuration bound
     done = [n for n in names if n not in failed]
     results = {name: read_jsonl(out / name) for name in done if (out / name).exists()}

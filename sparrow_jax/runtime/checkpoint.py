@@ -187,6 +187,7 @@ class CheckpointManager:
         # workers there: they ignore the signal and would otherwise outlive it).
         self.before_exit_at_once: Callable[[], None] | None = None
         self.stop_reason = "preemption requested"
+        self.stop_exit_code = 143      # how a shell reports a process SIGTERM ended (128 + 15)
         if (catch_sigint and jax.process_count() == 1
                 and threading.current_thread() is threading.main_thread()):
             self._prev_sigint = signal.signal(signal.SIGINT, self._on_sigint)
@@ -204,6 +205,7 @@ class CheckpointManager:
         if not self._sigterm.is_set():
             self._sigterm.set()
             self.stop_reason = "interrupted (Ctrl-C)"
+            self.stop_exit_code = 130
             logging.getLogger(__name__).warning(
                 "Ctrl-C: saving at the end of this step and stopping (press Ctrl-C again to "
                 "stop at once, losing the steps since the last checkpoint)")

@@ -36,7 +36,7 @@ from sparrow_jax.runtime import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunError", "DamagedCheckpointError", "NonFiniteGuard", "tree_checksums",
+__all__ = ["RunError", "RunStopped", "DamagedCheckpointError", "NonFiniteGuard", "tree_checksums",
            "verify_checksums", "restore_newest_good", "check_run_dir_writable",
            "check_vocabulary", "prompt_capacity", "save_failure", "CHECKSUM_KEY"]
 
@@ -46,6 +46,20 @@ DAMAGED_SUBDIR = "damaged_checkpoints"
 
 class RunError(RuntimeError):
     """The run cannot go on; the message says why and what to do (shown without a traceback)."""
+
+
+class RunStopped(Exception):
+    """The run saved its step and stopped early on a signal (Ctrl-C, SIGTERM, a preemption notice).
+
+    Not an error, but not a finished run either: `sparrow train` exits with `exit_code` (130 for
+    Ctrl-C, 143 for SIGTERM or a preemption, as a shell reports a process the signal ended), so a
+    scheduler requeues the job, `sparrow train && sparrow export` does not export a half-trained
+    run, and `sparrow experiment` does not count the arm as finished. Re-running resumes."""
+
+    def __init__(self, step: int, reason: str, exit_code: int):
+        super().__init__(f"{reason}: saved step {step} and stopped before the run's last step; "
+                         f"the same command resumes from it")
+        self.step, self.reason, self.exit_code = step, reason, exit_code
 
 
 class DamagedCheckpointError(RuntimeError):

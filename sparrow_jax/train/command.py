@@ -127,6 +127,10 @@ def main(args: argparse.Namespace) -> int:
         log.debug("sparrow train stopped", exc_info=True)
         message = str(e) if isinstance(e, faults.RunError) else f"{type(e).__name__}: {e}"
         raise SystemExit(f"sparrow train: {message}") from None
+    except faults.RunStopped as e:   # saved and stopped on a signal: resumable, not finished
+        log.debug("stopped", exc_info=True)
+        print(f"sparrow train: {e} (exit status {e.exit_code})", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:   # Ctrl-C before the loop (loading, compiling): nothing to save
         log.debug("interrupted", exc_info=True)
         print("sparrow train: interrupted (Ctrl-C) outside the training loop; the run's "

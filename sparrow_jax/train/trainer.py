@@ -372,7 +372,10 @@ class Trainer:
                 break
         bar.close()
         self.close()
-        return self.report(history)
+        result = self.report(history)
+        if self.step < cfg.total_steps:     # stopped early by a signal: not a finished run
+            raise faults.RunStopped(self.step, self.ckpt.stop_reason, self.ckpt.stop_exit_code)
+        return result
 
     def report(self, history: dict) -> dict[str, float]:
         # A resumed (or already finished) run keeps the evaluations of earlier processes.
