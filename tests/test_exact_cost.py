@@ -1,12 +1,17 @@
 """Exact sparse rollout's cost model (sparsity/exact_cost.py): tokens per verify pass against a
-simulation of the acceptance process, the per-token cost against hand arithmetic, the plan's
-choices against enumeration."""
+simulation of the acceptance process, the per-token cost against hand arithmetic, the per-bin
+choice of (gamma, budget) or dense against brute-force enumeration and hand-computed cases."""
+
+import itertools
+import logging
 
 import numpy as np
 import pytest
 
 from sparrow_jax.sparsity.cost_model import Hardware, ModelShape
-from sparrow_jax.sparsity.exact_cost import exact_token_eflops, plan_exact, tokens_per_pass
+from sparrow_jax.sparsity.exact_cost import (choose_per_bin, exact_token_eflops, modelled_costs,
+                                             plan_exact, tokens_per_pass)
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 
 TOY = ModelShape(num_layers=4, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=100, dense_layers=(0,), dtype_bytes=2)
@@ -41,20 +46,80 @@ def test_exact_token_cost_by_hand():
     assert got["total"][0] == pytest.approx((gamma * sparse + verify) / e)
 
 
-def test_plan_picks_cheapest_budget_per_bin_and_best_gamma():
+def _enumerate(budgets, alpha, draft, verify, dense):
+    """Brute force: every (gamma, budget) and dense per bin, by the rate's definition."""
+    out = []
+    for j in range(alpha.shape[1]):
+        cands = [(1.0 / dense[j], 0, DENSE_BUDGET)]
+        for (g, ver), (i, b) in itertools.product(verify.items(), enumerate(budgets)):
+            a = alpha[i, j]
+            if np.isnan(a):
+                continue
+            e = sum(a ** n for n in range(g + 1))        # 1 + a + ... + a^g
+            cands.append((e / (g * draft[i, j] + ver[j]), g, b))
+        out.append(max(cands, key=lambda c: c[0]))
+    return out
+
+
+def test_choice_per_bin_matches_brute_force_enumeration():
+    r = np.random.default_rng(3)
+    budgets, seen = [64, 256, 1024], set()
+    for _ in range(40):
+        n = 5
+        alpha = np.sort(r.uniform(0.0, 1.0, (3, n)), axis=0)   # more budget, more alpha
+        alpha[r.random((3, n)) < 0.1] = np.nan
+        dense = r.uniform(0.5, 2.0, n)
+        draft = dense * r.uniform(0.1, 0.9, (3, 1)) * np.array([[1.0], [1.1], [1.3]])
+        verify = {g: dense * r.uniform(0.8, 1.0 + 0.3 * g) for g in (1, 2, 4)}
+        plan = choose_per_bin(budgets, alpha, draft, verify, dense)
+        for j, (rate, g, b) in enumerate(_enumerate(budgets, alpha, draft, verify, dense)):
+            assert plan.speedup[j] == pytest.approx(rate * dense[j])
+            assert (plan.gammas[j], plan.budgets[j]) == (g, b)
+            seen.add(g)
+    assert seen == {0, 1, 2, 4}                # dense and every gamma won somewhere
+
+
+def test_choice_by_hand_including_dense():
+    """Costs in dense steps. Bin 0: alpha 0.9 at budget 512, draft 0.25, verify 1 + 0.2 g:
+    g=1: 1.9 / 1.45 = 1.310; g=2: 2.71 / 1.9 = 1.426; g=4: 4.0951 / 2.8 = 1.4625 -> gamma 4.
+    Bin 1: alpha 0.5: g=1: 1.5 / 1.45 = 1.034; g=2: 1.75 / 1.9 = 0.921 -> gamma 1, 1.03x.
+    Bin 2: alpha 0.3: g=1: 1.3 / 1.45 = 0.897 < 1 -> dense. Bin 3: no alpha -> dense."""
+    verify = {g: 1.0 + 0.2 * g for g in (1, 2, 4)}
+    plan = choose_per_bin([512], [[0.9, 0.5, 0.3, np.nan]], [0.25], verify, 1.0)
+    assert plan.gammas == (4, 1, 0, 0)
+    assert plan.budgets == (512, 512, DENSE_BUDGET, DENSE_BUDGET)
+    assert plan.speedup == pytest.approx((4.0951 / 2.8, 1.5 / 1.45, 1.0, 1.0))
+    assert plan.tokens_per_pass == pytest.approx((4.0951, 1.5, 1.0, 1.0))
+    assert "no draft beats dense" in plan.reasons[2] and "no alpha" in plan.reasons[3]
+    # Budget choice: a larger budget's higher alpha pays for its dearer draft, or does not.
+    two = choose_per_bin([128, 1024], [[0.6, 0.6], [0.95, 0.65]], [[0.2, 0.2], [0.4, 0.4]],
+                         {2: 1.3}, 1.0)
+    # bin 0: 128: 1.96 / 1.7 = 1.153; 1024: 2.8525 / 2.1 = 1.358. bin 1: 1024: 2.0725 / 2.1.
+    assert two.budgets == (1024, 128) and two.gammas == (2, 2)
+    assert two.speedup == pytest.approx((2.8525 / 2.1, 1.96 / 1.7))
+    # Overall: bins weighted by tokens, each token at its bin's planned cost.
+    assert two.overall_speedup([1, 3]) == pytest.approx(4 / (2.1 / 2.8525 + 3 * 1.7 / 1.96))
+    with pytest.raises(ValueError, match="gammas"):
+        choose_per_bin([512], [[0.9]], [0.3], {0: 1.0}, 1.0)
+    with pytest.raises(ValueError, match=r"alpha must lie in \[0, 1\]"):
+        choose_per_bin([512], [[1.2]], [0.3], {1: 1.0}, 1.0)
+
+
+def test_plan_on_modelled_costs_and_log(caplog):
     ctx = [2048, 8192, 32768]
     alphas = {128: [0.5, 0.6, 0.7], 512: [0.9, 0.92, 0.95], 2048: [1.0, 0.99, 0.98]}
     plan = plan_exact(TOY, HW, ctx, alphas, gammas=(1, 2, 4, 8), batch=8)
-    for row in plan["per_gamma"]:
-        for k, c in enumerate(ctx):       # enumeration: the chosen budget is the cheapest
-            costs = {b: exact_token_eflops(TOY, HW, [c], b, alphas[b][k], row["gamma"],
-                                           batch=8)["total"][0] for b in alphas}
-            assert row["budgets"][k] == min(costs, key=costs.get)
-    assert plan["speedup"] == max(r["speedup"] for r in plan["per_gamma"])
+    draft, verify, dense = modelled_costs(TOY, HW, ctx, sorted(alphas), (1, 2, 4, 8), batch=8)
+    want = _enumerate(sorted(alphas), np.array([alphas[b] for b in sorted(alphas)]), draft,
+                      dict(zip((1, 2, 4, 8), verify)), dense)
+    assert [(g, b) for _, g, b in want] == list(zip(plan.gammas, plan.budgets))
     # Near-certain acceptance favours long drafts; poor acceptance makes drafting a loss.
     sure = plan_exact(TOY, HW, [32768], {512: [0.999]}, gammas=(1, 2, 4, 8), batch=8)
-    assert sure["gamma"] == 8 and sure["speedup"] > 1
+    assert sure.gammas == (8,) and sure.speedup[0] > 1
     poor = plan_exact(TOY, HW, [32768], {512: [0.05]}, gammas=(1, 4), batch=8)
-    assert poor["gamma"] == 1 and poor["speedup"] < 1
+    assert poor.gammas == (0,) and poor.speedup[0] == 1.0
+    with caplog.at_level(logging.INFO):
+        poor.log(bin_size=2000)
+    assert "bin 0 (0-2000 tokens): dense decoding" in caplog.text
     with pytest.raises(ValueError, match="one alpha per bin"):
         plan_exact(TOY, HW, ctx, {128: [0.5]})

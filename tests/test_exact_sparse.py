@@ -35,8 +35,9 @@ def _push(h, tok):
     return (h * 31 + tok + 1) % M
 
 
-def _simulate(logp, logq, n: int, seed: int) -> np.ndarray:
-    """n continuations by draft + verify rounds until each has DEPTH tokens -> [n, DEPTH]."""
+def _simulate(logp, logq, n: int, seed: int, limits: bool = False) -> np.ndarray:
+    """n continuations by draft + verify rounds until each has DEPTH tokens -> [n, DEPTH];
+    limits: each row offers a random 0..GAMMA of its drafts per round (a per-bin gamma)."""
     key = jax.random.key(seed)
     h = jnp.zeros((n,), jnp.int32)
     out = jnp.zeros((n, DEPTH + GAMMA + 1), jnp.int32)
@@ -52,9 +53,11 @@ def _simulate(logp, logq, n: int, seed: int) -> np.ndarray:
         drafts = jnp.stack(drafts, 1)
         p_logp = jnp.stack([logp[x] for x in hs], 1)                    # [n, G+1, V]
         q_logp = jnp.stack([logq[x] for x in hs[:-1]], 1)               # [n, G, V]
+        limit = (jax.random.randint(jax.random.fold_in(ku, 1), (n,), 0, GAMMA + 1)
+                 if limits else None)
         num, nxt, _ = speculative.speculative_accept(
             p_logp, q_logp, drafts, jax.random.uniform(ku, (n, GAMMA)),
-            jax.random.gumbel(kg, (n, GAMMA + 1, V)))
+            jax.random.gumbel(kg, (n, GAMMA + 1, V)), limit=limit)
         j = jnp.arange(GAMMA + 1)[None]
         new = jnp.where(j < num[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
         keep = (j <= num[:, None]) & (count[:, None] + j < DEPTH)
@@ -96,10 +99,12 @@ def _chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
 N_SCALE = 40_000
 
 
-@pytest.mark.parametrize("top_k", [0, 3])
-def test_accept_rule_first_three_tokens_match_dense_sampling(top_k):
+@pytest.mark.parametrize("top_k,limits", [(0, False), (3, True)])
+def test_accept_rule_first_three_tokens_match_dense_sampling(top_k, limits):
+    """limits: rows offer a random 0..GAMMA of their drafts per round (a per-bin gamma, 0 = a
+    dense step): the token after the last offered draft is p's bonus, so it stays dense."""
     logp, logq = _toy_tables(top_k)
-    samples = _simulate(logp, logq, N_SCALE, seed=1)
+    samples = _simulate(logp, logq, N_SCALE, seed=1, limits=limits)
     assert _chi_square_p(samples, _dense_probs(logp)) > 1e-3
     # ... and they differ from the draft's own distribution (the test has power).
     assert _chi_square_p(samples, _dense_probs(logq)) < 1e-6
@@ -190,8 +195,11 @@ def test_greedy_exact_sparse_equals_dense_greedy(sharp):
     toks, lens = _prompts([40, 70, 9, 23], seed=2)
     kw = dict(max_new_tokens=48, temperature=0.0, stop_token_ids=(18,), **KW)
     dense = generate(sharp, toks, lens, cfg=RolloutConfig(mode="dense", **kw), budgets=BUDGETS)
-    ex = generate(sharp, toks, lens, cfg=RolloutConfig(mode="exact_sparse", gamma=4, **kw),
-                  budgets=BUDGETS)
+    # A gamma per 24-token bin (0: dense steps), so rows cross bins and rounds mix them (two
+    # branches: each distinct gamma compiles one more round into the program).
+    plan = (2, 0, 2)
+    ex = generate(sharp, toks, lens, budgets=BUDGETS, bin_size=24, cfg=RolloutConfig(
+        mode="exact_sparse", gamma=2, gamma_by_bin=plan, **kw))
     np.testing.assert_array_equal(np.asarray(ex.tokens), np.asarray(dense.tokens))
     np.testing.assert_array_equal(np.asarray(ex.response_lengths),
                                   np.asarray(dense.response_lengths))
@@ -200,6 +208,11 @@ def test_greedy_exact_sparse_equals_dense_greedy(sharp):
     assert lens_out.min() < 30 and lens_out.max() == 48
     acc, mask = np.asarray(ex.accepted), np.asarray(ex.mask)
     assert 0 < acc.sum() < mask.sum() - mask.shape[0] - 10     # > 10 rejections
+    rows = exact.acceptance_by_bin(ex, gamma=plan, bin_size=24)
+    for r in rows:        # no round offers more drafts than its bin's gamma; dense bins none
+        assert r["gamma"] == plan[min(r["bin"], 2)] and r["tokens_per_pass"] <= r["gamma"] + 1
+    dense_bin = next(r for r in rows if r["bin"] == 1)      # dense steps: 1 token a round
+    assert dense_bin["rounds"] > 20 and dense_bin["tokens_per_pass"] == 1.0
 
 
 @pytest.mark.slow
@@ -241,6 +254,12 @@ def test_bad_settings():
         RolloutConfig(mode="compress", engine="paged")
     with pytest.raises(ValueError, match="mode must be one of"):
         RolloutConfig(mode="exactsparse")
+    with pytest.raises(ValueError, match=r"gamma=4 must be their largest \(2"):
+        RolloutConfig(mode="exact_sparse", gamma_by_bin=(2, 0))
+    with pytest.raises(ValueError, match="static engine only"):
+        RolloutConfig(mode="exact_sparse", engine="paged", gamma=2, gamma_by_bin=(2, 0))
+    assert RolloutConfig(mode="exact_sparse", gamma=2, gamma_by_bin=(2, 0, 2, 1)
+                         ).round_gammas == (0, 1, 2)
 
 
 @pytest.mark.slow
@@ -257,8 +276,17 @@ def test_bench_exact_workload(capsys):
     assert cli.main(argv) == 0
     records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [r["mode"] for r in records] == ["dense", "sparse", "exact_sparse",
-                                            "exact_sparse (kernel prefix)"]
-    dense, sparse, ex, before = records
+                                            "exact_sparse (kernel prefix)", "plan"]
+    dense, sparse, ex, before, plan = records
+    # The cost model's pick from the costs measured alone: gamma 2 when it predicts a gain.
+    assert set(plan["predicted_ratio"]) == {"2"} and plan["measured_best_gamma"] == 2
+    assert plan["measured_ratio"]["2"] == ex["ratio"]
+    if plan["predicted_ratio"]["2"] > 1:
+        assert plan["chosen_gamma"] == 2
+        assert plan["chosen_predicted"] == pytest.approx(plan["predicted_ratio"]["2"])
+    else:
+        assert plan["chosen_gamma"] == 0 and plan["chosen_predicted"] == 1.0
+    records = records[:4]
     # The profile's phases cover the round: draft + verify + accept + other = ms per round.
     for r in (ex, before):
         phases = r["draft_ms"] + r["verify_ms"] + r["accept_ms"] + r["other_ms"]

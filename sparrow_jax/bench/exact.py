@@ -24,6 +24,11 @@ per generated token (per row, at the full context, K+V of every layer plus the s
 centroid scoring) follow from the shapes: dense reads the whole context every layer; sparse
 reads the budget in sparse layers; exact reads gamma sparse steps + one dense pass per round,
 divided by the measured tokens per round.
+
+Per dense-layer set, a "plan" line: the gamma (or dense decoding) that the cost model
+(`sparsity/exact_cost.choose_per_bin`) picks from costs measured alone (the sparse run's step
+as the draft step, a verify pass per gamma, the dense step) and the exact runs' mean alpha,
+with each gamma's predicted ratio to dense beside the measured one.
 """
 
 from __future__ import annotations
@@ -176,7 +181,39 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
                        sparse_step_ms=sparse_ms,
                        kv_bytes_per_token=(cfg.gamma * sparse_kv + dense_kv) / per_pass)
         results.append(row)
-    return results
+    return results + plan_rows(results, dense_ms=1e3 * med["dense"] / (args.new_tokens - 1),
+                               verify_ms=verify_ms)
+
+
+def plan_rows(results: list[dict], *, dense_ms: float, verify_ms: dict[int, float]
+              ) -> list[dict]:
+    """Per dense-layer set: the gamma `exact_cost.choose_per_bin` picks (dense included) from
+    costs measured alone - a sparse step at the budget (the draft step), a verify pass per
+    gamma, a dense step - and the mean alpha of the exact runs, with each gamma's predicted
+    ratio to dense beside its measured one (the check that the cost model picks the gamma
+    that measures best)."""
+    from sparrow_jax.sparsity.exact_cost import choose_per_bin, tokens_per_pass
+    out = []
+    for layers in sorted({tuple(r["dense_layers"]) for r in results if r["mode"] == "sparse"}):
+        runs = [r for r in results if r["mode"] == "exact_sparse"
+                and tuple(r["dense_layers"]) == layers]
+        if not runs:
+            continue
+        alpha = float(np.mean([r["mean_alpha"] for r in runs]))
+        draft_ms = runs[0]["sparse_step_ms"]
+        plan = choose_per_bin([runs[0]["budget"]], [[alpha]], [draft_ms],
+                              {r["gamma"]: verify_ms[r["gamma"]] for r in runs}, dense_ms)
+        predicted = {r["gamma"]: float(tokens_per_pass(alpha, r["gamma"])) * dense_ms / (
+            r["gamma"] * draft_ms + verify_ms[r["gamma"]]) for r in runs}
+        best = max(runs, key=lambda r: r["ratio"])
+        out.append({"context": runs[0]["context"], "mode": "plan", "dense_layers": list(layers),
+                    "alpha": alpha, "draft_ms": draft_ms, "dense_ms": dense_ms,
+                    "verify_ms": {g: verify_ms[g] for g in predicted},
+                    "chosen_gamma": plan.gammas[0], "chosen_predicted": plan.speedup[0],
+                    "predicted_ratio": predicted,
+                    "measured_ratio": {r["gamma"]: r["ratio"] for r in runs},
+                    "measured_best_gamma": best["gamma"]})
+    return out
 
 
 def _verify_ms(model, state, gamma: int, repeats: int) -> float:
@@ -214,6 +251,20 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
           f"{'draft':>7} {'verify':>7} {'accept':>7} {'other':>7}", flush=True)
     for context in args.context:
         for r in bench_context(model, context, args, base_cfg):
+            if r["mode"] == "plan":
+                layers = ",".join(map(str, r["dense_layers"])) or "none"
+                pairs = ", ".join(f"gamma {g}: {r['predicted_ratio'][g]:.2f}x predicted / "
+                                  f"{r['measured_ratio'][g]:.2f}x measured"
+                                  for g in r["predicted_ratio"])
+                what = (f"gamma {r['chosen_gamma']}" if r["chosen_gamma"] else "dense decoding")
+                print(f"# plan at {context} (dense layers {layers}, alpha {r['alpha']:.3f}; "
+                      f"costs alone: dense {r['dense_ms']:.1f} ms, draft {r['draft_ms']:.1f} ms "
+                      f"a step, verify {r['verify_ms']} ms): chooses {what} "
+                      f"({r['chosen_predicted']:.2f}x predicted); {pairs}; measured best: gamma "
+                      f"{r['measured_best_gamma']}", flush=True)
+                if args.json:
+                    print(json.dumps({"bench": "rollout_exact_plan", **r}), flush=True)
+                continue
             def f(key, spec, width):
                 return f"{r[key]:>{width}{spec}}" if key in r else " " * width
             layers = ",".join(map(str, r.get("dense_layers", []))) or (

@@ -29,6 +29,12 @@ class RolloutConfig:
     mode: str = "sparse"                 # "sparse" | "dense" | "compress" (Sparse-RL's KV eviction)
     #                                      | "exact_sparse" (sparse drafts, dense verify: exact.py)
     gamma: int = 4                       # exact_sparse: tokens drafted per dense verify pass
+    # exact_sparse, static engine: the draft length per length bin (the bins of the budgets;
+    # the last entry holds beyond), 0 = dense decoding in that bin (no draft), e.g. the plan of
+    # sparsity/exact_cost.choose_per_bin; () = `gamma` in every bin. gamma must be the largest
+    # entry (the cache slack). One program holds a branch per distinct entry: keep the set
+    # small, e.g. {0, 1, 2, 4}.
+    gamma_by_bin: tuple[int, ...] = ()
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 16
     max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
@@ -85,6 +91,8 @@ class RolloutConfig:
                              f"got {self.gamma}")
         if self.mode == "compress":
             self._check_compress()
+        if self.mode == "exact_sparse" and self.gamma_by_bin:
+            self._check_gamma_by_bin()
         if self.engine not in ("static", "paged"):
             raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
                              f"{self.engine!r}")
@@ -137,6 +145,23 @@ class RolloutConfig:
                              f"window={self.window} (the observation window's queries are the last decode steps')")
         if not 0.0 <= self.rkv_lambda <= 1.0:
             raise ValueError(f"rkv_lambda must be in [0, 1], got {self.rkv_lambda}")
+
+    def _check_gamma_by_bin(self) -> None:
+        """Raises on a per-bin gamma plan the exact_sparse engines cannot run."""
+        plan = self.gamma_by_bin
+        if min(plan) < 0 or max(plan) != self.gamma:
+            raise ValueError(f"RolloutConfig.gamma_by_bin={plan}: entries must be >= 0 and "
+                             f"gamma={self.gamma} must be their largest ({max(plan)}; it sizes "
+                             "the cache slack)")
+        if self.engine != "static":
+            raise ValueError(f"RolloutConfig.gamma_by_bin={plan} runs on the static engine only "
+                             f"(engine={self.engine!r}); set engine='static' or a fixed gamma")
+
+    @property
+    def round_gammas(self) -> tuple[int, ...]:
+        """The draft lengths an exact_sparse round can run: the distinct gamma_by_bin entries
+        (0: a dense step), or (gamma,)."""
+        return tuple(sorted(set(self.gamma_by_bin))) or (self.gamma,)
 
     def sparse_layer(self, i: int) -> bool:
         """Whether decoder layer i decodes block-sparse (sparse mode, or exact_sparse's draft;

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +144,7 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     Returns (Trajectories, final carry) as engine.decode_program does."""
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
     mcfg = model.config
-    g, bs = cfg.gamma, cfg.block_size
+    bs = cfg.block_size
     b, t_new = state.tokens.shape
     s_max = state.cache.max_length
     max_selected = min(cfg.max_budget, s_max) // bs
@@ -152,11 +153,16 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
                              mcfg.num_key_value_heads) for sp in (False, True)}
     sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
     rows = jnp.arange(b)[:, None]
-    j = jnp.arange(g + 1)[None, :]                                                # [1, G+1]
+    gammas = cfg.round_gammas                     # the draft lengths a round can run (static)
+    table = jnp.asarray(cfg.gamma_by_bin or (cfg.gamma,), jnp.int32)
 
-    def draft(st: DecodeState):
-        """gamma sparse decode steps from st.token. Returns the cache (draft K/V written at
-        start..start+G-1), drafts [B, G] and the draft's log-probs [B, G, V]."""
+    def row_gamma(lengths):
+        """[B] cache lengths at a round's start -> each row's bin's gamma."""
+        return table[jnp.minimum(lengths // bin_size, table.shape[0] - 1)]
+
+    def draft(st: DecodeState, g: int):
+        """g sparse decode steps from st.token. Returns the cache (draft K/V written at
+        start..start+g-1), drafts [B, g] and the draft's log-probs [B, g, V]."""
         start = st.cache.lengths
 
         def step(carry, jj):
@@ -180,31 +186,49 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
             return (tuple(ks), tuple(vs), tuple(cs), x), (x, q_logp)
 
         c = st.cache
+        if g == 0:          # a dense step: nothing drafted
+            return ((list(c.k), list(c.v), list(c.centroids)), jnp.zeros((b, 0), jnp.int32),
+                    jnp.zeros((b, 0, mcfg.vocab_size), jnp.float32))
         (ks, vs, cs, _), (xs, q_logp) = jax.lax.scan(step, (c.k, c.v, c.centroids, st.token),
                                                      jnp.arange(g))
         return (list(ks), list(vs), list(cs)), xs.T, q_logp.transpose(1, 0, 2)
 
     def verify(st: DecodeState, ks, vs, drafts):
-        seq = jnp.concatenate([st.token[:, None], drafts], axis=1)             # [B, G+1]
+        seq = jnp.concatenate([st.token[:, None], drafts], axis=1)             # [B, g+1]
         return verify_forward(model, ks, vs, st.cache.lengths, seq, backend=cfg.backend)
 
-    def body(carry):
-        st, acc_buf, alpha_buf = carry
-        start, r, active = st.cache.lengths, st.response_lengths, ~st.done
-        # Named scopes: a profile attributes each op to its phase (bench/exact.py's breakdown).
-        with jax.named_scope("exact_draft"):
-            (ks, vs, cs), drafts, q_logp = draft(st)
-        with jax.named_scope("exact_verify"):
-            ks, vs, p_logits = verify(st, ks, vs, drafts)
-        with jax.named_scope("exact_accept"):
-            return finish(st, acc_buf, alpha_buf, ks, vs, cs, drafts, q_logp, p_logits)
+    def round_of(g: int):
+        """One round of every row at draft length g (a row offers min(its bin's gamma, g))."""
+        def run(carry):
+            st, acc_buf, alpha_buf = carry
+            # Named scopes: a profile attributes each op to its phase (bench/exact.py).
+            with jax.named_scope("exact_draft"):
+                (ks, vs, cs), drafts, q_logp = draft(st, g)
+            with jax.named_scope("exact_verify"):
+                ks, vs, p_logits = verify(st, ks, vs, drafts)
+            with jax.named_scope("exact_accept"):
+                return finish(st, acc_buf, alpha_buf, ks, vs, cs, drafts, q_logp, p_logits,
+                              g)
+        return run
 
-    def finish(st, acc_buf, alpha_buf, ks, vs, cs, drafts, q_logp, p_logits):
+    def body(carry):
+        if len(gammas) == 1:
+            return round_of(gammas[0])(carry)
+        # The round drafts the longest gamma any active row's bin asks for; each row offers
+        # its own bin's (verify.accept_round's limit), so its tokens are its bin's rounds.
+        st = carry[0]
+        need = jnp.max(jnp.where(st.done, 0, row_gamma(st.cache.lengths)))
+        branch = jnp.searchsorted(jnp.asarray(gammas, jnp.int32), need)
+        return jax.lax.switch(branch, [round_of(g) for g in gammas], carry)
+
+    def finish(st, acc_buf, alpha_buf, ks, vs, cs, drafts, q_logp, p_logits, g):
         """The acceptance rule, the records and the rollback (lengths, centroids)."""
         start, r, active = st.cache.lengths, st.response_lengths, ~st.done
         rd = accept_round(p_logits, q_logp, drafts, rng=st.rng, sample_ids=st.sample_ids,
-                          generated=r, active=active, cfg=cfg)
+                          generated=r, active=active, cfg=cfg,
+                          limit=None if len(gammas) == 1 else row_gamma(start))
         # Drafted token j (1-based) lands at response index r - 1 + j.
+        j = jnp.arange(g + 1)[None, :]
         at = jnp.where(j < rd.n_new[:, None], r[:, None] + j, t_new)   # t_new: dropped
 
         def put(buf, val):
@@ -212,7 +236,7 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         n_new = rd.n_new
         new_len = start + n_new
         done = st.done | (active & (rd.stopped | (r + n_new >= t_new)
-                                    | (new_len + g + 1 > s_max)))
+                                    | (new_len + cfg.gamma + 1 > s_max)))
         cs = [refresh_centroids(c, k, start, new_len, span=g + 1, block_size=bs) if sp else c
               for c, k, sp in zip(cs, ks, sparse_layers)]
         st = dataclasses.replace(
@@ -258,13 +282,14 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     graphdef, params = nnx.split(model)
     COMPILES.note("rollout/decode", rows=state.tokens.shape[0], prompt_width=plen,
                   max_new_tokens=cfg.max_new_tokens, mode=cfg.mode, gamma=cfg.gamma,
+                  gamma_by_bin=cfg.gamma_by_bin,
                   max_budget=cfg.max_budget, dtype=jnp.dtype(model.dtype).name)
     traj, _ = decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
                              bin_size=bin_size, spec=spec)
     return traj
 
 
-def acceptance_by_bin(traj: Trajectories, *, gamma: int, bin_size: int,
+def acceptance_by_bin(traj: Trajectories, *, gamma: int | Sequence[int], bin_size: int,
                       drop_last_round: bool = False) -> list[dict]:
     """`acceptance_by_bin_arrays` of a trajectory batch (one process's rows)."""
     return acceptance_by_bin_arrays(np.asarray(traj.accepted), np.asarray(traj.alpha),
@@ -274,11 +299,12 @@ def acceptance_by_bin(traj: Trajectories, *, gamma: int, bin_size: int,
 
 
 def acceptance_by_bin_arrays(acc: np.ndarray, alpha: np.ndarray, mask: np.ndarray,
-                             cached: np.ndarray, *, gamma: int, bin_size: int,
+                             cached: np.ndarray, *, gamma: int | Sequence[int], bin_size: int,
                              drop_last_round: bool = False) -> list[dict]:
     """Per length bin (of the cache length when a verify round started): measured tokens per
     verify pass (and its standard error over rounds) beside the prediction
-    (1 - a^(g+1)) / (1 - a) from the bin's mean alpha.
+    (1 - a^(g+1)) / (1 - a) from the bin's mean alpha; gamma: one for every bin, or per bin
+    (`RolloutConfig.gamma_by_bin`, the last entry beyond; 0: dense steps, predicted 1).
     acc/alpha/mask/cached [B, T] as Trajectories.accepted/alpha/mask/cached_lengths.
     A round ends at each token the verify pass sampled (accepted False); rounds cut short by a
     stop or max_new_tokens count with the tokens they gave, unless `drop_last_round` leaves
@@ -304,7 +330,10 @@ def acceptance_by_bin_arrays(acc: np.ndarray, alpha: np.ndarray, mask: np.ndarra
         a = float(np.mean(alphas)) if alphas else float("nan")
         # Standard error of the mean over rounds (rounds of one row are not quite independent).
         se = float(sizes.std(ddof=1) / np.sqrt(len(sizes))) if len(sizes) > 1 else float("nan")
-        out.append({"bin": k, "rounds": len(sizes), "tokens_per_pass": float(sizes.mean()),
-                    "tokens_per_pass_se": se, "mean_alpha": a,
-                    "predicted": float(speculative.expected_tokens_per_pass(a, gamma))})
+        g = int(gamma) if np.ndim(gamma) == 0 else int(gamma[min(k, len(gamma) - 1)])
+        out.append({"bin": k, "gamma": g, "rounds": len(sizes),
+                    "tokens_per_pass": float(sizes.mean()), "tokens_per_pass_se": se,
+                    "mean_alpha": a,
+                    "predicted": 1.0 if g == 0 else float(
+                        speculative.expected_tokens_per_pass(a, g))})
     return out

@@ -37,7 +37,7 @@ def alpha(p_logp: jax.Array, q_logp: jax.Array) -> jax.Array:
 
 
 def speculative_accept(p_logp: jax.Array, q_logp: jax.Array, drafts: jax.Array,
-                       uniforms: jax.Array, gumbel: jax.Array
+                       uniforms: jax.Array, gumbel: jax.Array, limit: jax.Array | None = None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One verify pass of the speculative-sampling rule, per row.
 
@@ -48,16 +48,22 @@ def speculative_accept(p_logp: jax.Array, q_logp: jax.Array, drafts: jax.Array,
     Returns (num_accepted [B] int32 in [0, G], next_token [B] int32: the correction from
     norm(max(0, p - q)) at position num_accepted, or the bonus from p_G if all were accepted,
     alpha [B, G] f32 per drafted position).
+    limit [B] int32 in [0, G] (default G): row b offers only its first limit[b] drafts (a
+    round of gamma = limit[b]): if all of those are accepted, the token at position limit[b]
+    is the bonus from p there (the drafts past it are never offered), so a row's tokens are
+    exact whatever its limit.
     """
     g = drafts.shape[1]
     p_x = jnp.exp(jnp.take_along_axis(p_logp[:, :g], drafts[..., None], axis=-1)[..., 0])
     q_x = jnp.exp(jnp.take_along_axis(q_logp, drafts[..., None], axis=-1)[..., 0])
     ok = uniforms < accept_probability(p_x, q_x)                                  # [B, G]
     num = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    limit = jnp.full_like(num, g) if limit is None else limit.astype(jnp.int32)
+    num = jnp.minimum(num, limit)
     p_at = jnp.take_along_axis(p_logp, num[:, None, None], axis=1)[:, 0]           # [B, V]
-    # Past the last draft there is no q: the residual max(0, p - 0) is p itself (the bonus).
+    # Past the last offered draft there is no q: the residual max(0, p - 0) is p (the bonus).
     q_at = jnp.take_along_axis(q_logp, jnp.minimum(num, g - 1)[:, None, None], axis=1)[:, 0]
-    q_prob = jnp.where((num < g)[:, None], jnp.exp(q_at), 0.0)
+    q_prob = jnp.where((num < limit)[:, None], jnp.exp(q_at), 0.0)
     residual = jnp.maximum(jnp.exp(p_at) - q_prob, 0.0)
     # A rejection implies p(x) < q(x) somewhere, hence mass where p > q; if rounding leaves
     # none (p == q to f32), p itself is the right distribution.
@@ -68,14 +74,18 @@ def speculative_accept(p_logp: jax.Array, q_logp: jax.Array, drafts: jax.Array,
     return num, next_token, alpha(p_logp[:, :g], q_logp)
 
 
-def greedy_accept(p_logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+def greedy_accept(p_logits: jax.Array, drafts: jax.Array, limit: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """Greedy verify: p_logits [B, G+1, V], drafts [B, G] (the draft's argmaxes) ->
-    (num_accepted [B]: drafts before the first that is not the dense argmax, next_token [B]:
-    the dense argmax at that position). Ties resolve to the lowest id, as dense greedy."""
+    (num_accepted [B]: drafts before the first that is not the dense argmax, at most limit [B]
+    (default G: as `speculative_accept`), next_token [B]: the dense argmax at that position).
+    Ties resolve to the lowest id, as dense greedy."""
     b, g1, v = p_logits.shape
     best = first_argmax(p_logits.reshape(b * g1, v).astype(jnp.float32)).reshape(b, g1)
     ok = drafts == best[:, :-1]
     num = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    if limit is not None:
+        num = jnp.minimum(num, limit)
     return num, jnp.take_along_axis(best, num[:, None], axis=1)[:, 0]
 
 

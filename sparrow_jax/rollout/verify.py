@@ -91,29 +91,45 @@ class Round(NamedTuple):
 
 def accept_round(p_logits: jax.Array, q_logp: jax.Array, drafts: jax.Array, *,
                  rng: jax.Array, sample_ids: jax.Array, generated: jax.Array,
-                 active: jax.Array, cfg: RolloutConfig) -> Round:
+                 active: jax.Array, cfg: RolloutConfig, limit: jax.Array | None = None
+                 ) -> Round:
     """The speculative-sampling rule on one round. p_logits [B, G+1, V] of the verify pass (at
     x_0..x_G), q_logp [B, G, V] the draft's, drafts [B, G] (x_1..x_G); generated [B] tokens
-    recorded before the round (x_1 lands at response index generated), active [B]. The round
+    recorded before the round (x_1 lands at response index generated), active [B]; limit [B]
+    (default G): the drafts a row offers (its bin's gamma, `RolloutConfig.gamma_by_bin`; 0: the
+    round is one dense step). G = 0 is a dense step (the verify pass of x_0 alone). The round
     keeps the accepted drafts and one token sampled by the verify (correction or bonus), cut at
     the first stop token and at cfg.max_new_tokens."""
     b, g = drafts.shape
     j = jnp.arange(g + 1)[None, :]
     idx = generated[:, None] + j                                              # [B, G+1]
+    lim = jnp.full((b,), g, jnp.int32) if limit is None else jnp.minimum(limit, g)
     p_logp = sampling_logprobs(p_logits, temperature=cfg.temperature, top_k=cfg.top_k,
                                top_p=cfg.top_p)
-    if cfg.temperature == 0:
-        num, nxt = speculative.greedy_accept(p_logits, drafts)
+
+    def keys(purpose, cols):
+        return jax.vmap(lambda c: speculative.token_keys(rng, sample_ids, c, purpose),
+                        in_axes=1, out_axes=1)(cols)
+    if g == 0:          # no draft: the token at position 0 is sampled from p
+        num = jnp.zeros((b,), jnp.int32)
+        alpha = jnp.zeros((b, 0), jnp.float32)
+        if cfg.temperature == 0:
+            nxt = first_argmax(p_logits[:, 0].astype(jnp.float32))
+        else:
+            noise = _gumbel_rows(keys(speculative.CORRECT, idx)[:, 0], p_logp.shape[-1:])
+            nxt = first_argmax(p_logp[:, 0] + noise)
+    elif cfg.temperature == 0:
+        num, nxt = speculative.greedy_accept(p_logits, drafts, lim)
         alpha = speculative.alpha(p_logp[:, :g], q_logp)
     else:
-        def keys(purpose, cols):
-            return jax.vmap(lambda c: speculative.token_keys(rng, sample_ids, c, purpose),
-                            in_axes=1, out_axes=1)(cols)
         uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, ())))(
             keys(speculative.ACCEPT, idx[:, :g]))
         gumbel = jax.vmap(lambda k: _gumbel_rows(k, p_logp.shape[-1:]))(
             keys(speculative.CORRECT, idx))
-        num, nxt, alpha = speculative.speculative_accept(p_logp, q_logp, drafts, uniforms, gumbel)
+        num, nxt, alpha = speculative.speculative_accept(p_logp, q_logp, drafts, uniforms, gumbel,
+                                                         limit=lim)
+    # A position past the row's limit held no offered draft: no alpha there.
+    alpha = jnp.where(j[:, :g] < lim[:, None], alpha, jnp.nan)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j < num[:, None], padded,
                        jnp.where(j == num[:, None], nxt[:, None], cfg.pad_token_id))

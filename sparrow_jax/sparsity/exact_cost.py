@@ -1,21 +1,22 @@
 """Cost model of exact sparse rollout (draft gamma tokens sparse, verify densely), and the choice
-of gamma and the per-bin budget for the best predicted throughput (issue 42).
+of gamma and the draft budget per length bin for the best predicted throughput (issue 42).
 
-One verify round of a sequence at context ``ctx`` costs, in the eFLOPs of cost_model.py:
-
-- draft: ``gamma`` sparse decode steps at the bin's budget (``decode_token_cost``);
-- verify: one dense pass of ``gamma + 1`` tokens: the linear layers' FLOPs for each token but
-  their weights read once, attention FLOPs for each token, and the whole KV read once.
-
-It yields E = (1 - a^(gamma+1)) / (1 - a) tokens on average at acceptance rate a (alpha of the
-budget at that length), so the cost per token is (draft + verify) / E. The engine runs one
-static gamma per run and a traced budget per bin: `plan_exact` picks, for each candidate gamma,
-the cheapest budget per bin, then the gamma whose run is cheapest over the bins' weights.
-A fixed gamma (``gammas=(4,)``) is the simple setting.
+A verify round of a sequence in a bin drafts ``gamma`` tokens at a budget ``b`` and verifies
+them in one dense pass; at acceptance rate a (alpha of the budget in the bin) it yields
+E = (1 - a^(gamma+1)) / (1 - a) tokens on average and costs
+gamma * c_draft(b) + c_verify(gamma). Dense decoding yields 1 token per c_dense. `choose_per_bin`
+picks per bin the (gamma, budget) with the most tokens per unit cost, dense (gamma 0, no
+draft) included, from costs measured (ms of a draft step, of a verify pass, of a dense step)
+or modelled (`modelled_costs`: the eFLOPs of cost_model.py, where the verify of gamma + 1
+tokens pays the linear layers' FLOPs per token but reads the weights and the whole KV once).
+The static engine runs the chosen gamma per bin (`RolloutConfig.gamma_by_bin`, rollout/exact.py);
+a fixed gamma (`RolloutConfig.gamma`) stays the simple setting.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -23,6 +24,8 @@ import numpy as np
 from sparrow_jax.sparsity.cost_model import (Hardware, ModelShape, _model, decode_token_cost,
                                              get_hardware)
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET
+
+log = logging.getLogger(__name__)
 
 
 def tokens_per_pass(alpha: Any, gamma: int) -> np.ndarray:
@@ -33,6 +36,25 @@ def tokens_per_pass(alpha: Any, gamma: int) -> np.ndarray:
     return np.where(a >= 1.0, gamma + 1.0, out)
 
 
+def modelled_costs(model: ModelShape | str, hardware: Hardware | str, bin_ctx: Sequence[float],
+                   budgets: Sequence[int], gammas: Sequence[int], *, block_size: int = 16,
+                   batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """eFLOPs per sequence at each bin's context bin_ctx [bins]: (draft step at each budget
+    [K, bins], verify pass of gamma + 1 tokens for each gamma [G, bins], dense step [bins])."""
+    m, hw = _model(model), get_hardware(hardware)
+    ctx = np.asarray(bin_ctx, np.float64)
+    dense = decode_token_cost(m, ctx, DENSE_BUDGET, block_size=block_size, batch=batch)
+    draft = []
+    for b in budgets:
+        s = decode_token_cost(m, ctx, b, block_size=block_size, batch=batch)
+        draft.append(s["flops"] + hw.intensity * s["bytes"])
+    # The verify's weights and KV are read once for its gamma + 1 tokens; FLOPs are per token.
+    verify = [(g + 1) * (dense["linear_flops"] + dense["attn_flops"])
+              + hw.intensity * (dense["linear_bytes"] + dense["kv_bytes"]) for g in gammas]
+    return (np.stack(draft), np.stack(verify),
+            dense["flops"] + hw.intensity * dense["bytes"])
+
+
 def exact_token_eflops(model: ModelShape | str, hardware: Hardware | str, ctx: Any, budget: Any,
                        alpha: Any, gamma: int, *, block_size: int = 16,
                        batch: int = 1) -> dict[str, np.ndarray]:
@@ -40,49 +62,106 @@ def exact_token_eflops(model: ModelShape | str, hardware: Hardware | str, ctx: A
     dense decode's ``dense`` eFLOPs at the same ctx ([N] arrays), plus ``tokens_per_pass``."""
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
-    m, hw = _model(model), get_hardware(hardware)
-    ctx = np.asarray(ctx, np.float64)
-    sparse = decode_token_cost(m, ctx, budget, block_size=block_size, batch=batch)
-    dense = decode_token_cost(m, ctx, DENSE_BUDGET, block_size=block_size, batch=batch)
-    e_sparse = sparse["flops"] + hw.intensity * sparse["bytes"]
-    e_dense = dense["flops"] + hw.intensity * dense["bytes"]
-    verify = ((gamma + 1) * (dense["linear_flops"] + dense["attn_flops"])
-              + hw.intensity * (dense["linear_bytes"] + dense["kv_bytes"]))
+    ctx = np.atleast_1d(np.asarray(ctx, np.float64))
+    draft, verify, dense = modelled_costs(model, hardware, ctx, [budget], [gamma],
+                                          block_size=block_size, batch=batch)
     e = tokens_per_pass(alpha, gamma)
-    draft = gamma * e_sparse
-    return {"draft": draft / e, "verify": verify / e, "total": (draft + verify) / e,
-            "dense": e_dense, "tokens_per_pass": np.broadcast_to(e, ctx.shape)}
+    return {"draft": gamma * draft[0] / e, "verify": verify[0] / e,
+            "total": (gamma * draft[0] + verify[0]) / e, "dense": dense,
+            "tokens_per_pass": np.broadcast_to(e, ctx.shape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactPlan:
+    """Per length bin: the draft length (0 = dense decoding, no draft), the draft budget
+    (DENSE_BUDGET where dense), the predicted tokens per verify pass (1 where dense), the
+    predicted speed-up over dense decoding (tokens per unit cost / dense's) and why."""
+    gammas: tuple[int, ...]
+    budgets: tuple[int, ...]
+    tokens_per_pass: tuple[float, ...]
+    speedup: tuple[float, ...]
+    reasons: tuple[str, ...]
+
+    def overall_speedup(self, weights: Sequence[float] | None = None,
+                        dense_cost: Sequence[float] | None = None) -> float:
+        """Dense cost / planned cost of generating weights[j] tokens in bin j (default: one
+        each, dense_cost[j] per dense token, default 1 each)."""
+        n = len(self.gammas)
+        w = np.ones(n) if weights is None else np.asarray(weights, np.float64)
+        c = np.ones(n) if dense_cost is None else np.asarray(dense_cost, np.float64)
+        return float(np.dot(w, c) / np.dot(w, c / np.asarray(self.speedup)))
+
+    def log(self, bin_size: int, logger: logging.Logger = log) -> None:
+        """One line per bin: what runs there and the predicted speed-up."""
+        for j, (g, b, e, s, why) in enumerate(zip(self.gammas, self.budgets,
+                                                  self.tokens_per_pass, self.speedup,
+                                                  self.reasons)):
+            what = "dense decoding" if g == 0 else f"gamma {g}, draft budget {b}"
+            logger.info("exact_sparse plan, bin %d (%d-%d tokens): %s, predicted %.2f tokens "
+                        "per verify pass, %.2fx dense (%s)", j, j * bin_size,
+                        (j + 1) * bin_size, what, e, s, why)
+
+
+def choose_per_bin(budgets: Sequence[int], alpha: Any, draft_cost: Any,
+                   verify_cost: Mapping[int, Any], dense_cost: Any) -> ExactPlan:
+    """Per bin, the (gamma, budget) with the most expected tokens per unit cost, or dense.
+
+    budgets [K] draft budgets (tokens); alpha [K, bins] measured acceptance rate of a draft at
+    budget k in bin j (NaN: not measured, never chosen); draft_cost [K, bins] (or [K]) cost of
+    one draft step; verify_cost: gamma (>= 1) -> [bins] (or scalar) cost of one verify pass of
+    gamma + 1 tokens; dense_cost [bins] (or scalar) cost of one dense decode step, in the same
+    unit (ms measured, or eFLOPs modelled). A round of (g, k) yields
+    E = (1 - a^(g+1)) / (1 - a) tokens for g * draft_cost[k] + verify_cost[g]; dense yields 1
+    token for dense_cost. Ties keep dense, then the smaller gamma, then the smaller budget."""
+    a = np.atleast_2d(np.asarray(alpha, np.float64))
+    budgets = [int(b) for b in budgets]
+    k, n = a.shape
+    if len(budgets) != k or not verify_cost or min(verify_cost) < 1:
+        raise ValueError(f"choose_per_bin: {len(budgets)} budgets for {k} rows of alpha, "
+                         f"verify costs for gammas {sorted(verify_cost)} (each >= 1)")
+    if np.any((a[np.isfinite(a)] < 0) | (a[np.isfinite(a)] > 1)):
+        raise ValueError(f"alpha must lie in [0, 1], got {a}")
+    draft = np.broadcast_to(np.asarray(draft_cost, np.float64).reshape(k, -1), (k, n))
+    dense = np.broadcast_to(np.asarray(dense_cost, np.float64), (n,))
+    gammas, chosen, per_pass, speedup, reasons = [], [], [], [], []
+    for j in range(n):
+        best = (1.0 / dense[j], 0, DENSE_BUDGET, 1.0)   # tokens per unit cost, gamma, budget, E
+        for g in sorted(verify_cost):
+            ver = float(np.broadcast_to(np.asarray(verify_cost[g], np.float64), (n,))[j])
+            for i in sorted(range(k), key=budgets.__getitem__):
+                if not np.isfinite(a[i, j]):
+                    continue
+                e = float(tokens_per_pass(a[i, j], g))
+                rate = e / (g * draft[i, j] + ver)
+                if rate > best[0]:
+                    best = (rate, g, budgets[i], e)
+        rate, g, b, e = best
+        gammas.append(g)
+        chosen.append(b)
+        per_pass.append(e)
+        speedup.append(rate * dense[j])
+        if g:
+            reasons.append(f"alpha {a[budgets.index(b), j]:.3f}")
+        elif not np.isfinite(a[:, j]).any():
+            reasons.append("no alpha measured in this bin: dense")
+        else:
+            reasons.append(f"no draft beats dense (best alpha {np.nanmax(a[:, j]):.3f})")
+    return ExactPlan(tuple(gammas), tuple(chosen), tuple(per_pass), tuple(speedup),
+                     tuple(reasons))
 
 
 def plan_exact(model: ModelShape | str, hardware: Hardware | str, bin_ctx: Sequence[float],
                alpha_by_budget: Mapping[int, Sequence[float]], *,
-               gammas: Sequence[int] = (4,), weights: Sequence[float] | None = None,
-               block_size: int = 16, batch: int = 256) -> dict[str, Any]:
-    """The best gamma (one per run) and budget per bin for exact sparse rollout.
-
-    bin_ctx [num_bins]: a representative context per length bin (e.g. its middle);
-    alpha_by_budget: budget (tokens) -> [num_bins] measured alpha at that budget (calibration);
-    weights [num_bins]: tokens generated per bin (default equal).
-    Returns {"gamma", "budgets" [num_bins], "speedup" (dense / exact cost over the weights),
-    "per_gamma": [{"gamma", "budgets", "speedup", "bin_speedup" [num_bins]}]}.
-    """
+               gammas: Sequence[int] = (1, 2, 4), block_size: int = 16,
+               batch: int = 256) -> ExactPlan:
+    """`choose_per_bin` on modelled costs (`modelled_costs` at a representative context per
+    bin, bin_ctx [bins], e.g. each bin's middle); alpha_by_budget: budget -> [bins] measured
+    alpha (calibration, or the mode's own records)."""
     ctx = np.asarray(bin_ctx, np.float64)
-    w = np.ones_like(ctx) if weights is None else np.asarray(weights, np.float64)
     if not alpha_by_budget or any(len(a) != len(ctx) for a in alpha_by_budget.values()):
         raise ValueError(f"alpha_by_budget needs one alpha per bin ({len(ctx)}) for each budget")
     budgets = sorted(alpha_by_budget)
-    per_gamma = []
-    for g in gammas:
-        costs = np.stack([exact_token_eflops(model, hardware, ctx, b, alpha_by_budget[b], g,
-                                             block_size=block_size, batch=batch)["total"]
-                          for b in budgets])                                  # [K, bins]
-        dense = exact_token_eflops(model, hardware, ctx, budgets[0], 1.0, g,
-                                   block_size=block_size, batch=batch)["dense"]
-        best = np.argmin(costs, axis=0)
-        chosen = costs[best, np.arange(len(ctx))]
-        per_gamma.append({"gamma": int(g), "budgets": [int(budgets[i]) for i in best],
-                          "speedup": float(np.dot(w, dense) / np.dot(w, chosen)),
-                          "bin_speedup": (dense / chosen).tolist()})
-    top = max(per_gamma, key=lambda r: r["speedup"])
-    return {"gamma": top["gamma"], "budgets": top["budgets"], "speedup": top["speedup"],
-            "per_gamma": per_gamma}
+    draft, verify, dense = modelled_costs(model, hardware, ctx, budgets, gammas,
+                                          block_size=block_size, batch=batch)
+    return choose_per_bin(budgets, [alpha_by_budget[b] for b in budgets], draft,
+                          dict(zip(gammas, verify)), dense)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Sequence
 
 import numpy as np
 
@@ -48,8 +49,12 @@ def draft_config(rc: RolloutConfig, budgets, *, adapt_schedule: bool) -> Rollout
         log.info("draft selection width: max_budget %d -> %d (largest schedule budget)",
                  rc.max_budget, top)
         rc = dataclasses.replace(rc, max_budget=top)
-    log.info("exact_sparse rollout: gamma %d drafts per dense verify pass, draft budgets %s",
-             rc.gamma, sorted(set(int(b) for b in budgets)))
+    if rc.gamma_by_bin:
+        log.info("exact_sparse rollout: per length bin of the schedule, gamma %s (0: dense "
+                 "decoding), draft budgets %s", list(rc.gamma_by_bin), [int(b) for b in budgets])
+    else:
+        log.info("exact_sparse rollout: gamma %d drafts per dense verify pass, draft budgets %s",
+                 rc.gamma, sorted(set(int(b) for b in budgets)))
     return rc
 
 
@@ -58,14 +63,17 @@ def _global(x) -> np.ndarray:
     return multihost.all_rows(multihost.local_rows(x))
 
 
-def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int, bin_size: int,
+def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int | Sequence[int],
+                       bin_size: int,
                        num_layers: int, num_sparse_layers: int) -> dict[str, float]:
     """Per length bin: the measured tokens per verify pass, the alpha prediction
     (1 - a^(gamma+1)) / (1 - a) from the bin's mean alpha, the mean alpha and the rounds; and
     overall: the share of tokens accepted from the draft, the mean alpha, and the whole model's
     KV read relative to dense decoding, `exact/kv_read_model` = (gamma x the drafts' read at
     the schedule's `budgets` [num_bins] + 1 dense verify) / tokens per pass (above 1 when
-    drafts are rejected more than they save: `kv/read_*` count the samples' dense reads)."""
+    drafts are rejected more than they save: `kv/read_*` count the samples' dense reads).
+    gamma: one, or per bin (`RolloutConfig.gamma_by_bin`): then the gamma in that formula is
+    the rounds' mean, and `exact_gamma/bin_xx` records each bin's."""
     acc, alpha, mask, cached = (_global(traj.accepted), _global(traj.alpha), _global(traj.mask),
                                 _global(traj.cached_lengths))
     rows = exact.acceptance_by_bin_arrays(acc, alpha, mask, cached, gamma=gamma,
@@ -77,7 +85,10 @@ def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int, bin_size: int
         m[f"exact_predicted/{b}"] = r["predicted"]
         m[f"exact_alpha/{b}"] = r["mean_alpha"]
         m[f"exact_rounds/{b}"] = float(r["rounds"])
+        if np.ndim(gamma):
+            m[f"exact_gamma/{b}"] = float(r["gamma"])
     rounds = sum(r["rounds"] for r in rows)
+    mean_gamma = sum(r["rounds"] * r["gamma"] for r in rows) / max(rounds, 1)
     tokens = sum(r["rounds"] * r["tokens_per_pass"] for r in rows)
     finite = np.isfinite(alpha) & mask
     per_pass = tokens / max(rounds, 1)
@@ -87,7 +98,7 @@ def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int, bin_size: int
                                   num_sparse_layers=num_sparse_layers, bin_size=bin_size,
                                   num_bins=len(budgets))["kv/read_model"]
     m.update({"exact/tokens_per_pass": per_pass,
-              "exact/kv_read_model": (gamma * draft + 1.0) / per_pass,
+              "exact/kv_read_model": (mean_gamma * draft + 1.0) / per_pass,
               "exact/accepted_frac": float(acc[mask].mean()) if mask.any() else float("nan"),
               "exact/alpha_mean": float(alpha[finite].mean()) if finite.any() else float("nan")})
     return m

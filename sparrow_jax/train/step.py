@@ -115,7 +115,8 @@ def rl_step(self, timer: StepTimer) -> dict[str, float]:
         # The samples are the dense policy's: no mismatch, TIS weights 1 (checked here), and
         # the draft's acceptance per bin beside its alpha prediction.
         m.update(exact_step.acceptance_metrics(
-            traj, budgets, gamma=self.rollout_cfg.gamma, bin_size=sched.bin_size,
+            traj, budgets, gamma=self.rollout_cfg.gamma_by_bin or self.rollout_cfg.gamma,
+            bin_size=sched.bin_size,
             num_layers=layers, num_sparse_layers=self.rollout_cfg.num_sparse_layers(layers)))
         m.update(exact_step.logprob_agreement(traj, analysis["logp_old"]))
     return m
