@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from sparrow_jax import cli
+from sparrow_jax.sparsity.cost_model import ModelShape
+from sparrow_jax.sparsity.exact_cost import plan_exact
 from sparrow_jax.sparsity.schedule import load_schedule
 
 GRID = (48, 64, 128)
@@ -106,6 +108,15 @@ def test_calibrate_end_to_end(setup, capsys):
         else:
             assert j in cert["dense_bins"] and not any(row[j] for row in cert["certified"])
     assert "certified by the controller's rule" in printed
+    # Exact sparse rollout's plan: the cost model's per-bin pick at the bins' mean alpha.
+    means = {b: [np.nan if v is None or c < 20 else v for v, c in zip(
+        row["mean_alpha_by_bin"], counts[i])] for i, (b, row) in enumerate(
+        zip(GRID, report["per_budget"]))}
+    want = plan_exact(ModelShape(**report["model_shape"]), "h100", (np.arange(6) + 0.5) * 32,
+                      means, batch=report["cost_batch"])
+    assert report["exact_plan"]["gammas"] == list(want.gammas)
+    assert report["exact_plan"]["budgets"] == list(want.budgets)
+    assert f"RolloutConfig.gamma_by_bin = {want.gammas}" in printed
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from sparrow_jax.sparsity.cost_model import Hardware, ModelShape
-from sparrow_jax.sparsity.exact_cost import (choose_per_bin, exact_token_eflops, modelled_costs,
-                                             plan_exact, tokens_per_pass)
+from sparrow_jax.sparsity.exact_cost import (choose_per_bin, exact_token_eflops,
+                                             mean_alpha_by_bin, modelled_costs, plan_exact,
+                                             tokens_per_pass)
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 
 TOY = ModelShape(num_layers=4, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -123,3 +124,14 @@ def test_plan_on_modelled_costs_and_log(caplog):
     assert "bin 0 (0-2000 tokens): dense decoding" in caplog.text
     with pytest.raises(ValueError, match="one alpha per bin"):
         plan_exact(TOY, HW, ctx, {128: [0.5]})
+
+
+def test_mean_alpha_by_bin_against_a_loop():
+    r = np.random.default_rng(1)
+    alpha, pos = r.random((6, 40)), r.integers(0, 300, (6, 40))
+    mask = r.random((6, 40)) < 0.7
+    got = mean_alpha_by_bin(alpha, pos, mask, bin_size=64, num_bins=6)
+    for j in range(6):              # the last bin is open-ended: 320+ lands in bin 5 (none here)
+        sel = [a for a, p, m in zip(alpha.ravel(), pos.ravel(), mask.ravel())
+               if m and min(p // 64, 5) == j]
+        assert (np.isnan(got[j]) and not sel) or got[j] == pytest.approx(np.mean(sel))

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rollout import RolloutConfig, generate
 from sparrow_jax.rollout.config import padded_length
-from sparrow_jax.sparsity import calibration, cost_model, mismatch
+from sparrow_jax.sparsity import calibration, cost_model, exact_cost, mismatch
 from sparrow_jax.sparsity.controller import ControllerConfig
 from sparrow_jax.sparsity.evidence import exceedance_counts
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
@@ -223,6 +223,8 @@ def _summarize(data: dict[str, Any], cfg: CalibrateConfig) -> dict[str, Any]:
     out["tail"] = np.asarray(s["tail"], np.float64)
     out["counts"] = np.asarray(s["counts"], np.int64)
     out["mean_response_len"] = float(data["lengths"][:, 1].mean())
+    out["mean_alpha_by_bin"] = exact_cost.mean_alpha_by_bin(*(data[k] for k in (
+        "alpha", "positions", "mask")), bin_size=cfg.bin_size, num_bins=cfg.num_bins)
     for k in ("replay_err", "replay_mismatch_frac", "rollout_s", "analyze_s"):
         out[k] = data[k]
     return out
@@ -369,6 +371,11 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
                                   block_size=rcfg.block_size)
         s["pred_speedup"] = cost_model.predict_speedup(shape, hw, const, lengths, **cost_kw)
 
+    # Exact sparse rollout's plan per bin (sparsity/exact_cost.py, RolloutConfig.gamma_by_bin).
+    exact_plan = exact_cost.plan_exact(shape, hw, (np.arange(cfg.num_bins) + 0.5) * cfg.bin_size, {
+        b: np.where(s["counts"] >= cfg.min_bin_tokens, s["mean_alpha_by_bin"], np.nan)
+        for b, s in zip(grid, per_budget)}, batch=cfg.cost_batch)
+    exact_plan.log(cfg.bin_size)
     os.makedirs(cfg.output_dir, exist_ok=True)
     paths = {k: os.path.join(cfg.output_dir, f) for k, f in (
         ("schedule", "schedule.json"), ("heatmap", "heatmap.png"), ("report", "report.json"),
@@ -393,6 +400,7 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
                           "target", "quantile", "confidence", "min_rows", "min_tokens",
                           "lower_margin")}},
         "predicted_speedup": speedup, "hardware": hw.name, "cost_batch": cfg.cost_batch,
+        "exact_plan": dataclasses.asdict(exact_plan),
         "model_shape": dataclasses.asdict(shape),
         "lengths": {"source": "dense" if floor else f"budget {grid[-1]}",
                     "mean_prompt": float(lengths[:, 0].mean()),
@@ -433,5 +441,8 @@ def main(args: argparse.Namespace) -> int:
               f"{_fmt(floor['tail_min'], width=0)}, p1 {_fmt(floor['alpha_p1'], width=0)}")
     print(f"predicted rollout speedup vs dense on {report['hardware']} (cost model, measured "
           f"lengths): {report['predicted_speedup']:.2f}x")
+    ex = report["exact_plan"]
+    print(f"exact_sparse plan (0 = dense): RolloutConfig.gamma_by_bin = {tuple(ex['gammas'])}, "
+          f"draft budgets {ex['budgets']}, x dense {[round(x, 2) for x in ex['speedup']]}")
     print(f"wrote {', '.join(report['files'].values())} in {time.time() - start:.0f} s")
     return 0

@@ -71,6 +71,18 @@ def exact_token_eflops(model: ModelShape | str, hardware: Hardware | str, ctx: A
             "tokens_per_pass": np.broadcast_to(e, ctx.shape)}
 
 
+def mean_alpha_by_bin(alpha: Any, positions: Any, mask: Any, *, bin_size: int,
+                      num_bins: int) -> np.ndarray:
+    """Mean alpha per bin of total cached length (the last bin open-ended), NaN where a bin has
+    no token: alpha/positions/mask [...] as `mismatch.tail_by_bin` takes them -> [num_bins]."""
+    a, m = np.asarray(alpha, np.float64), np.asarray(mask, bool)
+    bins = np.clip(np.asarray(positions, np.int64) // bin_size, 0, num_bins - 1)
+    total = np.bincount(bins[m], weights=a[m], minlength=num_bins)
+    count = np.bincount(bins[m], minlength=num_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / count, np.nan)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExactPlan:
     """Per length bin: the draft length (0 = dense decoding, no draft), the draft budget
