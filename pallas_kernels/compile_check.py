@@ -11,21 +11,24 @@ Run in the separate compile environment (see .ci/compile_env.sh), from a directo
   gives compile-only devices; ``jit(...).lower(...).compile()`` runs Mosaic and the TPU backend,
   which reject bad tilings and VMEM overflows exactly as on a real chip.
 * H100: the jax CUDA plugin builds a compile-only GPU topology from a GpuTargetConfigProto
-  (text proto below), and XLA compiles the Pallas->Triton kernel to an sm_90 cubin.
+  (text proto below), and XLA compiles the Pallas->Triton kernel to an sm_90 cubin (lowered
+  with that H100 as the default device: jax >= 0.11 reads the Triton target from it).
 * jax_triton: lowered through the same H100 topology (triton_call emits PTX at lowering), plus a
   direct ``triton.compile`` to an sm_90 cubin checking the shared-memory footprint.
 * triton_interpret (needs TRITON_INTERPRET=1 in the environment): runs the raw Triton kernel in
   Triton's CPU interpreter and compares with the XLA reference, since no GPU executes it here.
 Every Pallas / jax_triton target also compiles the paged form (PAGED_SHAPE: one page pool shared
 by a batch of 64 rows, behind the page-table lookup). Each target also compiles a deliberately
-oversized kernel that must FAIL: proof that the check really compiles instead of silently
-accepting anything. Exit status 1 if any check fails.
+oversized kernel that must FAIL with its own error (VMEM / shared memory overflow, matched by
+text): proof that the check really compiles instead of silently accepting anything - or
+rejecting everything. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -88,19 +91,27 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 _results: list[tuple[str, bool, str]] = []
 
 
-def _check(name: str, fn, *, expect_failure: bool = False) -> None:
-    """Runs one compile; records PASS/FAIL (a negative control passes when compiling fails)."""
+def _check(name: str, fn, *, expect_error: str | None = None) -> None:
+    """Runs one compile; records PASS/FAIL. A negative control (`expect_error`, a regular
+    expression) passes only when compiling fails with an error that matches it: an unrelated
+    failure (a harness that cannot compile anything) must not pass as the expected rejection."""
     t0 = time.time()
     try:
         info = fn() or ""
-        ok, msg = (not expect_failure), info
-        if expect_failure:
+        ok, msg = expect_error is None, info
+        if expect_error is not None:
             msg = "compiled, but this oversized kernel must be rejected"
     except Exception as e:  # noqa: BLE001 - report every compiler error as a failed check
-        ok = expect_failure
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        msg = f"rejected as expected: {first}" if expect_failure else f"{type(e).__name__}: {e}"
-        if not expect_failure:
+        text = str(e).strip()
+        first = text.splitlines()[0][:200] if text else type(e).__name__
+        if expect_error is None:
+            ok, msg = False, f"{type(e).__name__}: {e}"
+        elif re.search(expect_error, text):
+            ok, msg = True, f"rejected as expected: {first}"
+        else:
+            ok = False
+            msg = f"rejected, but not with the expected error /{expect_error}/: {first}"
+        if not ok:
             traceback.print_exc()
     _results.append((name, ok, msg))
     print(f"{'PASS' if ok else 'FAIL'} {name} ({time.time() - t0:.1f}s) {msg}", flush=True)
@@ -177,7 +188,7 @@ def check_tpu() -> None:
             + (jax.ShapeDtypeStruct((1, hkv, 1), jnp.int32, sharding=sh),
                jax.ShapeDtypeStruct((1, hkv), jnp.int32, sharding=sh),
                jax.ShapeDtypeStruct((1,), jnp.int32, sharding=sh)),
-            "tpu_custom_call"), expect_failure=True)
+            "tpu_custom_call"), expect_error=r"(?i)vmem")
 
 
 def _h100_sharding() -> SingleDeviceSharding:
@@ -187,10 +198,39 @@ def _h100_sharding() -> SingleDeviceSharding:
     return SingleDeviceSharding(topo.devices[0])
 
 
+def _on_h100(sh: SingleDeviceSharding):
+    """The context in which Pallas Triton lowers for the compile-only H100. jax >= 0.11 reads
+    the target GPU from the default device (or an abstract mesh's device) and raises "No
+    supported GPU devices found" on a CPU host; making the topology's H100 the default device
+    gives it that device's kind (sm_90). jax 0.10 lowers for sm_90 when no GPU is attached and
+    ignores this. (An abstract mesh with the H100's kind also sets the target, but then jit
+    looks for a local "gpu" backend, which a CPU host lacks.)"""
+    return jax.default_device(next(iter(sh.device_set)))
+
+
+def _lowering_target() -> str:
+    """The compute capability Pallas Triton lowers for in the current context (jax >= 0.11;
+    on 0.10 the lowering's own no-GPU fallback is sm_90)."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        return f"jax {jax.__version__} lowers for sm_90 without a local GPU"
+    cc = gpu_info.get_gpu_info().compute_capability
+    if cc != 90:
+        raise AssertionError(f"Pallas Triton would lower for compute capability {cc}, not 90")
+    return f"jax {jax.__version__} lowers for sm_{cc} ({gpu_info.get_device_kind()})"
+
+
 def check_cuda() -> None:
-    from pallas_kernels import triton as ptriton
     sh = _h100_sharding()
+    with _on_h100(sh):
+        _check_cuda(sh)
+
+
+def _check_cuda(sh: SingleDeviceSharding) -> None:
+    from pallas_kernels import triton as ptriton
     tag = "cuda[H100 sm_90]"
+    _check(f"{tag} pallas_triton lowering target", _lowering_target)
     for name, b, hq, hkv, d, s, budget in SHAPES:
         for dtype in _dtypes(name):
             dn = jnp.dtype(dtype).name
@@ -207,7 +247,7 @@ def check_cuda() -> None:
     _check(f"{tag} negative control (shared memory overflow)", lambda: _compile(
         lambda *a: ptriton.block_sparse_decode_triton(*a, blocks_per_step=256, num_stages=4),
         _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16), "__gpu$xla.gpu.triton"),
-        expect_failure=True)
+        expect_error=r"Shared memory size limit exceeded")
 
 
 def _triton_cubin(meta: dict, dtype, num_warps: int = 4, num_stages: int = 2) -> str:
@@ -269,7 +309,8 @@ def check_jax_triton() -> None:
                                 block_size=BLOCK, scale=0.1, blocks_per_step=16, num_splits=1)
     big.pop("N_SPLIT")
     _check(f"{tag} jax_triton negative control (shared memory overflow)",
-           lambda: _triton_cubin(big, jnp.float32, num_stages=3), expect_failure=True)
+           lambda: _triton_cubin(big, jnp.float32, num_stages=3),
+           expect_error=r"shared memory \d+ B > H100 limit|out of resource: shared memory")
 
 
 def _interpret_case(dtype_name: str, shared_pool: bool) -> str:
