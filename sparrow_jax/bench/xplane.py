@@ -3,9 +3,11 @@ exclusive times attributed to the `jax.named_scope` names in their HLO metadata.
 
 Used by `sparrow bench rollout --workload exact` for the exact-sparse round's breakdown (draft /
 verify / accept: rollout/exact.py names those scopes). The trace (an XSpace protobuf) is read
-with a minimal wire-format reader here, so no profiler plugin is needed. Times are summed over
-the runtime's worker threads (ops that run partitioned over several threads count each
-thread's share), so the result is a *share* per phase, to be scaled by a wall-clock time.
+with a minimal wire-format reader here, so no profiler plugin is needed. A phase's time is the
+wall-clock union of its ops' intervals over the runtime's worker threads (an op partitioned
+over two threads counts once, not twice: summing thread times overstated the draft, whose
+sparse-selection ops run on two threads, 66 vs 39 ms a round at 8K), and the result is
+a *share* per phase, to be scaled by a wall-clock time (the gaps between ops are not in it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import glob
 import os
 import re
 import tempfile
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 
@@ -86,34 +88,41 @@ def _events(space: bytes) -> Iterator[tuple[str, list[tuple[int, int, str]]]]:
             yield lname, evs
 
 
-def _exclusive(evs: list[tuple[int, int, str]]) -> Iterator[tuple[str, int]]:
-    """Events of one thread, nested by time -> (name, duration minus its children's)."""
-    stack: list[list] = []
-    out: list[list] = []
-    for off, dur, name in sorted(evs, key=lambda e: (e[0], -e[1])):
-        while stack and stack[-1][0] + stack[-1][1] <= off:
-            stack.pop()
-        rec = [name, dur]
-        if stack:
-            stack[-1][2][1] -= dur
-        stack.append((off, dur, rec))
-        out.append(rec)
-    for name, t in out:
-        yield name, t
+def _union(intervals: list[tuple[int, int]]) -> int:
+    """Total length covered by [start, end) intervals."""
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a >= end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
+
+
+def scope_times(lines: Iterable[tuple[str, list[tuple[int, int, str]]]],
+                op_names: dict[str, str], scopes: Sequence[str]) -> dict[str, int]:
+    """Per scope (the first of `scopes` in an op's op_name; "other" for the rest), the
+    wall-clock union of its ops' intervals over every line (thread) of the trace.
+    lines: (line name, [(offset, duration, event name)]) as `_events` yields."""
+    spans: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+    for _, evs in lines:
+        # Ops of this program only (their own sub-events, e.g. a library call's, are not).
+        ops = sorted((e for e in evs if e[2] in op_names), key=lambda e: (e[0], -e[1]))
+        for i, (off, dur, name) in enumerate(ops):
+            # An op enclosing the next op (a loop, a call) is its children's time: skipped.
+            if i + 1 < len(ops) and ops[i + 1][0] < off + dur:
+                continue
+            op = op_names[name]
+            spans[next((s for s in scopes if s in op), "other")].append((off, off + dur))
+    return {s: _union(spans.get(s, [])) for s in (*scopes, "other")}
 
 
 def phase_shares(space: bytes, hlo_text: str, scopes: Sequence[str]) -> dict[str, float]:
-    """Share of the program's op time in each scope (the first of `scopes` in an op's
-    metadata op_name; "other" for the rest) from an XSpace trace and the compiled HLO text."""
+    """Share of the program's op time in each scope (`scope_times`) from an XSpace trace and
+    the compiled HLO text."""
     op_names = {m.group(1): m.group(2) for m in re.finditer(
         r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo_text, re.M)}
-    totals: collections.Counter = collections.Counter()
-    for _, evs in _events(space):
-        for name, t in _exclusive(evs):
-            if name not in op_names:                     # not an op of this program
-                continue
-            op = op_names[name]
-            totals[next((s for s in scopes if s in op), "other")] += t
+    totals = scope_times(_events(space), op_names, scopes)
     whole = sum(totals.values())
     if not whole:
         raise RuntimeError("the profiler trace holds no op of the program (a backend that does "
