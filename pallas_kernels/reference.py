@@ -285,7 +285,18 @@ def paged_block_sparse_decode_xla(
         mask = (entry[..., None] & (pos < lens[..., None])).reshape(b, hkv, per * block_size)
         return _attend_chunk(carry, qg, kg, vg, mask, scale, keys_lhs=True), None
 
-    out, lse = _finish(_scan_chunks(chunk, n_chunks))
+    # Only the chunks up to the largest num_blocks: valid entries come first, so the chunks past
+    # it are padding for every row, whose online-softmax update is an exact no-op. Dense decode
+    # through this path (every block of the page table selected) then reads the pages of the
+    # longest row, not the whole table: a wide page-table bucket costs no gathers (as in the
+    # kernels, which loop to each row's num_blocks).
+    carry, _ = chunk(None, jnp.int32(0))
+    if n_chunks > 1:
+        need = jnp.minimum((jnp.max(num_blocks).astype(jnp.int32) + per - 1) // per, n_chunks)
+        carry = lax.while_loop(lambda st: st[0] < need,
+                               lambda st: (st[0] + 1, chunk(st[1], st[0])[0]),
+                               (jnp.int32(1), carry))[1]
+    out, lse = _finish(carry)
     return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
 
 

@@ -209,16 +209,17 @@ def test_the_gpu_config_compiles_few_programs():
         cli.parse_gin([str(REPO / "configs" / "qwen3_1p7b_gpu.gin")], [])
         p = compile_plan.from_gin(qwen3_preset("qwen3-1.7b"), data_shards=8)
         rc = RolloutConfig()
-        assert (rc.slot_ladder, rc.page_ladder, rc.min_table_pages, rc.min_slots) == \
-            (8, 8, 64, 8)
+        assert (rc.slot_ladder, rc.min_table_pages, rc.min_slots) == (2, 4096, 8)
     finally:
         gin.clear_config()
     by = {x.name: x for x in p.programs}
     assert set(by) == {"rollout/paged_prefill", "rollout/paged_decode", "learner/analyze",
                        "learner/grads", "learner/apply", "eval/paged_prefill"}
-    # The warm-up's grid (slots 64 / 8 x tables 64 / 512 / all) and 2 prefills; the evaluation
-    # decodes in the training programs.
-    assert by["rollout/paged_decode"].first == 6 and by["eval/paged_prefill"].first == 1
+    # The warm-up's grid (slots 64 / 32 / 16 / 8 x one table width, the page cap) and 2
+    # prefills; the evaluation decodes in the training programs. A run's second prompt width
+    # (8192) has its own page cap: one more table width.
+    assert by["rollout/paged_decode"].first == 4 and by["eval/paged_prefill"].first == 1
+    assert by["rollout/paged_decode"].most == 8
     assert p.first <= 12 and p.most <= 60, p.lines()
     # The same run at the default ladders and buckets: hundreds.
     coarse = compile_plan.plan(

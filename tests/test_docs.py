@@ -390,6 +390,18 @@ _REGISTRY = {
     _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
     "--chunk_steps 32 --repeats 3 --no_static --ladders 8 2 4 --ladders 2 8 4 --ladders 8 8 4":
         (Twin("bench_rollout_longtail"),),
+    # docs/benchmarks.md: one page-table width and fine slots (the 1.7B config's ladders)
+    _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
+    "--chunk_steps 32 --repeats 5 --no_static --ladders 8 8 4 8 --ladders 2 2 100000 1 "
+    "--ladders 2 2 100000 8":
+        (Twin("bench_rollout_longtail"),),
+    _ROLLOUT_BENCH + "--workload longtail --modes sparse --samples 32 --new_tokens 512 "
+    "--chunk_steps 32 --repeats 5 --no_static --ladders 8 8 4 8 --ladders 2 2 100000 4 "
+    "--ladders 2 2 100000 1":
+        (Twin("bench_rollout_longtail"),),
+    _ROLLOUT_BENCH + "--workload longtail --modes sparse dense --samples 32 --new_tokens 512 "
+    "--chunk_steps 32 --repeats 5 --no_static --ladders 2 2 100000 4":
+        (Twin("bench_rollout_longtail"),),
     # docs/benchmarks.md: the same across 2 local processes (issue 30's multi-process overlap)
     _ROLLOUT_BENCH + "--workload longtail --processes 2 --modes sparse --samples 32 "
     "--new_tokens 512 --chunk_steps 32 --repeats 5":
@@ -821,6 +833,7 @@ def test_twin_bench_rollout_longtail(capsys):
         (m, e) for m in ("dense", "sparse")
         for e in ("static", "paged/chunk16", "paged/chunk16/sync", "paged/chunk16/L4x4")]
     assert all(r["same_samples"] and r["tok_s"] > 0 for r in records)
+    assert all(len(r["cpu_s"]) == 1 and r["cpu_s"][0] > 0 for r in records)
     static, paged, sync, coarse = records[:4]
     # Coarser ladders (powers of 4, tables from 2 pages): the same samples from fewer programs.
     assert 0 < coarse["programs"] <= paged["programs"] and static["programs"] is None

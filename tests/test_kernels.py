@@ -235,6 +235,31 @@ def test_xla_leading_masked_chunks(monkeypatch):
     np.testing.assert_array_equal(np.asarray(got[0][1]), 0.0)
 
 
+def test_xla_paged_reads_no_chunk_past_the_longest_row(monkeypatch):
+    """Dense decode over a wide page table (every block selected, the rows far shorter): the
+    XLA path stops at the chunk that holds the largest num_blocks. The entries past it point at
+    a page of NaN - read, even masked, they would turn the result into NaN (0 * NaN) - and the
+    result matches float64 NumPy, under jit and with the longest row in any position."""
+    from pallas_kernels import reference
+    monkeypatch.setattr(reference, "CHUNK_BYTES", 2 * 2 * 2 * BS * 32 * 4)   # 1 block per chunk
+    lengths = [40, 17]                                   # 3 and 2 blocks of a 16-block table
+    q, k, v, ln = make_inputs(11, b=2, hkv=2, g=2, s=256, d=32, dtype=jnp.float32,
+                              lengths=lengths)
+    bi, nb = reference.all_blocks_selection(2, 2, 256, ln, BS)
+    n = 2 * 16 + 1                                       # pages: each row's blocks, then NaN
+    kp = jnp.concatenate([k.reshape(2, 2, 16, BS, 32).swapaxes(0, 1).reshape(1, 2, 32, BS, 32),
+                          jnp.full((1, 2, 1, BS, 32), jnp.nan)], axis=2)
+    vp = jnp.concatenate([v.reshape(2, 2, 16, BS, 32).swapaxes(0, 1).reshape(1, 2, 32, BS, 32),
+                          jnp.full((1, 2, 1, BS, 32), jnp.nan)], axis=2)
+    want = numpy_decode(q, k, v, bi, nb, ln)
+    for order in ([0, 1], [1, 0]):
+        o = jnp.asarray(order)
+        ids = jnp.where(bi < 3, jnp.arange(2)[:, None, None] * 16 + bi, n - 1)[o]
+        got = jax.jit(reference.paged_block_sparse_decode_xla)(q[o], kp, vp, ids, bi[o], nb[o],
+                                                               ln[o])
+        assert_close(got, tuple(w[np.asarray(order)] for w in want), jnp.float32)
+
+
 def test_triton_split_k_merge():
     """Forced split-K (including splits with no valid entry) matches the single-split result."""
     lengths = [128, 33]

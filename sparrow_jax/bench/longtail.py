@@ -15,7 +15,8 @@ samples while pages last (continuous batching, preemption when the pool runs out
 
 Timing: tokens/s = generated tokens / wall time of the whole rollout (prefills included); one
 untimed warm-up run per engine compiles its programs first; then `--repeats` timed runs,
-engines interleaved (median). `host ms/chunk`: the paged engine's host time per decode chunk
+engines interleaved (median); `cpu s`: the median run's process CPU seconds (every thread;
+steadier than wall time where other jobs share the cores). `host ms/chunk`: the paged engine's host time per decode chunk
 with no program in flight (the device waiting for the scheduler's bookkeeping,
 `PagedStats.host_seconds`); `--before` adds each paged run without the overlap
 (`RolloutConfig.overlap_chunks = False`: every chunk read back before the next is dispatched);
@@ -128,7 +129,7 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
              if spec else ""), flush=True)
     header = (f"{'mode':>6} {'engine':>21} {'tok/s':>9} {'wall s':>8} {'ratio':>6} "
               f"{'KV alloc MiB':>13} {'KV peak MiB':>12} {'preempt':>8} {'same samples':>13} "
-              f"{'chunks':>7} {'host ms/chunk':>14} {'programs':>9}")
+              f"{'chunks':>7} {'host ms/chunk':>14} {'programs':>9} {'cpu s':>8}")
     print(header, flush=True)
     for mode in args.modes:
         cfg = dataclasses.replace(base_cfg, mode=mode, max_new_tokens=t, temperature=1.0,
@@ -156,11 +157,13 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
         def go(name):
             ecfg, fn = engines[name]
             kw = {"spec": spec} if spec else {}
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = fn(model, tokens, lengths, ecfg, budgets, args.group, wave_prompts, key, **kw)
+            cpu[name].append(time.process_time() - c0)
             return time.perf_counter() - t0, out, dataclasses.replace(scheduler.LAST_STATS)
 
         warm, programs = {}, {}
+        cpu: dict[str, list[float]] = {name: [] for name in engines}   # process CPU s per run
         for name in engines:                                         # compiles every program
             COMPILES.clear()
             warm[name] = go(name)
@@ -204,7 +207,7 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
             print(f"{mode:>6} {name:>21} {rate:>9.1f} {statistics.median(walls[name]):>8.2f} "
                   f"{rate / base:>5.2f}x {alloc / 2**20:>13.1f} {peak / 2**20:>12.1f} "
                   f"{pre:>8} {'yes' if same else 'NO':>13} {cells[0]:>7} {cells[1]:>14} "
-                  f"{cells[-1]:>9}",
+                  f"{cells[-1]:>9} {statistics.median(cpu[name][1:]):>8.2f}",
                   flush=True)
             if args.json:
                 print(json.dumps({"bench": "rollout", "workload": "longtail", "mode": mode,
@@ -212,7 +215,8 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
                                   "guard_ms_per_chunk": None if chunks is None else
                                   1e3 * st.guard_seconds / max(chunks, 1),
                                   "engine": name, "tok_s": rate, "ratio": rate / base,
-                                  "wall_s": walls[name], "generated_tokens": generated,
+                                  "wall_s": walls[name], "cpu_s": cpu[name][1:],
+                                  "generated_tokens": generated,
                                   "kv_alloc_bytes": alloc, "kv_peak_bytes": peak,
                                   "preemptions": pre, "same_samples": same,
                                   "chunks": chunks, "overlapped_chunks": overlapped,

@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="N",
                     help="SLOT PAGE MIN_PAGES [MIN_SLOTS]: also run each paged config at these "
                          "RolloutConfig.slot_ladder, page_ladder, min_table_pages (and "
-                         "min_slots); repeat the flag for more arms (interleaved; 'programs' "
-                         "counts shapes)")
+                         "min_slots); MIN_PAGES above a sample's page cap: one table width; repeat "
+                         "the flag for more arms (interleaved; 'programs' counts shapes)")
     lt.add_argument("--no_static", action="store_true",
                     help="paged runs only (the first paged config is the ratios' reference)")
     lt.add_argument("--group", type=int, default=8, help="samples per prompt")

@@ -68,7 +68,9 @@ class RolloutConfig:
     # Shape ladders of the paged engine's programs (rollout/schedule_state.py; the compile plan,
     # train/compile_plan.py, counts them): running slots and prefill rows per pool in powers of
     # `slot_ladder`; page-table widths in powers of `page_ladder` from `min_table_pages`.
-    # Coarser ladders: fewer programs (minutes each at full depth), more padded work.
+    # Coarser ladders: fewer programs (minutes each at full depth), more padded work. A
+    # min_table_pages at or above a sample's page cap gives one table width, the cap (the decode
+    # kernels and the XLA path loop to the rows' lengths; the centroid scoring reads the width).
     slot_ladder: int = 2
     page_ladder: int = 2
     min_table_pages: int = 4
