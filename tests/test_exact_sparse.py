@@ -322,3 +322,34 @@ def test_acceptance_bench_on_demo_model(tmp_path, capsys):
         assert 1.0 <= b["tokens_per_pass"] <= 5.0 and 1.0 <= b["predicted"] <= 5.0
         assert b["rel_diff"] == pytest.approx(b["tokens_per_pass"] / b["predicted"] - 1)
     assert (tmp_path / "acc.png").stat().st_size > 5_000
+
+
+def test_acceptance_metrics_with_a_gamma_per_bin():
+    """A hand-made row (bins of 4 tokens, plan (2, 0, 2)): a 2-token round in bin 0, three
+    dense steps in bin 1, a 3-token round in bin 2; metrics per bin with each bin's gamma."""
+    from sparrow_jax.rollout.state import Trajectories
+    from sparrow_jax.train import exact_step
+    t = 9
+    acc = np.array([[0, 1, 0, 0, 0, 0, 1, 1, 0]], bool)
+    nan = np.nan
+    alpha = np.array([[nan, .5, .5, nan, nan, nan, .9, .9, nan]], np.float32)
+    z = jnp.zeros((1, t), jnp.int32)
+    traj = Trajectories(prompt_tokens=jnp.zeros((1, 3), jnp.int32),
+                        prompt_lengths=jnp.asarray([3]), tokens=z, logprobs=z.astype(jnp.float32),
+                        topk_logprobs=jnp.zeros((1, t, 0)), topk_ids=jnp.zeros((1, t, 0), jnp.int32),
+                        budgets=z, cached_lengths=jnp.asarray(3 + np.arange(t))[None],
+                        mask=jnp.ones((1, t), bool), response_lengths=jnp.asarray([t]),
+                        accepted=jnp.asarray(acc), alpha=jnp.asarray(alpha))
+    kw = dict(bin_size=4, num_layers=4, num_sparse_layers=4)
+    budgets = np.array([8, 8, 8], np.int32)
+    m = exact_step.acceptance_metrics(traj, budgets, gamma=(2, 0, 2), **kw)
+    assert [m[f"exact_gamma/bin_0{k}"] for k in range(3)] == [2.0, 0.0, 2.0]
+    assert [m[f"exact_tokens_per_pass/bin_0{k}"] for k in range(3)] == [2.0, 1.0, 3.0]
+    assert m["exact_predicted/bin_00"] == pytest.approx(1.75)       # (1 - .5^3) / .5
+    assert m["exact_predicted/bin_01"] == 1.0                       # dense steps
+    assert m["exact_predicted/bin_02"] == pytest.approx(2.71, abs=1e-5)
+    assert m["exact/tokens_per_pass"] == pytest.approx(8 / 5)
+    # The KV-read model's gamma is the rounds' mean (0.8): against the same rows at gamma 1.
+    one = exact_step.acceptance_metrics(traj, budgets, gamma=1, **kw)
+    draft = 1.6 * one["exact/kv_read_model"] - 1.0
+    assert m["exact/kv_read_model"] == pytest.approx((0.8 * draft + 1.0) / 1.6)
