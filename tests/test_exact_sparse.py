@@ -336,7 +336,8 @@ def test_acceptance_metrics_with_a_gamma_per_bin():
     z = jnp.zeros((1, t), jnp.int32)
     traj = Trajectories(prompt_tokens=jnp.zeros((1, 3), jnp.int32),
                         prompt_lengths=jnp.asarray([3]), tokens=z, logprobs=z.astype(jnp.float32),
-                        topk_logprobs=jnp.zeros((1, t, 0)), topk_ids=jnp.zeros((1, t, 0), jnp.int32),
+                        topk_logprobs=jnp.zeros((1, t, 0)),
+                        topk_ids=jnp.zeros((1, t, 0), jnp.int32),
                         budgets=z, cached_lengths=jnp.asarray(3 + np.arange(t))[None],
                         mask=jnp.ones((1, t), bool), response_lengths=jnp.asarray([t]),
                         accepted=jnp.asarray(acc), alpha=jnp.asarray(alpha))
