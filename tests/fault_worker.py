@@ -142,6 +142,10 @@ def _install(faults: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # As a user's install (torch is a test-only dependency, pyproject's `test` extra): without
+    # it transformers loads the tokenizer without importing torch, ~1.4 CPU-s per run here.
+    # sparrow_jax never imports torch; a module that did would fail here with ImportError.
+    sys.modules.setdefault("torch", None)
     import fault_worker  # registers the rewards under the importable name
     faults = json.loads(os.environ.get("SPARROW_FAULTS", "{}"))
     fault_worker.SLOW_REWARD_S = float(faults.get("slow_reward_s", 0))

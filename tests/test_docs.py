@@ -673,6 +673,13 @@ DEMO_TWIN = ["--gin_param", "TrainConfig.total_steps = 2", "--gin_param", "Train
 def _launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NO_COLOR")}
     env["JAX_PLATFORMS"] = "cpu"
+    # Of the session's XLA flags only the quick LLVM codegen (tests/conftest.py: the same
+    # computation, compiled in less than half the CPU time; the demo twin's programs are most of
+    # its cost); no device count or other flag a developer may have set.
+    quick = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if f.startswith("--xla_backend_optimization_level=")]
+    if quick:
+        env["XLA_FLAGS"] = " ".join(quick)
     return subprocess.run(["bash", "launch/local.sh", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

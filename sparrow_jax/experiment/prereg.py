@@ -23,7 +23,6 @@ from typing import Any, Mapping, Sequence
 
 import gin
 import numpy as np
-from scipy import stats
 
 from sparrow_jax.experiment.paired import last_value, split_arm
 
@@ -60,6 +59,14 @@ class PreregConfig:
         object.__setattr__(self, "seeds", tuple(str(s) for s in self.seeds))
 
 
+def _stats():
+    """scipy.stats, imported at the first statistical test: every `sparrow` command imports
+    this module (gin registers ExperimentConfig for `sparrow experiment --parallel`), and
+    scipy.stats costs ~0.7 CPU-s in each process that compares no arms (`sparrow train`)."""
+    from scipy import stats
+    return stats
+
+
 def _t_summary(d: np.ndarray) -> tuple[float, float, int]:
     n = d.size
     if n < 2:
@@ -78,9 +85,9 @@ def tost(diffs: Sequence[float], margin: float, alpha: float = 0.05) -> dict[str
     if se == 0:
         p_low = p_high = 0.0 if abs(mean) < margin else 1.0
     else:
-        p_low = float(stats.t.sf((mean + margin) / se, df))
-        p_high = float(stats.t.cdf((mean - margin) / se, df))
-    half = float(stats.t.ppf(1 - alpha, df)) * se
+        p_low = float(_stats().t.sf((mean + margin) / se, df))
+        p_high = float(_stats().t.cdf((mean - margin) / se, df))
+    half = float(_stats().t.ppf(1 - alpha, df)) * se
     p = max(p_low, p_high)
     return {"mean": mean, "se": se, "df": df, "p_low": p_low, "p_high": p_high, "p": p,
             "ci_low": mean - half, "ci_high": mean + half, "equivalent": bool(p < alpha)}
@@ -90,14 +97,14 @@ def lag_test(diffs: Sequence[float], alpha: float = 0.05) -> dict[str, float | b
     """One-sided t-test of mean(diffs) < 0: mean, se, df, p, ``lags`` (p < alpha)."""
     d = np.asarray(diffs, np.float64)
     mean, se, df = _t_summary(d)
-    p = float(stats.t.cdf(mean / se, df)) if se > 0 else (0.0 if mean < 0 else 1.0)
+    p = float(_stats().t.cdf(mean / se, df)) if se > 0 else (0.0 if mean < 0 else 1.0)
     return {"mean": mean, "se": se, "df": df, "p": p, "lags": bool(p < alpha)}
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman's rank correlation (average ranks for ties; NaN when either is constant)."""
-    rx = stats.rankdata(np.asarray(x, np.float64))
-    ry = stats.rankdata(np.asarray(y, np.float64))
+    rx = _stats().rankdata(np.asarray(x, np.float64))
+    ry = _stats().rankdata(np.asarray(y, np.float64))
     if rx.std() == 0 or ry.std() == 0:
         return math.nan
     return float(np.corrcoef(rx, ry)[0, 1])
