@@ -42,8 +42,20 @@ def test_paired_differences_and_report(tmp_path):
                "controller@0": _rows(0.06, 0.12, kv=0.4), "controller@1": _rows(0.06, 0.18, kv=0.5)}
     text = paired_markdown(results)
     assert "| controller | 2 | 0.0600 -> 0.1500 | 0: +0.0200, 1: -0.0200 |" in text
-    assert "| dense | 2 | 0.0600 -> 0.1500 | (reference) | | 1.000 |" in text
-    assert "0.450 |" in text
+    assert "| dense | 2 | 0.0600 -> 0.1500 | (reference) | | - (1.000) |" in text
+    # The whole model's KV read, dense layers included; an exact-sparse run's own metric.
+    from sparrow_jax.experiment.paired import whole_model_kv
+    assert whole_model_kv([{"kv/read_model": 0.7}, {"kv/read_model": 0.8}]) == pytest.approx(0.75)
+    assert whole_model_kv([{"kv/read_model": 1.0, "exact/kv_read_model": 0.66}]) == 0.66
+    assert math.isnan(whole_model_kv([{"reward/mean": 0.1}]))
+    rows = _rows(0.06, 0.12, kv=0.4)
+    rows[1]["kv/read_model"] = 0.7
+    exact = _rows(0.06, 0.11)
+    exact[1].update({"kv/read_model": 1.0, "exact/kv_read_model": 0.66})
+    kv_text = paired_markdown({"dense@0": _rows(0.06, 0.10), "controller@0": rows,
+                               "exact@0": exact})
+    assert "| 0.700 (0.400) |" in kv_text and "| 0.660 (-) |" in kv_text
+    assert "| - (0.450) |" in text
     assert write_paired_report(tmp_path, results).read_text() == text
     assert write_paired_report(tmp_path, {"dense": []}) is None
 
@@ -93,14 +105,14 @@ def test_report_shared_start_and_alpha_columns():
     }
     text = paired_markdown(results)
     # Only dense@0 evaluated step 0: every other run starts from its value (marked, explained).
-    assert "| dense | 2 | 0.0800* -> 0.2100 | (reference) | | 1.000 |  |  |  |" in text
+    assert "| dense | 2 | 0.0800* -> 0.2100 | (reference) | | - (1.000) |  |  |  |" in text
     # controller: mean alpha (0.99 + 0.97) / 2, min tail (0.80 + 0.90) / 2 over steps >= 6 only,
     # steps with a bin below target: (2/5 + 1/5) / 2 = 30%.
     assert ("| controller | 2 | 0.0800* -> 0.1950 | 0: -0.0200, 1: -0.0100 | -0.0150 ["
             in text)
-    assert "| 1.000 | 0.9800 | 0.850 | 30% |" in text
+    assert "| - (1.000) | 0.9800 | 0.850 | 30% |" in text
     # An arm that logs no schedule/bins_below_target leaves that column blank.
-    assert "| fixed | 1 | 0.0800* -> 0.1900 | 0: -0.0100 | -0.0100 | 1.000 | 0.9500 | 0.700 |  |" \
+    assert "| fixed | 1 | 0.0800* -> 0.1900 | 0: -0.0100 | -0.0100 | - (1.000) | 0.9500 | 0.700 |  |" \
         in text
     assert "\\* no step-0 evaluation in these runs" in text and "`dense@0`'s" in text
     assert "t-interval over seeds" in text and "over prompts" in text

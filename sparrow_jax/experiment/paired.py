@@ -4,7 +4,8 @@ Arms named ``<arm>@<seed>`` (e.g. ``dense@0``, ``controller@0``) share the seed'
 sampling keys (``TrainConfig.seed``), so each seed's difference ``arm - reference`` (reference =
 ``dense``) removes the between-seed luck that dominated the single-run demo experiment. Per arm:
 the per-seed differences of a held-out metric at the last evaluation, their mean with a 95%
-t-interval over seeds, and the share of the KV cache the arm's rollouts read
+t-interval over seeds, and the share of the KV cache the arm's rollouts read: over the whole
+model, dense layers included (`whole_model_kv`), and in brackets over the sparse layers
 (``schedule/kv_fraction``: sum of min(budget, length) / sum of length; 1 for dense rollout).
 With both runs' ``eval_reference.jsonl`` (sparrow_jax.evaluation.reference), each seed's difference
 also gets its standard error over prompts (per-prompt exact probabilities, paired by prompt id).
@@ -87,6 +88,14 @@ def prompt_se(arm: Mapping[str, float], ref: Mapping[str, float]) -> float:
     return float(d.std(ddof=1) / math.sqrt(d.size)) if d.size >= 2 else math.nan
 
 
+def whole_model_kv(rows: Sequence[Mapping[str, float]]) -> float:
+    """The run's mean whole-model KV read per step, dense layers included: an exact-sparse run's
+    `exact/kv_read_model` (drafts + verify), else `kv/read_model`; NaN when neither is logged."""
+    vals = [r.get("exact/kv_read_model", r.get("kv/read_model")) for r in rows]
+    vals = [v for v in vals if v is not None]
+    return float(np.mean(vals)) if vals else math.nan
+
+
 def mean_value(rows: Sequence[Mapping[str, float]], key: str, default: float = math.nan) -> float:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return float(np.mean(vals)) if vals else default
@@ -146,26 +155,34 @@ def paired_markdown(results: Mapping[str, Sequence[Mapping[str, float]]], *,
             s0 = shared
             borrowed.add(arm)
         start.setdefault(arm, {})[seed] = s0
-        runs = per_run.setdefault(arm, {c: [] for c in ("kv", "alpha", "tail", "below")})
-        runs["kv"].append(mean_value(rows, "schedule/kv_fraction", 1.0))
+        runs = per_run.setdefault(arm, {c: [] for c in ("kv", "kv_model", "alpha", "tail",
+                                                        "below")})
+        # An exact-sparse run's drafts and verify have no sparse-layer fraction of their own.
+        exact = any("exact/kv_read_model" in r for r in rows)
+        runs["kv"].append(math.nan if exact else mean_value(rows, "schedule/kv_fraction", 1.0))
+        runs["kv_model"].append(whole_model_kv(rows))
         for col, key, positive in late:
             runs[col].append(late_mean(rows, key, positive=positive))
     diffs = paired_differences(values, reference)
     lines = [f"# Paired comparison: `{metric}` at the last evaluation, minus `{reference}` of "
              "the same seed", "",
              "| arm | seeds | first -> last (mean over seeds) | per-seed difference to "
-             f"{reference} (+- s.e. over prompts) | mean difference [95% CI] | KV fraction read "
+             f"{reference} (+- s.e. over prompts) | mean difference [95% CI] | KV read: whole model "
+             "(sparse layers) "
              "| mean alpha | min per-bin tail | steps with a bin below target |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm in values:
         v = np.asarray(list(values[arm].values()))
         s0 = np.asarray(list(start[arm].values()))
         first = f"{np.nanmean(s0):.4f}{'*' if arm in borrowed else ''} -> {np.nanmean(v):.4f}"
-        kvf = float(np.mean(per_run[arm]["kv"]))
+        whole = float(np.mean(per_run[arm]["kv_model"]))
+        sparse = float(np.mean(per_run[arm]["kv"]))
+        kvf = " ".join(["-" if math.isnan(whole) else f"{whole:.3f}",
+                        "(-)" if math.isnan(sparse) else f"({sparse:.3f})"])
         extra = " | ".join(_mean_cell(per_run[arm][c], spec) for c, spec in (
             ("alpha", ".4f"), ("tail", ".3f"), ("below", ".0%")))
         if arm == reference:
-            lines.append(f"| {arm} | {len(v)} | {first} | (reference) | | {kvf:.3f} | {extra} |")
+            lines.append(f"| {arm} | {len(v)} | {first} | (reference) | | {kvf} | {extra} |")
             continue
         d = diffs[arm]
         per = ", ".join(f"{s}: {x:+.4f}" + _se_text(prompt_scores.get(f"{arm}@{s}"),
@@ -173,7 +190,7 @@ def paired_markdown(results: Mapping[str, Sequence[Mapping[str, float]]], *,
                         for s, x in d["diffs"].items())
         ci = (f"{d['mean']:+.4f} [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}]"
               if d["n"] >= 2 else (f"{d['mean']:+.4f}" if d["n"] else ""))
-        lines.append(f"| {arm} | {len(v)} | {first} | {per} | {ci} | {kvf:.3f} | {extra} |")
+        lines.append(f"| {arm} | {len(v)} | {first} | {per} | {ci} | {kvf} | {extra} |")
     lines.append("")
     if borrowed:
         lines += ["\\* no step-0 evaluation in these runs (`TrainConfig.eval_at_start = False`): "
