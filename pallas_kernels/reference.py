@@ -137,11 +137,18 @@ def _attend_chunk(carry: Carry | None, qg: jax.Array, keys: jax.Array, vals: jax
     return m_new, alpha * l_prev + l_new, alpha.reshape(acc.shape[:3] + (1,)) * acc + pv
 
 
-def _scan_chunks(chunk, n_chunks: int) -> Carry:
-    """Runs chunk(carry, c) for c = 0..n_chunks-1; the first chunk starts the state."""
+def _scan_chunks(chunk, n_chunks: int, upto: jax.Array | None = None) -> Carry:
+    """Runs chunk(carry, c) for c = 0..n_chunks-1; the first chunk starts the state. With
+    `upto` (a traced int), only the chunks c < min(upto, n_chunks) (at least the first): the
+    caller knows the later ones change nothing (a while loop, not a scan)."""
     carry, _ = chunk(None, jnp.int32(0))
-    if n_chunks > 1:
+    if n_chunks > 1 and upto is None:
         carry, _ = lax.scan(chunk, carry, jnp.arange(1, n_chunks, dtype=jnp.int32))
+    elif n_chunks > 1:
+        need = jnp.minimum(upto, n_chunks)
+        carry = lax.while_loop(lambda st: st[0] < need,
+                               lambda st: (st[0] + 1, chunk(st[1], st[0])[0]),
+                               (jnp.int32(1), carry))[1]
     return carry
 
 
@@ -290,13 +297,8 @@ def paged_block_sparse_decode_xla(
     # through this path (every block of the page table selected) then reads the pages of the
     # longest row, not the whole table: a wide page-table bucket costs no gathers (as in the
     # kernels, which loop to each row's num_blocks).
-    carry, _ = chunk(None, jnp.int32(0))
-    if n_chunks > 1:
-        need = jnp.minimum((jnp.max(num_blocks).astype(jnp.int32) + per - 1) // per, n_chunks)
-        carry = lax.while_loop(lambda st: st[0] < need,
-                               lambda st: (st[0] + 1, chunk(st[1], st[0])[0]),
-                               (jnp.int32(1), carry))[1]
-    out, lse = _finish(carry)
+    upto = (jnp.max(num_blocks).astype(jnp.int32) + per - 1) // per
+    out, lse = _finish(_scan_chunks(chunk, n_chunks, upto))
     return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
 
 
