@@ -146,3 +146,27 @@ sparrow_say_jax_tested() {
     sparrow_say "WARNING: jax $1 is NOT the tested version ($tested, launch/constraints.txt); the kernels' compile checks for other versions: docs/devices/README.md. Run launch/device_check.sh before training"
   fi
 }
+
+# The checkout that python $1's sparrow_jax resolves to, printed only when it is an editable
+# install of another directory than the checkout $2 (nothing for no install, an install of $2, or
+# a copy inside the venv). -I: PYTHONPATH and the working directory must not decide the answer;
+# find_spec locates the package without importing it (no jax import, well under a second).
+sparrow_editable_elsewhere() {
+  "$1" -I -c '
+import importlib.util, os, sys
+spec = importlib.util.find_spec("sparrow_jax")
+if spec is not None and spec.origin:
+    pkg = os.path.realpath(os.path.dirname(spec.origin))
+    src, repo = os.path.dirname(pkg), os.path.realpath(sys.argv[1])
+    if src != repo and not pkg.startswith(os.path.realpath(sys.prefix) + os.sep):
+        print("sparrow-jax checkout:", src)' "$2" 2>/dev/null | sed -n 's/^sparrow-jax checkout: //p' | tail -n 1 || true
+}
+
+# Dies when python $1's venv holds an editable sparrow-jax of another checkout than $2 (a git
+# worktree whose .venv links to another checkout's): `pip install -e .` from $2 would silently
+# re-point that venv - and every checkout sharing it - at $2.
+sparrow_refuse_shared_venv() {
+  local other
+  other=$(sparrow_editable_elsewhere "$1" "$2")
+  [ -z "$other" ] || sparrow_die ".venv's sparrow-jax is an editable install of $other, not of this checkout $2 (a venv shared with another checkout?); installing here would re-point it for every checkout using it. Run this checkout with that venv as it is: PYTHONPATH=$2 .venv/bin/python -m ... ; or re-point the venv deliberately: $1 -m pip install --no-deps -e $2 ; or give this checkout its own venv (remove .venv and re-run)"
+}

@@ -6,10 +6,10 @@
 #   launch/local.sh sparrow <subcommand> ...   any CLI command inside the venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SPARROW_LAUNCHER=local.sh
+# shellcheck source=launch/lib.sh
+. launch/lib.sh
 if [ ! -x .venv/bin/python ]; then
-  SPARROW_LAUNCHER=local.sh
-  # shellcheck source=launch/lib.sh
-  . launch/lib.sh
   PY=$(sparrow_find_python)      # Python >= 3.11 (PYTHON=... to choose), or one clear line
   echo "[local.sh] creating .venv with $($PY --version)"
   "$PY" -m venv .venv
@@ -18,6 +18,8 @@ fi
 . .venv/bin/activate
 stamp=.venv/.sparrow-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  # A .venv linked from another checkout (git worktree) keeps its own editable install.
+  sparrow_refuse_shared_venv "$(pwd -P)/.venv/bin/python" "$(pwd -P)"
   echo "[local.sh] installing sparrow-jax and test dependencies into .venv"
   python -m pip install -q --upgrade pip
   # torch==2.13.0 first: it resolves to the local CPU wheel (no CUDA downloads).

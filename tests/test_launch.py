@@ -101,6 +101,68 @@ def test_local_launcher_without_a_venv_needs_python_311(sandbox):
     assert not (tmp / "proj" / ".venv").exists()
 
 
+FINDER = """import importlib.util, sys
+ROOT = {root!r}
+class _Finder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "sparrow_jax":
+            return importlib.util.spec_from_file_location(
+                name, ROOT + "/sparrow_jax/__init__.py", submodule_search_locations=[ROOT + "/sparrow_jax"])
+def install():
+    sys.meta_path.append(_Finder)
+"""
+
+
+def test_local_launcher_refuses_to_repoint_a_shared_venv(tmp_path):
+    """A second checkout whose .venv links to another checkout's venv (a git worktree): local.sh
+    must not `pip install -e .` into it (that re-points the shared editable install) but stop
+    naming both checkouts and the deliberate command. A fake layout: a pip-less venv whose
+    sparrow_jax is an editable install - setuptools' finder, or a plain .pth path line."""
+    venv, first, second = tmp_path / "venv", tmp_path / "first", tmp_path / "second"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=60)
+    site = next(venv.glob("lib/python*/site-packages"))
+    for checkout in (first, second):
+        (checkout / "sparrow_jax").mkdir(parents=True)
+        (checkout / "sparrow_jax" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+        (checkout / "launch").mkdir()
+        for name in ("local.sh", "lib.sh"):
+            shutil.copy(REPO / "launch" / name, checkout / "launch" / name)
+        (checkout / "pyproject.toml").write_text("")
+    (second / ".venv").symlink_to(venv)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(second)}
+
+    def elsewhere(checkout: Path) -> str:
+        return subprocess.run(
+            ["/bin/bash", "-c", '. launch/lib.sh; sparrow_editable_elsewhere "$0" "$1"',
+             str(second / ".venv/bin/python"), str(checkout)], cwd=second, env=env,
+            capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+
+    assert elsewhere(second) == ""                        # not installed: a fresh venv installs
+    for style in ("finder", "pth"):
+        for old in site.glob("*sparrow*"):
+            old.unlink()
+        if style == "finder":
+            (site / "_fake_sparrow_finder.py").write_text(FINDER.format(root=str(first)))
+            (site / "_fake_sparrow.pth").write_text("import _fake_sparrow_finder; "
+                                                    "_fake_sparrow_finder.install()\n")
+        else:
+            (site / "_fake_sparrow.pth").write_text(f"{first}\n")
+        # PYTHONPATH (second) and the working directory (second) must not hide the install.
+        assert elsewhere(second) == str(first), style
+        assert elsewhere(first) == "", style              # its own checkout: install as today
+        r = subprocess.run(["/bin/bash", str(second / "launch/local.sh"), "demo"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=60)
+        out = r.stdout + r.stderr
+        assert r.returncode == 1 and "installing sparrow-jax" not in out, out
+        line = last_line(r)
+        assert line.startswith("[local.sh] ERROR: .venv's sparrow-jax is an editable install of "
+                               f"{first}, not of this checkout {second}"), line
+        assert f"pip install --no-deps -e {second}" in line
+        assert not (venv / ".sparrow-installed").exists()
+
+
 @pytest.mark.parametrize("driver,extra", [("580.82.07", "cuda13"), ("575.57.08", "cuda12"),
                                           ("535.104.05", "cuda12")])
 def test_driver_version_selects_the_cuda_extra(sandbox, driver, extra):
