@@ -203,3 +203,51 @@ def test_replicate_experiment_config_adds_seeded_arms():
     assert cfg.output_dir == "runs/experiment_demo" and cfg.report == "comparison_replicate"
     assert seeds == {"dense": (0, 64), "controller": (0, 64), "dense_seed1": (1, 64),
                      "controller_seed1": (1, 64)}
+
+
+def test_every_run_in_the_figure_has_its_own_colour_and_style(tmp_path, monkeypatch):
+    """comparison.png past matplotlib's 10-colour cycle: the registered 12-run experiment (3 arms
+    x 4 seeds) and 25 single-seed arms (past tab20's 20 colours). Read back from the figure's
+    lines: every run one (colour, line style, marker) in every panel, distinct from every other
+    run's; one colour per arm, one style per seed; every run in the legend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sparrow_jax.experiment.runner import write_report
+    figs = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig) or real_close(fig))
+
+    def rows(i):
+        return [{"step": s, "reward/mean": 0.1 * i + s, "eval_dense/reward": 0.5,
+                 "alpha/tail_min": 0.9, "alpha/frac_below_0.9": 0.01, "rollout/tokens_per_s": 9.0,
+                 "budget/bin_0": 64.0, "alpha_count/bin_0": 10.0} for s in (0, 1, 2)]
+
+    cases = [[f"{arm}@{seed}" for arm in ("dense", "controller", "M") for seed in (11, 12, 13, 14)],
+             [f"arm{i}" for i in range(25)]]
+    for names in cases:
+        write_report(tmp_path, {n: rows(i) for i, n in enumerate(names)}, eval_prompts=4,
+                     threshold=0.8)
+        fig = figs.pop()
+        style = {}
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                if line.get_label() in names:
+                    key = (matplotlib.colors.to_hex(line.get_color()), line.get_linestyle(),
+                           line.get_marker())
+                    assert style.setdefault(line.get_label(), key) == key, line.get_label()
+        assert set(style) == set(names)
+        assert len(set(style.values())) == len(names), style
+        (legend,) = fig.legends
+        assert [t.get_text() for t in legend.get_texts()] == names
+        if "@" in names[0]:
+            for a in names:
+                for b in names:
+                    same_arm = a.split("@")[0] == b.split("@")[0]
+                    same_seed = a.split("@")[1] == b.split("@")[1]
+                    assert (style[a][0] == style[b][0]) == same_arm, (a, b)
+                    assert (style[a][1:] == style[b][1:]) == same_seed, (a, b)
+        else:
+            assert len({s[0] for s in style.values()}) == 20        # tab20, each colour used
+    assert (tmp_path / "comparison.png").stat().st_size > 10_000

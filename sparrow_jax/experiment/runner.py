@@ -36,7 +36,7 @@ import gin
 import numpy as np
 
 # Registers PreregConfig with gin, so an experiment's gin file can bind it.
-from sparrow_jax.experiment import prereg
+from sparrow_jax.experiment import figure, prereg
 from sparrow_jax.runtime.faults import RunStopped
 
 log = logging.getLogger(__name__)
@@ -149,30 +149,9 @@ def write_report(output_dir: Path, arms: Mapping[str, Sequence[Mapping[str, floa
                  eval_prompts: int, threshold: float, stem: str = "comparison"
                  ) -> tuple[Path, Path]:
     """<stem>.png and <stem>.md for `arms` (name -> metrics.jsonl rows)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    # One colour per arm in every panel (panels without a dense series would otherwise shift them).
-    colour = {name: f"C{i % 10}" for i, name in enumerate(arms)}
-    for ax, (key, title) in zip(axes.ravel(), PANELS):
-        for name, rows in arms.items():
-            steps, values = arm_series(rows)[key]
-            if steps:
-                ax.plot(steps, values, marker="o", markersize=3, label=name, color=colour[name])
-        if key == "alpha/tail_min":
-            ax.axhline(threshold, color="red", linestyle="--", linewidth=1,
-                       label=f"threshold {threshold}")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
-    axes[0, 2].legend(fontsize=8)
-    fig.tight_layout()
-    png = output_dir / f"{stem}.png"
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    png = figure.plot_comparison(output_dir / f"{stem}.png",
+                                 {name: arm_series(rows) for name, rows in arms.items()},
+                                 PANELS, threshold)
 
     header = ("| arm | steps | held-out reward (dense): first -> last (+- s.e.) | training reward"
               " | min tail alpha | frac alpha < 0.9 | mean budget | rollout tokens/s |")
