@@ -371,6 +371,10 @@ _REGISTRY = {
     "python -m sparrow_jax.bench.acceptance --num_prompts 16 --samples 4 --budgets 48 128 "
     "--dense_layers none --plot docs/images/exact_acceptance.png":
         (ByTest("tests/test_exact_sparse.py::test_acceptance_bench_on_demo_model"),),
+    # docs/experiment.md: the block scorers' alpha tails on the long task (issue 41)
+    "python -m sparrow_jax.bench.selection_quality --model checkpoints/long_sft "
+    "--data data/long/heldout64.jsonl --rows 4 --budgets 256 512 --dense_layers 0,1 0":
+        (ByTest("tests/test_selection_quality.py::test_documented_command_parses"),),
     # docs/experiment.md: an exact-sparse arm beside dense, paired seeds (issue 42)
     "launch/local.sh sparrow experiment configs/demo_cpu.gin configs/experiment_paired.gin "
     "configs/experiment_exact.gin":

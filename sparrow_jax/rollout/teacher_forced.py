@@ -46,15 +46,41 @@ def response_hidden(hidden: jax.Array, traj: Trajectories) -> jax.Array:
     return jnp.take_along_axis(hidden, idx[..., None], axis=1)
 
 
+# Block scorers the teacher-forced replay can use: "centroid" is the rollout's rule (the only
+# one the KV cache supports); "quest" (per-block key bounds) and "oracle" (each block's true
+# softmax mass, the best any block scorer could pick) exist to measure how much of the mismatch
+# is the scorer's (sparrow_jax.bench.selection_quality).
+REPLAY_SCORERS = ("centroid", "quest", "oracle")
+
+
+def oracle_block_mass(q: jax.Array, keys: jax.Array, positions: jax.Array,
+                      block_size: int) -> jax.Array:
+    """Each block's share of the true causal attention, summed over each KV head's query group.
+
+    q [B, C, Hq, D] at positions [B, C], keys [B, Hkv, S, D] (post-RoPE) -> [B, C, Hkv, S//bs]
+    f32: sum over the group's heads of softmax(q.k / sqrt(D)) over keys <= position."""
+    b, c, hq, d = q.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
+    logits = jnp.einsum("bckgd,bksd->bckgs", qg, keys.astype(jnp.float32)) * (d ** -0.5)
+    causal = jnp.arange(s)[None, None] <= positions[..., None]              # [B, C, S]
+    probs = jax.nn.softmax(jnp.where(causal[:, :, None, None], logits, -jnp.inf), axis=-1)
+    return probs.sum(3).reshape(b, c, hkv, s // block_size, block_size).sum(-1)
+
+
 def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: jax.Array,
                         max_selected: int, block_size: int = 16,
-                        dense_layers: tuple[int, ...] = (0, 1), query_chunk: int = 0):
+                        dense_layers: tuple[int, ...] = (0, 1), query_chunk: int = 0,
+                        scorer: str = "centroid"):
     """A FullAttentionFn for `Qwen3ForCausalLM.hidden_states` that replays block top-k selection.
 
     Queries inside the prompt (prefill) and all queries of dense layers attend densely.
     query_chunk > 0 processes that many queries at a time (`map_causal_query_chunks`), so the
     [B, H, T, S] scores and the [B, T, Hkv, S] selection mask exist one chunk at a time.
+    scorer: one of REPLAY_SCORERS (the rollout decodes with "centroid").
     """
+    if scorer not in REPLAY_SCORERS:
+        raise ValueError(f"scorer must be one of {REPLAY_SCORERS}, got {scorer!r}")
     dense_fn = chunked_causal_attention(query_chunk) if query_chunk else dense_causal_attention
 
     def attend(layer_idx, q, k, v, positions, attention_mask):
@@ -62,14 +88,25 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
             return dense_fn(layer_idx, q, k, v, positions, attention_mask)
         t = q.shape[1]
         kt = k.transpose(0, 2, 1, 3)                                   # [B, Hkv, S, D]
-        centroids = selection.block_centroids(kt, block_size)           # [B, Hkv, NB, D]
+        if scorer == "centroid":
+            centroids = selection.block_centroids(kt, block_size)       # [B, Hkv, NB, D]
+        elif scorer == "quest":
+            key_min, key_max = selection.block_minmax(kt, block_size)
         key_mask = attention_mask.astype(bool)
+
+        def block_scores(q_c, pos_c):
+            """[B, C, Hkv, NB] scores of the queries q_c [B, C, Hq, D] at positions pos_c."""
+            if scorer == "centroid":
+                return selection.centroid_scores(q_c, centroids[:, None])
+            if scorer == "quest":
+                return selection.quest_scores(q_c, key_min[:, None], key_max[:, None])
+            return oracle_block_mass(q_c, kt, pos_c, block_size)
 
         def visible(q_c, pos_c, q_idx, k_idx):
             """Which keys k_idx [M, C'] the queries q_c [B, C, Hq, D] at positions pos_c [B, C]
             see besides causality: all in the prompt, the blocks decode-time selection picked
             after it -> [B, Hkv, M, C, C'] (`map_causal_query_chunks`)."""
-            scores = selection.centroid_scores(q_c, centroids[:, None])       # [B, C, Hkv, NB]
+            scores = block_scores(q_c, pos_c)                                 # [B, C, Hkv, NB]
             budget = budget_for_lengths(budgets, pos_c + 1, bin_size)
             budget_blocks = jnp.minimum(budget // block_size, max_selected)
             chosen = selection.selected_keys(scores, pos_c, budget_blocks,
