@@ -5,6 +5,11 @@ Two phases, measured to be the fast route (docs/data.md, "Warm-up"): short crops
 sequences learn the lookup mechanics quickly (every step copies from a constant offset); whole
 full-length sequences then teach late positions, which crop training does not generalise to. The result is a Hugging Face directory (config, safetensors,
 tokenizer) that `load_hf` and transformers both read.
+
+Sparsity-aware warm-up (`sparse_loss_coef > 0`): the whole-sequence steps also fit the forward
+the sparse rollout decodes with (block top-k selection replayed at every response position,
+`rollout.teacher_forced.sparse_attention_fn`), so the model learns to keep what it needs in the
+blocks the selection picks - the alpha tail a sparse schedule must hold (docs/experiment.md).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from sparrow_jax.data import synthetic
 from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
 from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
 from sparrow_jax.model.attention import chunked_causal_attention
+from sparrow_jax.rollout.teacher_forced import sparse_attention_fn
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +77,14 @@ class SFTConfig:
                                       # batch then never holds [B, H, T, T] scores
     max_position_embeddings: int = 0  # > 0: written into the model's config (the demo model
                                       # says 4096; the long task needs ~4.6K positions)
+    # Sparsity-aware whole-sequence steps: loss = CE(dense forward) + sparse_loss_coef x
+    # CE(block-sparse forward at sparse_budget tokens, layers sparse_dense_layers dense, blocks
+    # of sparse_block_size: the rollout's RolloutConfig.block_size). 0 = dense only. Costs about
+    # one more forward and backward per whole-sequence step.
+    sparse_loss_coef: float = 0.0
+    sparse_budget: int = 256
+    sparse_dense_layers: tuple[int, ...] = (0, 1)
+    sparse_block_size: int = 16
 
     def __post_init__(self):
         fractions = (self.crop_start_fraction, self.crop_end_fraction)
@@ -82,6 +96,12 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.crop_end_fraction = {self.crop_end_fraction} needs "
                              f"crop_keep_prompt = True (windows without their prompt cannot "
                              f"learn the stop decision, which reads K from the prompt)")
+        if self.sparse_loss_coef < 0 or self.sparse_budget % self.sparse_block_size or \
+                self.sparse_budget < 3 * self.sparse_block_size:
+            raise ValueError(f"SFTConfig.sparse_loss_coef = {self.sparse_loss_coef} must be >= 0 "
+                             f"and sparse_budget = {self.sparse_budget} a multiple of "
+                             f"sparse_block_size = {self.sparse_block_size} of at least 3 blocks "
+                             f"(sink + 2 local)")
         if self.attention_chunk < 0 or self.max_position_embeddings < 0:
             raise ValueError(f"SFTConfig.attention_chunk = {self.attention_chunk} and "
                              f"max_position_embeddings = {self.max_position_embeddings} must be "
@@ -175,9 +195,8 @@ def _prompt_crops(pairs, length: int, context: int, rng: np.random.Generator,
     return tokens, positions, weights, mask
 
 
-def _loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, attention_chunk: int):
-    fn = chunked_causal_attention(attention_chunk) if attention_chunk > 0 else None
-    logits = model(tokens, positions, attention_mask=mask, attention_fn=fn)
+def _nll_and_accuracy(logits, tokens, weights):
+    """Mean next-token NLL and argmax accuracy over the weighted positions ([B, L] each)."""
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
     w = weights[:, :-1]
@@ -185,12 +204,33 @@ def _loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, attention_c
     return jnp.sum(nll * w) / jnp.sum(w), jnp.sum(correct) / jnp.sum(w)
 
 
-@functools.partial(nnx.jit, static_argnames=("attention_chunk",))
-def _train_step(model, optimizer, tokens, positions, weights, mask, attention_chunk: int = 0):
-    (loss, acc), grads = nnx.value_and_grad(_loss, has_aux=True)(
-        model, tokens, positions, weights, mask, attention_chunk)
+def _loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, prompt_lengths,
+          attention_chunk: int, sparse: tuple | None):
+    """CE of the dense forward, plus coef x CE of the block-sparse one when sparse = (coef,
+    budget, dense_layers, block_size). Returns (loss, (dense nll, dense acc, sparse nll,
+    sparse acc)); the sparse pair is 0 without it."""
+    fn = chunked_causal_attention(attention_chunk) if attention_chunk > 0 else None
+    nll, acc = _nll_and_accuracy(model(tokens, positions, attention_mask=mask, attention_fn=fn),
+                                 tokens, weights)
+    if sparse is None:
+        return nll, (nll, acc, jnp.zeros(()), jnp.zeros(()))
+    coef, budget, dense_layers, block_size = sparse
+    sparse_fn = sparse_attention_fn(budgets=jnp.full((1,), budget, jnp.int32), bin_size=1 << 30,
+                                    prompt_lengths=prompt_lengths,
+                                    max_selected=budget // block_size, block_size=block_size,
+                                    dense_layers=dense_layers, query_chunk=attention_chunk)
+    s_nll, s_acc = _nll_and_accuracy(
+        model(tokens, positions, attention_mask=mask, attention_fn=sparse_fn), tokens, weights)
+    return nll + coef * s_nll, (nll, acc, s_nll, s_acc)
+
+
+@functools.partial(nnx.jit, static_argnames=("attention_chunk", "sparse"))
+def _train_step(model, optimizer, tokens, positions, weights, mask, prompt_lengths,
+                attention_chunk: int = 0, sparse: tuple | None = None):
+    (_, metrics), grads = nnx.value_and_grad(_loss, has_aux=True)(
+        model, tokens, positions, weights, mask, prompt_lengths, attention_chunk, sparse)
     optimizer.update(model, grads)
-    return loss, acc
+    return metrics
 
 
 def demo_model_config(cfg: SFTConfig, tokenizer) -> Qwen3Config:
@@ -256,6 +296,12 @@ def run_sft(cfg: SFTConfig) -> Path:
                                                  optax.adamw(lr, weight_decay=0.01)), wrt=nnx.Param)
     log.info("sft: %.2fM params, %d crop + %d full-length steps", mcfg.num_params() / 1e6,
              cfg.crop_steps, cfg.long_steps)
+    sparse = None
+    if cfg.sparse_loss_coef > 0:
+        sparse = (float(cfg.sparse_loss_coef), int(cfg.sparse_budget),
+                  tuple(cfg.sparse_dense_layers), int(cfg.sparse_block_size))
+        log.info("sft: whole-sequence steps also fit the block-sparse forward (budget %d tokens, "
+                 "dense layers %s, weight %g)", cfg.sparse_budget, sparse[2], sparse[0])
     rng = np.random.default_rng(cfg.seed)
     start = time.time()
     with tqdm(total=total, desc="sft", unit="step") as bar:
@@ -272,13 +318,17 @@ def run_sft(cfg: SFTConfig) -> Path:
                 tokens, weights = _pack(pairs, tokenizer.pad_token_id)
                 positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
                 mask = np.ones_like(tokens)
-            loss, acc = _train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(positions),
-                                    jnp.asarray(weights), jnp.asarray(mask),
-                                    attention_chunk=cfg.attention_chunk)
+            prompt_lengths = np.asarray([len(p) for p, _ in pairs], np.int32)
+            loss, acc, s_loss, s_acc = _train_step(
+                model, optimizer, jnp.asarray(tokens), jnp.asarray(positions),
+                jnp.asarray(weights), jnp.asarray(mask), jnp.asarray(prompt_lengths),
+                attention_chunk=cfg.attention_chunk, sparse=None if crop else sparse)
             bar.update(1)
             if step % cfg.log_every == 0 or step == total - 1:
+                extra = {} if crop or sparse is None else dict(
+                    sparse_loss=f"{float(s_loss):.3f}", sparse_acc=f"{float(s_acc):.4f}")
                 bar.set_postfix(loss=f"{float(loss):.3f}", token_acc=f"{float(acc):.3f}",
-                                phase="crop" if crop else "full")
+                                phase="crop" if crop else "full", **extra)
     log.info("sft done in %.0f s", time.time() - start)
     eval_problems = synthetic.make_problems(cfg.eval_problems, cfg.seed + 10_000, cfg.long_k_range)
     max_new = synthetic.target_tokens(cfg.long_k_range[1]) + 16
