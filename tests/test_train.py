@@ -34,8 +34,11 @@ def test_train_writes_run_dir_and_resumes(setup, capsys):
     root = setup
     assert _run(_params(root, "run", 2)) == 0
     run = root / "run"
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "held-out reward (sparse decoding)" in out and "sparse vs dense" in out
+    # Long evaluations say what runs and when it is done (minutes of silence otherwise).
+    assert "held-out evaluation at step 0: dense decoding of" in out + err
+    assert "held-out evaluation at step 2, sparse: done in" in out + err
     assert (run / "operative_config.gin").exists()
     assert "TrainConfig.group_size = 2" in (run / "operative_config.gin").read_text()
     rows = read_jsonl(run)

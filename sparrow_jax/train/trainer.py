@@ -298,6 +298,12 @@ class Trainer:
             # Dense decoding evaluates the policy itself, never the sparse actor's adapter.
             model = (compute_copy(self.model) if self.distiller and mode == "dense"
                      else self.rollout_model())
+            # Long generations make this minutes of silence otherwise (4.5K tokens: ~10 min on CPU).
+            t0 = time.perf_counter()
+            log.info("held-out evaluation at step %d: %s decoding of %d prompts, up to %d new "
+                     "tokens%s", self.step, mode, int(np.sum(self.eval_batch["valid"])),
+                     rc.max_new_tokens, ", then the teacher-forced references"
+                     if self.reference is not None and mode in ("dense", "sparse") else "")
             r = evaluation.evaluate(model, self.tokenizer, self.pool, self.eval_batch, cfg=rc,
                                     budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
                                     rng=rng, spec=self.spec, diagnostics=self.diagnostics,
@@ -309,6 +315,8 @@ class Trainer:
                                    bin_size=sched.bin_size, max_budget=rc.max_budget,
                                    block_size=rc.block_size, dense_layers=tuple(rc.dense_layers))
                 out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
+            log.info("held-out evaluation at step %d, %s: done in %.0f s", self.step, mode,
+                     time.perf_counter() - t0)
         if not self._eval_warm:
             # This process's first evaluation also compiled the eval programs: its timings are
             # compile time, not speed - dropped (later evaluations are warm and keep theirs).
