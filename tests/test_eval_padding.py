@@ -69,3 +69,18 @@ def test_summary_without_a_step_0_evaluation_says_so():
     first = {"eval_dense/reward": 0.0, "eval_sparse/reward": 0.0}
     lines, out = evaluation.summary_lines(first, last)
     assert "0.000 -> 0.250" in lines[0] and out["speedup_sparse_over_dense"] == 700 / 900
+
+
+def test_summary_gives_log_p_when_the_reference_probability_underflows():
+    """The long task's 4.5K-token references have p ~ 1e-18: 0.0000 -> 0.0000 said nothing."""
+    first = {"eval_dense/ref_p_exact": 1e-18, "eval_dense/ref_logp": -41.5,
+             "eval_dense/ref_greedy": 0.0}
+    last = {"eval_dense/ref_p_exact": 3e-17, "eval_dense/ref_logp": -38.25,
+            "eval_dense/ref_logp_se": 1.5, "eval_dense/ref_greedy": 0.0}
+    text = "\n".join(evaluation.summary_lines(first, last)[0])
+    assert "log p(reference) (dense; p(T=1 sample = reference) < 5e-05): -41.50 -> -38.25 " \
+           "(+- 1.50)" in text and "0.0000" not in text
+    # a probability that prints keeps the probability line
+    first["eval_dense/ref_p_exact"] = 0.02
+    text = "\n".join(evaluation.summary_lines(first, last)[0])
+    assert "p(T=1 sample = reference) (dense): 0.0200 -> 0.0000" in text

@@ -151,6 +151,10 @@ def short_line(d: dict[str, float], modes: Sequence[str] = ("dense", "sparse")) 
             f"{pair('response_length', '.0f')}" + (f", {speed} tokens/s" if speed else ""))
 
 
+# Below this p(T=1 sample = reference) prints as 0.0000: the summary gives log p instead.
+UNDERFLOW_P = 5e-5
+
+
 def summary_lines(first: dict[str, float], last: dict[str, float],
                   modes: Sequence[str] = ("dense", "sparse")) -> tuple[list[str], dict[str, float]]:
     """The end-of-run summary: held-out reward per decoding mode (first -> last) and the
@@ -166,12 +170,20 @@ def summary_lines(first: dict[str, float], last: dict[str, float],
                          f"-> {last[key]:.3f}")
     for mode in modes:      # teacher-forced reference metrics (sparrow_jax.evaluation.reference)
         key = f"eval_{mode}/ref_p_exact"
-        if key in last:
-            lines.append(f"held-out p(T=1 sample = reference) ({mode}): "
-                         f"{start(key, '.4f')} -> {last[key]:.4f} (+- "
-                         f"{last.get(key + '_se', math.nan):.4f}); greedy reproduces it: "
-                         f"{start(f'eval_{mode}/ref_greedy', '.3f')} -> "
-                         f"{last.get(f'eval_{mode}/ref_greedy', math.nan):.3f}")
+        if key not in last:
+            continue
+        greedy = (f"greedy reproduces it: {start(f'eval_{mode}/ref_greedy', '.3f')} -> "
+                  f"{last.get(f'eval_{mode}/ref_greedy', math.nan):.3f}")
+        logp = f"eval_{mode}/ref_logp"
+        if logp in last and max(last[key], first.get(key, 0.0)) < UNDERFLOW_P:
+            # Long references (4.5K tokens: log p ~ -40) print 0.0000 -> 0.0000: give log p.
+            lines.append(f"held-out log p(reference) ({mode}; p(T=1 sample = reference) < "
+                         f"{UNDERFLOW_P:g}): {start(logp, '.2f')} -> {last[logp]:.2f} (+- "
+                         f"{last.get(logp + '_se', math.nan):.2f}); {greedy}")
+            continue
+        lines.append(f"held-out p(T=1 sample = reference) ({mode}): "
+                     f"{start(key, '.4f')} -> {last[key]:.4f} (+- "
+                     f"{last.get(key + '_se', math.nan):.4f}); {greedy}")
     actor = modes[-1]
     if "eval_dense/tokens_per_s" in last and f"eval_{actor}/tokens_per_s" in last and (
             actor != "dense"):
