@@ -313,12 +313,32 @@ _REGISTRY = {
         (ByTest("tests/test_calibrate.py::test_calibrate_end_to_end"),
          ByTest("tests/test_certified_calibration.py::test_certified_by_the_controllers_own_rule")),
     "launch/local.sh sparrow train configs/demo_long.gin": (Twin("demo_long"),),
+    "launch/local.sh sparrow train configs/demo_long.gin --gin_param \"TrainConfig.total_steps = 2\" "
+    "--gin_param \"TrainConfig.eval_every = 2\" --gin_param \"TrainConfig.checkpoint_every = 2\"":
+        (Twin("demo_long"),),
     "launch/local.sh sparrow sft configs/sft_long.gin --gin_param \"SFTConfig.output_dir = "
     "'runs/long_sft2'\" --gin_param \"SFTConfig.init_from = 'checkpoints/long_sft'\" --gin_param "
     "\"SFTConfig.crop_steps = 0\" --gin_param \"SFTConfig.long_steps = 60\" --gin_param "
     "\"SFTConfig.learning_rate = 3e-4\" --gin_param \"SFTConfig.warmup_steps = 5\" --gin_param "
     "\"SFTConfig.seed = 22\" --gin_param \"SFTConfig.eval_problems = 4\"":
         (ByTest("tests/test_sft.py::test_sft_command_writes_checkpoint"),),
+    # docs/experiment.md: the sparsity-aware warm-up, its control and its calibration (issue 41)
+    "launch/local.sh sparrow sft configs/sft_long.gin configs/sft_long_sparse.gin --gin_param "
+    "\"SFTConfig.output_dir = 'runs/long_sparse_sft'\"":
+        (ByTest("tests/test_sft.py::test_sparse_warmup_configs_parse"),
+         ByTest("tests/test_sft.py::test_sparse_loss_adds_the_block_sparse_forwards_cross_entropy")),
+    "launch/local.sh sparrow sft configs/sft_long.gin configs/sft_long_sparse.gin --gin_param "
+    "\"SFTConfig.output_dir = 'runs/long_dense_sft_control'\" --gin_param "
+    "\"SFTConfig.sparse_loss_coef = 0.0\"":
+        (ByTest("tests/test_sft.py::test_sparse_warmup_configs_parse"),),
+    "python -m sparrow_jax.bench.selection_quality --model runs/long_sparse_sft --rows 16 "
+    "--budgets 256 --scorers centroid --dense_layers 0,1":
+        (ByTest("tests/test_selection_quality.py::test_documented_command_parses"),),
+    "launch/local.sh sparrow calibrate configs/calibrate_long.gin configs/controller_certified.gin "
+    "--gin_param \"CalibrateConfig.model_path = 'runs/long_sparse_sft'\" --gin_param "
+    "\"CalibrateConfig.output_dir = 'runs/calibrate_long_sparse'\"":
+        (ByTest("tests/test_calibrate.py::test_calibrate_end_to_end"),
+         ByTest("tests/test_certified_calibration.py::test_certified_by_the_controllers_own_rule")),
     # docs/benchmarks.md: the long-context shape of issue 41
     _ROLLOUT_BENCH + "--layers 8 --hidden 128 --heads 4 --kv_heads 4 --head_dim 64 "
     "--intermediate 256 --vocab 43 --context 4096 8192 --budget 256 512 --batch 8 "

@@ -98,10 +98,13 @@ def test_tail_table_bins_by_cache_length():
 
 
 def test_documented_command_parses():
-    """docs/experiment.md's command (registered in tests/test_docs.py)."""
+    """docs/experiment.md's commands (registered in tests/test_docs.py)."""
     args = sq.parse_args("--model checkpoints/long_sft --data data/long/heldout64.jsonl --rows 4 "
                          "--budgets 256 512 --dense_layers 0,1 0".split())
     assert args.dense_sets == [(0, 1), (0,)] and args.budgets == [256, 512]
     assert args.scorers == ["centroid", "quest", "oracle"]
+    args = sq.parse_args("--model runs/long_sparse_sft --rows 16 --budgets 256 --scorers centroid "
+                         "--dense_layers 0,1".split())
+    assert args.rows == 16 and args.scorers == ["centroid"] and args.dense_sets == [(0, 1)]
     with pytest.raises(SystemExit):
         sq.parse_args(["--budgets", "40"])

@@ -158,7 +158,8 @@ def test_long_warmup_never_draws_the_long_task_prompts():
     fail."""
     # the stages that made checkpoints/long_sft, and the further stage docs/experiment.md shows
     text = "".join((REPO / f).read_text() for f in (
-        "configs/sft_long.gin", "launch/make_long_checkpoint.sh", "docs/experiment.md"))
+        "configs/sft_long.gin", "configs/sft_long_sparse.gin", "launch/make_long_checkpoint.sh",
+        "docs/experiment.md"))
     data_seeds, prompts = _shipped_problems("long")
     stage_seeds = _stage_seeds(text)
     assert data_seeds == {31, 32, 33} and {21, 22} <= stage_seeds
@@ -202,3 +203,21 @@ def test_sparse_loss_adds_the_block_sparse_forwards_cross_entropy():
     assert abs(float(s_nll_n) - float(nll)) > 1e-5       # a random model: attention is flat
     grads = nnx.grad(lambda m: _loss(m, *args, 32, (1.0, 48, (0,), 16))[1][2])(model)
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+
+def test_sparse_warmup_configs_parse():
+    """configs/sft_long.gin + configs/sft_long_sparse.gin, as docs/experiment.md runs them: the
+    sparsity-aware stage, and its control with the sparse term off."""
+    from sparrow_jax.train.sft import SFTConfig
+    for extra, coef in (([], 1.0), (["SFTConfig.sparse_loss_coef = 0.0"], 0.0)):
+        gin.clear_config()
+        gin.parse_config_files_and_bindings(
+            [str(REPO / "configs/sft_long.gin"), str(REPO / "configs/sft_long_sparse.gin")],
+            ["SFTConfig.output_dir = 'runs/x'", *extra])
+        cfg = SFTConfig()
+        assert (cfg.init_from, cfg.crop_steps, cfg.long_steps, cfg.seed) == (
+            "checkpoints/long_sft", 0, 60, 22)
+        assert (cfg.sparse_loss_coef, cfg.sparse_budget, cfg.sparse_dense_layers) == (
+            coef, 256, (0, 1))
+        assert cfg.attention_chunk == 256 and cfg.long_k_range == (46, 58)
+    gin.clear_config()

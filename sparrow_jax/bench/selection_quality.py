@@ -33,7 +33,8 @@ from sparrow_jax.evaluation.reference import reference_batch
 from sparrow_jax.model import load_hf, load_tokenizer
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.rollout.teacher_forced import (REPLAY_SCORERS, map_time_chunks,
-                                                sparse_attention_fn, trajectory_hidden)
+                                                sparse_attention_fn, token_logprobs,
+                                                trajectory_hidden)
 from sparrow_jax.sparsity.mismatch import acceptance_rate
 
 
@@ -52,6 +53,13 @@ def _hidden(graphdef, state, traj: Trajectories, *, scorer: str | None, budget: 
                                  dense_layers=dense_layers, query_chunk=query_chunk,
                                  scorer=scorer)
     return trajectory_hidden(model, traj, attention_fn=fn, block_size=block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _reference_logp(graphdef, state, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
+    """[B, T] log p of the reference tokens under the policy whose hidden states are given."""
+    model = nnx.merge(graphdef, state)
+    return token_logprobs(model, hidden, tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -87,11 +95,15 @@ def sparse_kv_read(cached: np.ndarray, mask: np.ndarray, budget: int) -> float:
 def run(model, batch: Trajectories, *, budgets, scorers, dense_sets, block_size: int = 16,
         query_chunk: int = 256, report_bin: int = 512, threshold: float = 0.9,
         log=print) -> list[dict]:
-    """One row per (dense layers, scorer, budget): tail_table's numbers plus the settings."""
+    """One row per (dense layers, scorer, budget): tail_table's numbers plus the settings. The
+    dense policy's own fit is logged first: mean over rows of the references' summed log p."""
     graphdef, state = nnx.split(model)
     kw = dict(block_size=block_size, query_chunk=query_chunk)
     dense = _hidden(graphdef, state, batch, scorer=None, budget=0, dense_layers=(), **kw)
     cached, mask = np.asarray(batch.cached_lengths), np.asarray(batch.mask)
+    ref_logp = np.where(mask, np.asarray(_reference_logp(graphdef, state, dense, batch.tokens)), 0)
+    log(f"dense policy: log p(reference) {ref_logp.sum(1).mean():.3f} per row "
+        f"(+- {ref_logp.sum(1).std(ddof=1) / np.sqrt(len(mask)) if len(mask) > 1 else 0:.3f})")
     num_layers = len(model.layers)
     rows = []
     for dense_layers in dense_sets:
