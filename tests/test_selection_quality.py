@@ -106,5 +106,8 @@ def test_documented_command_parses():
     args = sq.parse_args("--model runs/long_sparse_sft --rows 16 --budgets 256 --scorers centroid "
                          "--dense_layers 0,1".split())
     assert args.rows == 16 and args.scorers == ["centroid"] and args.dense_sets == [(0, 1)]
+    args = sq.parse_args("--model runs/long_sparse1_sft --rows 16 --budgets 128 256 512 "
+                         "--scorers centroid --dense_layers 0,1 0".split())
+    assert args.budgets == [128, 256, 512] and args.dense_sets == [(0, 1), (0,)]
     with pytest.raises(SystemExit):
         sq.parse_args(["--budgets", "40"])

@@ -220,4 +220,11 @@ def test_sparse_warmup_configs_parse():
         assert (cfg.sparse_loss_coef, cfg.sparse_budget, cfg.sparse_dense_layers) == (
             coef, 256, (0, 1))
         assert cfg.attention_chunk == 256 and cfg.long_k_range == (46, 58)
+    gin.clear_config()     # the layer-1 stage's overrides
+    gin.parse_config_files_and_bindings(
+        [str(REPO / "configs/sft_long.gin"), str(REPO / "configs/sft_long_sparse.gin")],
+        ["SFTConfig.output_dir = 'runs/x'", "SFTConfig.init_from = 'runs/long_sparse_sft'",
+         "SFTConfig.sparse_dense_layers = (0,)", "SFTConfig.long_steps = 40", "SFTConfig.seed = 23"])
+    cfg = SFTConfig()
+    assert (cfg.sparse_dense_layers, cfg.long_steps, cfg.seed) == ((0,), 40, 23)
     gin.clear_config()
