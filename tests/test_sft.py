@@ -94,7 +94,8 @@ def test_sft_config_refuses_bad_crop_fractions():
     for bad in (dict(crop_start_fraction=0.8, crop_end_fraction=0.3, crop_keep_prompt=True),
                 dict(crop_end_fraction=-0.1), dict(attention_chunk=-1),
                 dict(crop_end_fraction=0.3), dict(sparse_loss_coef=-1.0),
-                dict(sparse_budget=40), dict(sparse_budget=32)):
+                dict(sparse_budget=40), dict(sparse_budget=32),
+                dict(sparse_block_size=24, sparse_budget=96)):
         with pytest.raises(ValueError, match="SFTConfig"):
             SFTConfig(**bad)
     SFTConfig(crop_start_fraction=0.5, crop_end_fraction=0.5, crop_keep_prompt=True)
@@ -228,3 +229,13 @@ def test_sparse_warmup_configs_parse():
     cfg = SFTConfig()
     assert (cfg.sparse_dense_layers, cfg.long_steps, cfg.seed) == ((0,), 40, 23)
     gin.clear_config()
+
+
+def test_sparse_dense_layers_must_exist(tmp_path):
+    """A layer index the model lacks is refused before the first step, naming it."""
+    from sparrow_jax.train.sft import SFTConfig, run_sft
+    cfg = SFTConfig(output_dir=str(tmp_path / "out"), hidden_size=32, intermediate_size=64,
+                    num_layers=3, head_dim=16, crop_steps=0, long_steps=1,
+                    sparse_loss_coef=1.0, sparse_dense_layers=(0, 7))
+    with pytest.raises(ValueError, match=r"layers \[7\] do not exist \(the model has 3\)"):
+        run_sft(cfg)

@@ -36,6 +36,7 @@ from sparrow_jax.rollout.teacher_forced import (REPLAY_SCORERS, map_time_chunks,
                                                 sparse_attention_fn, token_logprobs,
                                                 trajectory_hidden)
 from sparrow_jax.sparsity.mismatch import acceptance_rate
+from sparrow_jax.train.schedule_step import kv_read
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "scorer", "budget", "dense_layers",
@@ -85,13 +86,6 @@ def tail_table(alpha: np.ndarray, cached: np.ndarray, mask: np.ndarray, *, repor
             "mean_alpha": float(a.mean()), "bins": bins}
 
 
-def sparse_kv_read(cached: np.ndarray, mask: np.ndarray, budget: int) -> float:
-    """The sparse layers' KV read over dense decoding's for these rows: sum min(budget, length)
-    over sum length, per response token (length = cached tokens + the new one)."""
-    length = cached[mask] + 1
-    return float(np.minimum(length, budget).sum() / length.sum())
-
-
 def run(model, batch: Trajectories, *, budgets, scorers, dense_sets, block_size: int = 16,
         query_chunk: int = 256, report_bin: int = 512, threshold: float = 0.9,
         log=print) -> list[dict]:
@@ -101,9 +95,10 @@ def run(model, batch: Trajectories, *, budgets, scorers, dense_sets, block_size:
     kw = dict(block_size=block_size, query_chunk=query_chunk)
     dense = _hidden(graphdef, state, batch, scorer=None, budget=0, dense_layers=(), **kw)
     cached, mask = np.asarray(batch.cached_lengths), np.asarray(batch.mask)
-    ref_logp = np.where(mask, np.asarray(_reference_logp(graphdef, state, dense, batch.tokens)), 0)
-    log(f"dense policy: log p(reference) {ref_logp.sum(1).mean():.3f} per row "
-        f"(+- {ref_logp.sum(1).std(ddof=1) / np.sqrt(len(mask)) if len(mask) > 1 else 0:.3f})")
+    row_logp = np.where(mask, np.asarray(_reference_logp(graphdef, state, dense, batch.tokens)),
+                        0).sum(1)
+    se = row_logp.std(ddof=1) / np.sqrt(row_logp.size) if row_logp.size > 1 else float("nan")
+    log(f"dense policy: log p(reference) {row_logp.mean():.3f} per row (+- {se:.3f})")
     num_layers = len(model.layers)
     rows = []
     for dense_layers in dense_sets:
@@ -113,14 +108,15 @@ def run(model, batch: Trajectories, *, budgets, scorers, dense_sets, block_size:
                 hs = _hidden(graphdef, state, batch, scorer=scorer, budget=int(budget),
                              dense_layers=tuple(dense_layers), **kw)
                 alpha = np.asarray(_alpha(graphdef, state, hs, dense))
+                kv = kv_read(np.full(mask.shape, budget), cached, mask, num_layers=num_layers,
+                             num_sparse_layers=num_layers - len(dense_layers),
+                             bin_size=report_bin, num_bins=1)
                 row = {"dense_layers": list(dense_layers), "scorer": scorer,
-                       "budget": int(budget),
-                       "sparse_kv_read": sparse_kv_read(cached, mask, budget),
+                       "budget": int(budget), "sparse_kv_read": kv["kv/read_sparse_layers"],
+                       "model_kv_read": kv["kv/read_model"],
                        **tail_table(alpha, cached, mask, report_bin=report_bin,
                                     threshold=threshold),
                        "seconds": time.perf_counter() - t0}
-                frac = len(dense_layers) / num_layers
-                row["model_kv_read"] = frac + (1 - frac) * row["sparse_kv_read"]
                 rows.append(row)
                 log(f"dense layers {tuple(dense_layers)} {scorer:>8} budget {budget:>5}: "
                     f"alpha < {threshold} on {row['below']:.4f} of {row['tokens']} tokens, "
@@ -135,9 +131,8 @@ def print_table(rows: list[dict], threshold: float) -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         per_bin = " ".join(f"{b['below']:.3f}" for b in r["bins"])
-        kv = f"{r['model_kv_read']:.2f}"
         print(f"| {','.join(map(str, r['dense_layers']))} | {r['scorer']} | {r['budget']} | "
-              f"{kv} | {r['mean_alpha']:.4f} | {r['below']:.4f} | {per_bin} |")
+              f"{r['model_kv_read']:.2f} | {r['mean_alpha']:.4f} | {r['below']:.4f} | {per_bin} |")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -37,6 +37,10 @@ from sparrow_jax.rollout.teacher_forced import sparse_attention_fn
 log = logging.getLogger(__name__)
 
 
+# Whole-sequence batches are padded to a multiple of this many tokens (few shapes, few compiles).
+PACK_WIDTH = 64
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
@@ -97,18 +101,20 @@ class SFTConfig:
                              f"crop_keep_prompt = True (windows without their prompt cannot "
                              f"learn the stop decision, which reads K from the prompt)")
         if self.sparse_loss_coef < 0 or self.sparse_budget % self.sparse_block_size or \
-                self.sparse_budget < 3 * self.sparse_block_size:
+                self.sparse_budget < 3 * self.sparse_block_size or \
+                PACK_WIDTH % self.sparse_block_size:
             raise ValueError(f"SFTConfig.sparse_loss_coef = {self.sparse_loss_coef} must be >= 0 "
                              f"and sparse_budget = {self.sparse_budget} a multiple of "
                              f"sparse_block_size = {self.sparse_block_size} of at least 3 blocks "
-                             f"(sink + 2 local)")
+                             f"(sink + 2 local); sparse_block_size must divide {PACK_WIDTH} (the "
+                             f"whole-sequence batches' width multiple)")
         if self.attention_chunk < 0 or self.max_position_embeddings < 0:
             raise ValueError(f"SFTConfig.attention_chunk = {self.attention_chunk} and "
                              f"max_position_embeddings = {self.max_position_embeddings} must be "
                              f">= 0 (0 = off)")
 
 
-def _pack(pairs, pad_id: int, block: int = 64):
+def _pack(pairs, pad_id: int, block: int = PACK_WIDTH):
     """(prompt, target) id pairs -> tokens [B, L], loss mask [B, L] (1 where the next token is a
     target token), L padded to a multiple of `block` (few shapes, few recompiles)."""
     lengths = [len(p) + len(t) for p, t in pairs]
@@ -298,6 +304,10 @@ def run_sft(cfg: SFTConfig) -> Path:
              cfg.crop_steps, cfg.long_steps)
     sparse = None
     if cfg.sparse_loss_coef > 0:
+        bad = [i for i in cfg.sparse_dense_layers if not 0 <= i < mcfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"SFTConfig.sparse_dense_layers = {cfg.sparse_dense_layers}: layers "
+                             f"{bad} do not exist (the model has {mcfg.num_hidden_layers})")
         sparse = (float(cfg.sparse_loss_coef), int(cfg.sparse_budget),
                   tuple(cfg.sparse_dense_layers), int(cfg.sparse_block_size))
         log.info("sft: whole-sequence steps also fit the block-sparse forward (budget %d tokens, "
