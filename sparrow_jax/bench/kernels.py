@@ -11,6 +11,9 @@ attention (one layer), dense and block-sparse, the speedup, and the achieved ban
 step must read (K and V of the attended tokens) / time, as a fraction of this device's measured
 copy bandwidth. "select" is the centroid scoring + top-k that sparse decode adds per step.
 On CPU the defaults are smaller (batch 1, f32) so the run takes well under two minutes.
+Timing: on CPU the median wall time of a call; on an accelerator the device time per call from
+16 chained calls in one program minus one (`_time`): a single call's host dispatch and sync
+(tens of microseconds) would otherwise be most of a 0.1 ms kernel.
 
 --selection times block selection alone (scores -> ids, the 1.7B head shape: 8 KV heads) at
 P = --blocks blocks per row and K = --select selected, the sort-free `select_from_scores` beside
@@ -35,7 +38,7 @@ MODELS = {"1.7b": ("qwen3-1.7b", 16, 8, 128), "8b": ("qwen3-8b", 32, 8, 128)}
 BLOCK = 16
 
 
-def _time(fn, *args, iters: int) -> float:
+def _wall(fn, *args, iters: int) -> float:
     """Median wall time (s) of fn(*args) after a warmup call (which also compiles)."""
     jax.block_until_ready(fn(*args))
     times = []
@@ -44,6 +47,34 @@ def _time(fn, *args, iters: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def chained(fn, reps: int):
+    """One jitted program of `reps` dependent calls of fn (fn's first argument is nudged by 0 x
+    the previous call's first output, in floating point, so XLA can neither fold nor merge the
+    calls). Arguments as fn's."""
+    def many(*args):
+        out = fn(*args)
+        for _ in range(reps - 1):
+            first = jax.tree.leaves(out)[0]
+            nudge = first.reshape(-1)[0].astype(jnp.float32) * 0.0
+            args = (args[0] + nudge.astype(args[0].dtype),) + tuple(args[1:])
+            out = fn(*args)
+        return out
+    return jax.jit(many)
+
+
+def _time(fn, *args, iters: int, reps: int | None = None) -> float:
+    """Seconds per call of fn(*args). On CPU (reps 1): the median wall time of one call. On an
+    accelerator a ~0.1 ms kernel is shorter than a jit call's host dispatch and sync, so it is
+    timed on the device's own clock: (t(reps chained calls) - t(1 call)) / (reps - 1), each t a
+    median of `iters` wall times, which cancels the fixed dispatch and sync cost."""
+    reps = reps or (1 if jax.default_backend() == "cpu" else 16)
+    if reps == 1:
+        return _wall(fn, *args, iters=iters)
+    t_one = _wall(chained(fn, 1), *args, iters=iters)
+    t_many = _wall(chained(fn, reps), *args, iters=iters)
+    return max(t_many - t_one, 0.0) / (reps - 1)
 
 
 def copy_bandwidth(nbytes: int, iters: int) -> float:

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "RolloutConfig.dense_layers)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing, run each decode program once more under the JAX "
+                        "profiler: DIR/<context>-<program>/ holds its trace and optimized HLO "
+                        "(`python -m sparrow_jax.bench.xplane DIR/...` breaks it down by phase)")
     p.add_argument("--before", action="store_true",
                    help="also time each sparse run with the former top_k + sort selection and "
                         "per-step top-20 record (tokens/s before/after in one run); longtail: "
@@ -195,16 +199,34 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
-def _precompile(model, state, cfg, budgets, bin_size: int) -> float:
-    """Compiles the decode program for `state` without running it; returns seconds. Arguments
-    mirror what `rollout.decode` passes, so the timed calls hit this compilation."""
+def _precompile(model, state, cfg, budgets, bin_size: int) -> tuple[float, Any]:
+    """Compiles the decode program for `state` without running it; returns (seconds, the
+    compiled program). Arguments mirror what `rollout.decode` passes, so the timed calls hit
+    this compilation."""
     from flax import nnx
     from sparrow_jax.rollout import engine
     graphdef, params = nnx.split(model)
     t0 = time.perf_counter()
-    engine.decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
-                                 cfg=cfg, bin_size=bin_size, spec=None).compile()
-    return time.perf_counter() - t0
+    compiled = engine.decode_program.lower(graphdef, params, state,
+                                           jnp.asarray(budgets, jnp.int32), cfg=cfg,
+                                           bin_size=bin_size, spec=None).compile()
+    return time.perf_counter() - t0, compiled
+
+
+def _profile(run, name: str, context: int, directory: str, compiled) -> str:
+    """One more (untimed) run of program `name` under the JAX profiler, its trace in
+    directory/<context>-<name>/ beside the optimized HLO (hlo.txt: the map from the trace's
+    kernels to the `jax.named_scope` phases of the decode step). Returns the folder."""
+    import os
+    import re
+    folder = os.path.join(directory, f"{context}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
+    call = run(name)
+    with jax.profiler.trace(folder):
+        jax.block_until_ready(call())
+    return folder
 
 
 def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
@@ -251,11 +273,11 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
         state, topk_logprobs=jnp.zeros(state.tokens.shape + (k,), jnp.float32),
         topk_ids=jnp.zeros(state.tokens.shape + (k,), jnp.int32))
         for k in {c.record_topk for c, _, _ in progs.values()}}
-    compile_s = {}
+    compile_s, compiled = {}, {}
     for name, (cfg, budgets, bin_size) in progs.items():
         with former_selection(name in before):
-            compile_s[name] = _precompile(model, states[cfg.record_topk], cfg, budgets,
-                                          bin_size)
+            compile_s[name], compiled[name] = _precompile(model, states[cfg.record_topk], cfg,
+                                                          budgets, bin_size)
 
     def run(name: str):
         cfg, budgets, bin_size = progs[name]
@@ -274,6 +296,11 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
             w, c = _timed(run(name))
             wall.setdefault(name, []).append(w)
             cpu.setdefault(name, []).append(c)
+
+    if getattr(args, "profile", None):
+        for name in progs:
+            print(f"sparrow bench rollout: profile of {name} at {context} in "
+                  f"{_profile(run, name, context, args.profile, compiled[name])}", flush=True)
 
     steps = args.batch * (args.new_tokens - 1)
 

@@ -116,9 +116,14 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: Array, cos: Array, sin: Array,
                  attend: Callable[[Array, Array, Array], Array]) -> Array:
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        x = x + self.self_attn.output(attend(q, k, v))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Named scopes: a profile (`sparrow bench rollout --profile`) attributes time to them.
+        with jax.named_scope("qkv_proj"):
+            q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        a = attend(q, k, v)
+        with jax.named_scope("o_proj"):
+            x = x + self.self_attn.output(a)
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen3ForCausalLM(nnx.Module):

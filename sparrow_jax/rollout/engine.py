@@ -43,17 +43,24 @@ def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, co
     `max_selected` is narrower than the cache (then the dense kernel runs for those rows; a
     `lax.cond` skips whichever path no row needs)."""
     def dense():
-        return pallas_kernels.dense_decode(q, k_cache, v_cache, lengths, backend=cfg.backend)[0]
+        with jax.named_scope("dense_attention"):
+            return pallas_kernels.dense_decode(q, k_cache, v_cache, lengths,
+                                               backend=cfg.backend)[0]
     if not sparse:
         return dense(), centroids
-    centroids = selection.update_centroid(centroids, k_cache, lengths, block_size=cfg.block_size)
+    with jax.named_scope("centroid_update"):
+        centroids = selection.update_centroid(centroids, k_cache, lengths,
+                                              block_size=cfg.block_size)
 
     def sparse_out():
-        idx, num = selection.select_blocks(q, centroids, lengths, budget_blocks,
-                                           max_selected=max_selected, block_size=cfg.block_size)
-        return pallas_kernels.block_sparse_decode(q, k_cache, v_cache, idx, num, lengths,
-                                                  block_size=cfg.block_size,
-                                                  backend=cfg.backend)[0]
+        with jax.named_scope("block_select"):
+            idx, num = selection.select_blocks(q, centroids, lengths, budget_blocks,
+                                               max_selected=max_selected,
+                                               block_size=cfg.block_size)
+        with jax.named_scope("sparse_attention"):
+            return pallas_kernels.block_sparse_decode(q, k_cache, v_cache, idx, num, lengths,
+                                                      block_size=cfg.block_size,
+                                                      backend=cfg.backend)[0]
     if max_selected * cfg.block_size >= k_cache.shape[2]:
         return sparse_out(), centroids     # the selection itself is dense for covered rows
 
@@ -145,15 +152,19 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         k_new, v_new, c_new = list(cache.k), list(cache.v), list(cache.centroids)
 
         def attend(i, q, k, v):
-            k_new[i] = write_token(k_new[i], k[:, 0], cache.lengths)
-            v_new[i] = write_token(v_new[i], v[:, 0], cache.lengths)
+            with jax.named_scope("kv_write"):
+                k_new[i] = write_token(k_new[i], k[:, 0], cache.lengths)
+                v_new[i] = write_token(v_new[i], v[:, 0], cache.lengths)
             out, c_new[i] = attn_fns[cfg.sparse_layer(i)](q[:, 0], k_new[i], v_new[i], c_new[i],
                                                       lengths, budget_blocks, covered)
             return out[:, None]
 
         hidden = model.run_layers(model.embed(st.token[:, None]), cache.lengths[:, None], attend)
         active = ~st.done
-        st = record(st, model.logits(hidden[:, 0]), cfg, active)
+        with jax.named_scope("lm_head"):
+            logits = model.logits(hidden[:, 0])
+        with jax.named_scope("sample"):
+            st = record(st, logits, cfg, active)
         used = budget if cfg.mode == "sparse" else jnp.zeros_like(budget)
         new_len = jnp.where(active, lengths, cache.lengths)
         done = st.done | (active & (jnp.isin(st.token, stop_ids) | (new_len + 1 > s_max)))
