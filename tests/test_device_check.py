@@ -34,6 +34,10 @@ def test_quick_device_check_writes_its_report(tmp_path):
     assert [s["stage"] for s in rep["stages"]] == ["doctor", "kernels", "rollout"]
     assert all(s["status"] == "ok" and s["seconds"] <= s["timeout_s"] for s in rep["stages"])
     assert rep["device"]["platform"] == "cpu" and rep["device"]["jax"]
+    # every stage's whole output beside the report (it must come back with it from a lent host)
+    logs = out / f"{report.stem}-logs"
+    assert all((logs / f"{s}.log").read_text().startswith("$ ") for s in ("doctor", "kernels",
+                                                                          "rollout"))
     by = {s["stage"]: s for s in rep["stages"]}
     # The benchmarks' JSON lines are kept: the kernel's dense vs sparse times, the rollout's
     # dense vs sparse tokens/s, and the rollout's compiles with their seconds.

@@ -47,7 +47,8 @@ import gin
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+        *sorted((REPO / "docs" / "devices").glob("*.md"))]
 # Pages other engineers are writing now: links to them may dangle, and their CLI subcommands may
 # be missing from sparrow_jax.cli, until they land. Once a page/command exists it is checked.
 PENDING_PAGES: set[str] = set()
@@ -378,8 +379,21 @@ _REGISTRY = {
     "--new_tokens 64 --repeats 3": (Twin("bench_rollout"),),
     _ROLLOUT_BENCH + "--layers 28 --context 8192 --budget 1024 --dense_layers 0,1 none "
     "--batch 16 --new_tokens 64 --repeats 3": (Twin("bench_rollout"),),
-    _ROLLOUT_BENCH + "--preset qwen3-1.7b --context 32768 --schedule qwen3-1.7b-0.86 --batch 8 "
-    "--new_tokens 256 --dtype bfloat16": (Twin("bench_rollout"),),
+    # docs/benchmarks.md, docs/devices/: the first GPU (H200, 2026-11-27)
+    "launch/device_check.sh":
+        (Hardware(), ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report")),
+    "PYTHON=/usr/bin/python3 launch/device_check.sh --out OUT":
+        (Hardware(), ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report")),
+    _ROLLOUT_BENCH + "--preset qwen3-1.7b --dtype bfloat16 --context 8192 32768 --new_tokens 16 "
+    "--repeats 2 --profile prof": (Twin("bench_rollout"),),
+    "python -m sparrow_jax.bench.xplane prof/8192-dense prof/8192-sparse_1024_0_1 "
+    "prof/32768-dense prof/32768-sparse_1024_0_1":
+        (ByTest("tests/test_docs.py::test_twin_bench_rollout"),
+         ByTest("tests/test_xplane.py::test_breakdown_attributes_kernels_to_decode_phases_on_gpu_and_cpu")),
+    "python -m sparrow_jax.bench.kernels --json --contexts 8192,32768 --models 1.7b "
+    "--budgets 1024,2048": (Twin("bench_kernel"),),
+    "python -m sparrow_jax.bench.kernel_sweep --json":
+        (ByTest("tests/test_bench_tools.py::test_kernel_sweep_times_each_setting_and_marks_the_default"),),
     # docs/benchmarks.md: dense vs approximate vs exact sparse rollout (issue 42)
     _ROLLOUT_BENCH + "--workload exact --context 8192 16384 32768 --budget 1024 --gamma 4 "
     "--dense_layers none 0,1 --batch 4 --new_tokens 64 --repeats 3":
@@ -850,17 +864,27 @@ def test_twin_rollout(tmp_path, capsys):
     assert len(rows) == 16 and all(r["response_length"] <= 32 for r in rows)
 
 
-def test_twin_bench_rollout(capsys):
+def test_twin_bench_rollout(capsys, tmp_path):
     from sparrow_jax import cli
+    from sparrow_jax.bench import xplane
     argv = ["bench", "rollout", "--", "--json", "--layers", "3", "--hidden", "32", "--heads", "4",
             "--kv_heads", "2", "--head_dim", "16", "--vocab", "64", "--context", "96",
             "--budget", "48", "--schedule", "qwen3-1.7b-0.86", "--dense_layers", "0,1",
-            "--batch", "2", "--new_tokens", "16", "--repeats", "1", "--dtype", "float32"]
+            "--batch", "2", "--new_tokens", "16", "--repeats", "1", "--dtype", "float32",
+            "--profile", str(tmp_path)]
     assert cli.main(argv) == 0
     records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     # budget 48 and the schedule, each against dense; the docs' `--dense_layers 0,1 none` (a
     # second sparse set, twice the compiles) is only parsed, by test_sparrow_command_parses
     assert len(records) == 2 and all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in records)
+    # --profile: a trace and the HLO per program, which the breakdown reads by decode phase
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert folders == ["96-dense", "96-sparse_48_0_1", "96-sparse_qwen3-1.7b-0.86_0_1"]
+    assert xplane.main([str(tmp_path / f) for f in folders]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(/host:CPU)") == 3 and "mlp" in out and "sample" in out
+    sparse = xplane.breakdown(*xplane.read_profile(str(tmp_path / "96-sparse_48_0_1")))
+    assert {"block_select", "sparse_attention", "kv_write"} <= {r["phase"] for r in sparse["phases"]}
 
 
 @pytest.mark.slow       # ~30 s: `launch/local.sh test --all`

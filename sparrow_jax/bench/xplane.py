@@ -8,14 +8,26 @@ wall-clock union of its ops' intervals over the runtime's worker threads (an op 
 over two threads counts once, not twice: summing thread times overstated the draft, whose
 sparse-selection ops run on two threads, 66 vs 39 ms a round at 8K), and the result is
 a *share* per phase, to be scaled by a wall-clock time (the gaps between ops are not in it).
+
+    python -m sparrow_jax.bench.xplane DIR [DIR ...] [--program decode_program] [--json]
+
+reads what `sparrow bench rollout --profile` leaves in each DIR (the profiler's trace.json.gz and
+the program's optimized hlo.txt) and prints where the program's device time went: per decode-step
+phase (`DECODE_SCOPES`, the `jax.named_scope`s of rollout/engine.py and model/qwen3.py; a kernel
+outside them is listed by name), its kernel time, launches and share, and how busy the device
+was (kernel time over the program's span: the rest is launch gaps and host waits).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
+import gzip
+import json
 import os
 import re
+import sys
 import tempfile
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -145,3 +157,115 @@ def profile(call: Callable[[], object], hlo_text: str, scopes: Sequence[str]
         with open(files[0], "rb") as f:
             space = f.read()
     return phase_shares(space, hlo_text, scopes)
+
+
+# The decode step's named scopes (rollout/engine.py, model/qwen3.py), most specific first.
+DECODE_SCOPES = ("block_select", "centroid_update", "sparse_attention", "dense_attention",
+                 "kv_write", "qkv_proj", "o_proj", "mlp", "lm_head", "sample")
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> its op_name metadata, under both spellings a trace uses (XLA:GPU names
+    a fusion's kernel with '_' where the instruction has '.')."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo_text,
+                         re.M):
+        out[m.group(1)] = out[m.group(1).replace(".", "_")] = m.group(2)
+    return out
+
+
+def program_events(trace: dict, program: str) -> tuple[list[dict], str]:
+    """The complete events of jit(`program`) on the device that ran it: the GPU/TPU plane when
+    the trace has one, else the host's XLA:CPU ops. Returns (events, plane name)."""
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    mine = [e for e in trace["traceEvents"] if e.get("ph") == "X"
+            and e.get("args", {}).get("hlo_module") == f"jit_{program}"]
+    device = [e for e in mine if procs.get(e["pid"], "").startswith("/device:")]
+    events = device or mine
+    plane = procs.get(events[0]["pid"], "?") if events else "none"
+    if device:     # kernels; those of one CUDA graph may overlap on a stream row: all count
+        return sorted(device, key=lambda e: e["ts"]), plane
+    # An op enclosing the next op of its thread (XLA:CPU's while / conditional around the loop
+    # body's ops) is its children's time, counted once through them.
+    leaves = []
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        by_thread[(e["pid"], e.get("tid"))].append(e)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        leaves += [e for i, e in enumerate(evs)
+                   if not (i + 1 < len(evs) and evs[i + 1]["ts"] < e["ts"] + e["dur"])]
+    return sorted(leaves, key=lambda e: e["ts"]), plane
+
+
+def breakdown(trace: dict, hlo_text: str, program: str = "decode_program",
+              scopes: Sequence[str] = DECODE_SCOPES) -> dict:
+    """Per phase: kernel time (us), launches, share of the kernel time; and the program's span,
+    busy time (union of its kernels' intervals) and plane. A kernel whose op_name holds none of
+    `scopes` is its own row, by op_name (or kernel name: a Pallas kernel has no HLO twin)."""
+    events, plane = program_events(trace, program)
+    if not events:
+        raise RuntimeError(f"the trace holds no op of jit({program})")
+    names = hlo_op_names(hlo_text)
+    time_us: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    for e in events:
+        op = names.get(e["name"]) or names.get(e["args"].get("hlo_op", ""), "")
+        key = next((sc for sc in scopes if f"/{sc}/" in f"{op}/"), None)
+        if key is None:
+            key = "other: " + (e["name"] if e["name"].startswith("sparrow_") or not op
+                               else op.split("/")[-1])
+        time_us[key] += e["dur"]
+        count[key] += 1
+    total = sum(time_us.values())
+    ps = 1_000_000                                   # us -> ps, integer intervals for _union
+    busy = _union([(int(e["ts"] * ps), int((e["ts"] + e["dur"]) * ps)) for e in events]) / ps
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    rows = [{"phase": k, "us": round(v, 1), "launches": count[k], "share": v / total}
+            for k, v in sorted(time_us.items(), key=lambda kv: -kv[1])]
+    return {"plane": plane, "program": program, "span_us": round(span, 1),
+            "busy_us": round(busy, 1), "kernel_us": round(total, 1), "launches": len(events),
+            "phases": rows}
+
+
+def read_profile(folder: str) -> tuple[dict, str]:
+    """(trace, hlo text) from a `sparrow bench rollout --profile` folder."""
+    traces = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+    hlo = os.path.join(folder, "hlo.txt")
+    if not traces or not os.path.exists(hlo):
+        raise SystemExit(f"xplane: {folder} has no *.trace.json.gz and hlo.txt (made by "
+                         "`sparrow bench rollout --profile DIR`)")
+    with gzip.open(sorted(traces)[-1], "rt") as f:
+        trace = json.load(f)
+    with open(hlo) as f:
+        return trace, f.read()
+
+
+def format_breakdown(name: str, b: dict, top: int = 14) -> str:
+    lines = [f"== {name} ({b['plane']}): span {b['span_us'] / 1e3:.2f} ms, kernels "
+             f"{b['kernel_us'] / 1e3:.2f} ms, busy {b['busy_us'] / b['span_us']:.0%}, "
+             f"{b['launches']} launches"]
+    for r in b["phases"][:top]:
+        lines.append(f"   {r['phase'][:48]:<48} {r['us'] / 1e3:8.2f} ms {r['share']:6.1%} "
+                     f"{r['launches']:6d} launches")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Where a profiled program spent its device time, "
+                                             "by decode-step phase")
+    ap.add_argument("folders", nargs="+", help="folders made by sparrow bench rollout --profile")
+    ap.add_argument("--program", default="decode_program")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    for folder in args.folders:
+        b = breakdown(*read_profile(folder), program=args.program)
+        if args.json:
+            print(json.dumps({"folder": folder, **b}), flush=True)
+        print(format_breakdown(os.path.basename(os.path.normpath(folder)), b), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,8 @@ not the check):
   train     2 training steps of the CPU demo config (its small shipped checkpoint and data) on
             the paged engine
 A dated report, markdown and JSON, is rewritten after every stage (docs/devices/ by default), so
-what finished survives a stage that fails or a check that is killed. `--quick`: the same stages
+what finished survives a stage that fails or a check that is killed; each stage's whole output is
+in <report>-logs/ beside it. `--quick`: the same stages
 at toy sizes, for CPU (CI runs it: tests/test_device_check.py).
 
   python -m sparrow_jax.tools.device_check [--quick] [--out DIR] [--only doctor,rollout]
@@ -181,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     device = device_summary()
     kind = re.sub(r"[^a-z0-9]+", "-", str(device.get("kind", "unknown")).lower()).strip("-")
     base = out / f"{now:%Y-%m-%d}-{kind}{'-quick' if args.quick else ''}"
+    # Each stage's whole output beside the report (one folder: an offline host's results come
+    # back as one directory), not in a temporary folder that goes with the machine.
+    log_dir = base.parent / f"{base.name}-logs"
+    log_dir.mkdir(exist_ok=True)
     report = {"date": now.isoformat(timespec="seconds"), "device": device,
               "command": "launch/device_check.sh" + (" --quick" if args.quick else ""),
               "planned": len(todo), "stages": [], "seconds": 0.0}
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in todo:
         print(f"device_check: {stage.name} ({stage.what}; at most {stage.timeout_s} s)",
               flush=True)
-        rec = run_stage(stage, work)
+        rec = run_stage(stage, log_dir)
         report["stages"].append(rec)
         report["seconds"] = time.perf_counter() - t0
         base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device_check: {stage.name} {rec['status']} in {rec['seconds']:.0f} s", flush=True)
     failed = [s["stage"] for s in report["stages"] if s["status"] != "ok"]
     print(f"device_check: report {base}.md / .json ({len(todo) - len(failed)} of {len(todo)} "
-          f"stages ok{', failed: ' + ', '.join(failed) if failed else ''}); logs in {work}")
+          f"stages ok{', failed: ' + ', '.join(failed) if failed else ''}); logs in {log_dir}")
     return 1 if failed else 0
 
 
