@@ -27,6 +27,7 @@ rejecting everything. Exit status 1 if any check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
@@ -243,6 +244,15 @@ def _check_cuda(sh: SingleDeviceSharding) -> None:
     _check(f"{tag} pallas_triton paged {PAGED_SHAPE[0]} bfloat16", lambda: _compile(
         _paged(ptriton.paged_block_sparse_decode_triton), _paged_args(sh),
         "__gpu$xla.gpu.triton"))
+    # Block selection as one kernel: the 1.7B decode rows (batch 4 x 8 KV heads) at an 8K and
+    # a 32K cache (513 / 2049 blocks of 16, 64 selected) and 512 rows at 128K (8193 blocks, 256).
+    from pallas_kernels import triton_select
+    for rows, nb, width in ((32, 513, 64), (32, 2049, 64), (512, 8193, 256)):
+        _check(f"{tag} pallas_triton block selection {rows} x {nb} -> {width}", lambda: _compile(
+            functools.partial(triton_select.select_ids_triton, width=width),
+            (jax.ShapeDtypeStruct((rows, nb), jnp.float32, sharding=sh),
+             jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh),
+             jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh)), "__gpu$xla.gpu.triton"))
     _, b, hq, hkv, d, s, budget = SHAPES[0]
     _check(f"{tag} negative control (shared memory overflow)", lambda: _compile(
         lambda *a: ptriton.block_sparse_decode_triton(*a, blocks_per_step=256, num_stages=4),

@@ -59,3 +59,8 @@ def test_paged_decode_has_no_sort_or_large_topk(target):
     # the TPU compiler copy every layer's pool out of its layout and back, 22 GiB of temporaries
     # in the 8B pod's decode chunk.
     assert report["pool_copies"] == [], report["pool_copies"]
+    # Block selection is one Pallas Triton kernel on GPU (both sides of the sparse layer's
+    # dense/sparse switch hold one), the XLA form on TPU.
+    launches = report["kernel_launches"]
+    assert launches["block_select_kernels"] == (2 if target.startswith("h100") else 0), launches
+    assert launches["sort"] == 0 and launches["total"] > 0

@@ -48,7 +48,24 @@ def test_doctor_passes_on_cpu(capsys, _restore_logging):
             assert got == {"xla": "PASS", "pallas_tpu": "PASS", "pallas_triton": "PASS",
                            "jax_triton": "SKIP"}, (model, kind, out)
     assert "rollout static vs paged samples" in out and "100% of tokens equal" in out
-    assert out.rstrip().endswith("doctor: PASS (0 failed, 15 passed, 4 skipped)")
+    assert "block selection 4 x 24 -> 8" in out and "same ids as xla (interpret)" in out
+    assert out.rstrip().endswith("doctor: PASS (0 failed, 16 passed, 4 skipped)")
+
+
+def test_doctor_catches_a_wrong_block_selection(monkeypatch):
+    """A selection kernel that picks a wrong block does not crash: the doctor must say so."""
+    from pallas_kernels import triton_select
+    from sparrow_jax.tools import doctor
+    real = triton_select.select_ids_triton
+
+    def off_by_one(*args, **kwargs):
+        ids, num = real(*args, **kwargs)
+        return ids.at[:, 1].add(1), num
+
+    monkeypatch.setattr(triton_select, "select_ids_triton", off_by_one)
+    [row] = doctor.check_selection("cpu")
+    assert (row.backend, row.status, row.detail) == ("pallas_triton", "FAIL",
+                                                     "ids differ from the XLA selection")
 
 
 def test_doctor_fails_loudly_on_a_broken_kernel(capsys, monkeypatch, _restore_logging):

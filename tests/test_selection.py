@@ -280,3 +280,40 @@ def test_selection_lowers_to_no_sort_or_topk():
     assert large_sorts(sort_and_topk_ops(new.lower(*args).compile().as_text())) == []
     # The census sees what the former selection lowered to (metadata naming "sort" is ignored).
     assert large_sorts(sort_and_topk_ops(old.lower(*args).compile().as_text()))
+
+
+@pytest.mark.parametrize("nb,max_sel,tied", [(40, 12, True), (37, 11, False)])
+def test_triton_selection_kernel_matches_brute_force_and_the_xla_form(nb, max_sel, tied):
+    """pallas_kernels.triton_select (one kernel, interpret mode here) against the brute-force
+    rule and the XLA sort-free form: ties, dense rows, empty rows, budgets above the width,
+    non-power-of-two block counts and widths, leading [B, Hkv] axes."""
+    rng = np.random.default_rng(nb + max_sel)
+    b, hkv = 3, 4
+    scores = (rng.integers(0, 3, (b, hkv, nb)) if tied else rng.standard_normal((b, hkv, nb)))
+    scores = scores.astype(np.float32)
+    scores[0, 0, 5] = -np.inf                                   # an IEEE edge among candidates
+    lengths = rng.integers(0, nb * BS + 1, (b, hkv)).astype(np.int32)
+    lengths[0, 1], lengths[1, 0] = 0, nb * BS                   # empty row, full row
+    budgets = rng.integers(3, max_sel + 4, (b, hkv)).astype(np.int32)
+    args = (jnp.asarray(scores), jnp.asarray(lengths), jnp.asarray(budgets))
+    idx, n = sel.select_from_scores(*args, max_selected=max_sel, backend="pallas_triton",
+                                    interpret=True)
+    xla_idx, xla_n = sel.select_from_scores(*args, max_selected=max_sel)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(xla_idx))
+    np.testing.assert_array_equal(np.asarray(n), np.asarray(xla_n))
+    finite = np.isfinite(scores).reshape(-1, nb).all(axis=1)    # brute force ranks finite rows
+    check_rows(scores.reshape(-1, nb)[finite], lengths.ravel()[finite], budgets.ravel()[finite],
+               np.asarray(idx).reshape(-1, max_sel)[finite], np.asarray(n).ravel()[finite],
+               max_sel)
+
+
+def test_selection_backend_follows_the_attention_backend():
+    """Selection runs where the attention kernel runs: XLA on CPU ('auto' -> 'xla'), the
+    Triton kernel only where Pallas Triton can run (here: interpret mode), and a backend that
+    cannot run here fails as the attention would, instead of silently taking another path."""
+    from pallas_kernels.dispatch import BackendUnavailableError
+    assert sel.selection_backend("auto") == "xla"
+    assert sel.selection_backend("xla") == "xla"
+    assert sel.selection_backend("pallas_triton", interpret=True) == "pallas_triton"
+    with pytest.raises(BackendUnavailableError, match="pallas_triton"):
+        sel.selection_backend("pallas_triton")

@@ -17,7 +17,8 @@ Timing: on CPU the median wall time of a call; on an accelerator the device time
 
 --selection times block selection alone (scores -> ids, the 1.7B head shape: 8 KV heads) at
 P = --blocks blocks per row and K = --select selected, the sort-free `select_from_scores` beside
-the former top_k + sort (`select_from_scores_reference`), at each radix width, in one run.
+the former top_k + sort (`select_from_scores_reference`), at each radix width, and on a GPU the
+one-kernel Pallas Triton selection (`pallas_kernels.triton_select`), in one run.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def bench_shape(model: str, hq: int, hkv: int, d: int, ctx: int, args, copy_bw: 
         nsel = budget // BLOCK
         bud = jnp.full((b,), nsel, jnp.int32)
         select = jax.jit(lambda q, c, ln, bb, nsel=nsel: selection.select_blocks(
-            q, c, ln, bb, max_selected=nsel, block_size=BLOCK))
+            q, c, ln, bb, max_selected=nsel, block_size=BLOCK, backend=backend))
         t_select = _time(select, q, cents, lengths, bud, iters=args.iters)
         bi, nb = select(q, cents, lengths, bud)
         sparse = jax.jit(lambda *a: pk.block_sparse_decode(*a, block_size=BLOCK,
@@ -167,24 +168,32 @@ def bench_selection(args) -> list[dict]:
     t_old = _time(ref, scores, lengths, budgets, iters=args.iters)
     want = ref(scores, lengths, budgets)
     rows = []
-    for bits in (1, 2, 4):
-        new = jax.jit(lambda s, ln, bb, bits=bits: selection.select_from_scores(
-            s, ln, bb, max_selected=k, block_size=BLOCK, radix_bits=bits))
+    # The XLA sort-free form at each radix width, and on a GPU the one-kernel Triton form
+    # (radix_bits 0 in the rows: it builds the k-th key one bit at a time, in registers).
+    variants = [(bits, "xla") for bits in (1, 2, 4)]
+    if jax.default_backend() == "gpu":
+        variants.append((0, "pallas_triton"))
+    for bits, backend in variants:
+        new = jax.jit(lambda s, ln, bb, bits=bits, backend=backend: selection.select_from_scores(
+            s, ln, bb, max_selected=k, block_size=BLOCK, radix_bits=bits or None,
+            backend=backend))
         got = new(scores, lengths, budgets)
         t_new = _time(new, scores, lengths, budgets, iters=args.iters)
         same = all(bool(jnp.array_equal(x, y)) for x, y in zip(got, want))
         rows.append(dict(device=jax.devices()[0].device_kind, rows=b * hkv, blocks=p, select=k,
-                         radix_bits=bits, old_ms=t_old * 1e3, new_ms=t_new * 1e3,
+                         radix_bits=bits, backend=backend, old_ms=t_old * 1e3,
+                         new_ms=t_new * 1e3,
                          speedup=t_old / t_new, identical=same))
     return rows
 
 
 def format_selection(rows: list[dict]) -> str:
-    head = (f"{'rows':>5} {'P':>6} {'K':>5} {'radix':>5} {'top_k+sort ms':>13} "
+    head = (f"{'rows':>5} {'P':>6} {'K':>5} {'radix':>6} {'top_k+sort ms':>13} "
             f"{'sort-free ms':>12} {'ratio':>7} {'identical':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['rows']:>5} {r['blocks']:>6} {r['select']:>5} {r['radix_bits']:>5} "
+        radix = r["radix_bits"] if r.get("backend", "xla") == "xla" else "kernel"
+        lines.append(f"{r['rows']:>5} {r['blocks']:>6} {r['select']:>5} {radix:>6} "
                      f"{r['old_ms']:>13.3f} {r['new_ms']:>12.3f} {r['speedup']:>6.2f}x "
                      f"{str(r['identical']):>9}")
     return "\n".join(lines)

@@ -54,6 +54,29 @@ def sort_and_topk_ops(hlo: str) -> dict[str, list]:
     return out
 
 
+_LAUNCHES = ("fusion", "custom-call", "copy", "sort")
+_COMPUTATION = re.compile(r"\n(?=%|ENTRY)")
+
+
+def kernel_launches(hlo: str) -> dict[str, int]:
+    """The instructions of an optimised GPU module that each launch work - fusions, custom calls,
+    copies, sorts - outside fused computations (whose instructions run inside their fusion's
+    kernel), counted once per program text: a loop body once, both sides of a branch each.
+    Plus "block_select_kernels": the custom calls of the one-kernel block selection."""
+    counts = dict.fromkeys(_LAUNCHES, 0)
+    for comp in _COMPUTATION.split(hlo):
+        if re.match(r"%(fused|wrapped|gemm_fusion|triton|command_buffer)", comp):
+            continue
+        for line in comp.splitlines():
+            m = _OPCODE.match(line)
+            if m and m.group(2) in counts:
+                counts[m.group(2)] += 1
+    counts["total"] = sum(counts.values())
+    counts["block_select_kernels"] = len(re.findall(
+        r"custom-call\([^\n]*sparrow_block_select_triton", hlo))
+    return counts
+
+
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
@@ -129,6 +152,7 @@ def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool =
         "max_selected": per_step["max_selected"], "record_topk": rc.record_topk,
         # Copies of a layer's pool or more (paged engine): none when the pool updates in place.
         "pool_copies": large_copies(hlo, pool_layer // 2) if pool_layer else [],
+        "kernel_launches": kernel_launches(hlo),
         "per_step_bytes": per_step,
     }
 
@@ -139,7 +163,9 @@ def format_report(r: dict) -> str:
         f"{r['program']} for {r['target']} ({r['engine']} engine, compiled at "
         f"{r['layers_compiled']} of {r['layers_model']} layers, {r['compile_s']:.0f}s): "
         f"sorts / large-k top-k in the optimised HLO: {verdict}; small top-k: "
-        f"{[k for k, _ in r['topk'] if 0 <= k <= SMALL_TOPK]}",
+        f"{[k for k, _ in r['topk'] if 0 <= k <= SMALL_TOPK]}; launching instructions "
+        f"{r['kernel_launches']['total']} (block selection kernels "
+        f"{r['kernel_launches']['block_select_kernels']})",
         selection_cost.format_line(r["rows_per_device"], r["blocks_per_row"],
                                    r["per_step_bytes"])])
 

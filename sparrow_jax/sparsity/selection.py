@@ -17,13 +17,17 @@ bit-packed prefix counts; no sort, no top-k, no scatter), with exactly the ids o
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, triton_select
+
+log = logging.getLogger(__name__)
+_logged: set[tuple[str, str]] = set()
 
 __all__ = ["block_centroids", "update_centroid", "block_minmax", "centroid_scores",
            "quest_scores", "select_from_scores", "select_blocks", "selected_keys", "order_key",
@@ -275,9 +279,25 @@ def _kept_blocks(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array
     return keep, num.astype(jnp.int32), total
 
 
+def selection_backend(backend: str, *, interpret: bool = False) -> str:
+    """Where block selection runs for a decode kernel backend: "pallas_triton" (one fused
+    kernel, `pallas_kernels.triton_select`) when the attention runs on Pallas Triton, else "xla"
+    (the sort-free form below). Logged once per choice."""
+    if backend == "xla" and not interpret:
+        return "xla"
+    chosen = dispatch.resolve_backend(backend, interpret=interpret)
+    chosen = "pallas_triton" if chosen == "pallas_triton" else "xla"
+    if (backend, chosen) not in _logged:
+        _logged.add((backend, chosen))
+        log.info("block selection: %s (kernel backend %r)", "one Pallas Triton kernel"
+                 if chosen == "pallas_triton" else "XLA, sort-free", backend)
+    return chosen
+
+
 def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array, *,
                        max_selected: int, block_size: int = 16,
-                       radix_bits: int | None = None) -> tuple[jax.Array, jax.Array]:
+                       radix_bits: int | None = None, backend: str = "xla",
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Chooses the blocks to attend from per-block scores.
 
     Args:
@@ -289,6 +309,9 @@ def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax
       block_size: tokens per block.
       radix_bits: bits per radix-select pass (1, 2, 4 or 8; None: the platform's RADIX_BITS);
         the result does not depend on it.
+      backend: the decode kernel backend ("xla" default; "auto" and "pallas_triton" select
+        with one Pallas Triton kernel where attention runs on it, `selection_backend`);
+        interpret: Pallas interpret mode (CPU tests). Same ids on every path.
 
     Returns:
       block_indices [..., max_selected] int32 ascending, valid first, padding repeats the last
@@ -304,11 +327,18 @@ def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax
     Identical output to `select_from_scores_reference` (the former top_k + sort) whenever the
     candidate scores are above -inf (a -inf or -NaN candidate made that one pick masked blocks).
     """
-    keep, num, total = _kept_blocks(scores, lengths, budget_blocks, max_selected=max_selected,
-                                    block_size=block_size, radix_bits=radix_bits)
     nb = scores.shape[-1]
     lead = scores.shape[:-1]
     rows = math.prod(lead)
+    if selection_backend(backend, interpret=interpret) == "pallas_triton":
+        budget, total = _budget_and_total(scores, lengths, budget_blocks,
+                                          max_selected=max_selected, block_size=block_size)
+        ids, num = triton_select.select_ids_triton(
+            scores.reshape(rows, nb), total.reshape(rows), budget.reshape(rows),
+            width=max_selected, interpret=interpret)
+        return ids.reshape(lead + (max_selected,)), num.reshape(lead)
+    keep, num, total = _kept_blocks(scores, lengths, budget_blocks, max_selected=max_selected,
+                                    block_size=block_size, radix_bits=radix_bits)
     # Padding repeats the last valid id, which is total - 1 in both regimes (0 for empty rows).
     fill = jnp.maximum(total - 1, 0).reshape(rows)
     ids = compact_ids(keep.reshape(rows, nb), num.reshape(rows), fill, max_selected)
@@ -360,12 +390,15 @@ def select_from_scores_reference(scores: jax.Array, lengths: jax.Array,
 def select_blocks(q: jax.Array, centroids: jax.Array, lengths: jax.Array,
                   budget_blocks: jax.Array, *, max_selected: int, block_size: int = 16,
                   scorer: str = "centroid", key_min: jax.Array | None = None,
-                  key_max: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  key_max: jax.Array | None = None, backend: str = "xla"
+                  ) -> tuple[jax.Array, jax.Array]:
     """Scores + selection for one decode step.
 
     q [B, Hq, D], centroids [B, Hkv, NB, D], lengths [B], budget_blocks [B] (or scalar) ->
     block_indices [B, Hkv, max_selected] int32, num_blocks [B, Hkv] int32.
     scorer: "centroid" (the paper's rule) or "quest" (needs key_min/key_max from block_minmax).
+    backend: the decode kernel backend (the rollout passes RolloutConfig.backend): where it is
+    Pallas Triton, the selection is one kernel too (`selection_backend`).
     """
     if scorer == "centroid":
         scores = centroid_scores(q, centroids)
@@ -380,7 +413,7 @@ def select_blocks(q: jax.Array, centroids: jax.Array, lengths: jax.Array,
     budget = jnp.asarray(budget_blocks, jnp.int32)
     budget = jnp.broadcast_to(budget[:, None] if budget.ndim == 1 else budget, (b, hkv))
     return select_from_scores(scores, lengths, budget, max_selected=max_selected,
-                              block_size=block_size)
+                              block_size=block_size, backend=backend)
 
 
 def selected_keys(scores: jax.Array, positions: jax.Array, budget_blocks: jax.Array, *,

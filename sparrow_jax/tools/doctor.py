@@ -4,7 +4,8 @@ On the current device it runs every decode-kernel backend that can run there aga
 reference (itself checked against float64 NumPy), on the paged block-sparse kernel the rollout
 uses: bf16 page pools in shuffled page order, Qwen3-1.7B and Qwen3-8B head shapes (Hq/Hkv/D =
 16/8/128 and 32/8/128), ragged rows, a row with no KV at all and a row with no selected block;
-sparse selections and "every block" (dense) selections. Then a short rollout of a tiny random
+sparse selections and "every block" (dense) selections. Block selection as one Pallas Triton
+kernel (the GPU rollout's) against its XLA form: equal ids. Then a short rollout of a tiny random
 Qwen3 on both engines with backend "auto". It prints a PASS / FAIL / SKIP table with kernel
 times (and, on accelerators, the fraction of this device's copy bandwidth the kernel reached)
 and exits 1 on any FAIL.
@@ -280,6 +281,40 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def check_selection(platform: str, only: tuple[str, ...] = ()) -> list[Result]:
+    """Block selection as one Pallas Triton kernel against its XLA form: the ids must be equal
+    (a wrong id is a silently wrong rollout, not a crash). Ties included. GPU: the 1.7B decode
+    rows at an 8K cache (32 rows x 513 blocks, 64 selected); CPU: interpret mode, small."""
+    from sparrow_jax.sparsity import selection
+    rows, nb, width = (32, 513, 64) if platform != "cpu" else (4, 24, 8)
+    rng = np.random.default_rng(7)
+    scores = rng.integers(0, 50, (rows, nb)).astype(np.float32)        # many ties
+    lengths = rng.integers(0, nb * BLOCK + 1, rows).astype(np.int32)
+    budgets = rng.integers(3, width + 1, rows).astype(np.int32)
+    args = tuple(jnp.asarray(a) for a in (scores, lengths, budgets))
+    want = selection.select_from_scores(*args, max_selected=width)
+    label = f"block selection {rows} x {nb} -> {width}"
+    results = []
+    for name, interpret, skip in backends_for(platform):
+        if name != "pallas_triton" or (only and name not in only):
+            continue
+        if skip:
+            results.append(Result(label, name, "SKIP", skip))
+            continue
+        fn = jax.jit(lambda *a, interpret=interpret: selection.select_from_scores(
+            *a, max_selected=width, backend="pallas_triton", interpret=interpret))
+        try:
+            got, ms = _time(fn, args, 1 if interpret else 10)
+            same = all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
+            why = "" if same else "ids differ from the XLA selection"
+        except Exception as e:  # noqa: BLE001 - a crashing kernel is a FAIL row
+            ms, why = None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        results.append(Result(label, name, "FAIL" if why else "PASS",
+                              why or ("same ids as xla" + (" (interpret)" if interpret else "")),
+                              ms))
+    return results
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip_rollout", action="store_true", help="kernels only")
     parser.add_argument("--backends", default="",
@@ -301,7 +336,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"sparrow doctor: unknown --backends {sorted(unknown)}; choose from "
                          f"{pk.BACKENDS[2:]}")
-    results = check_kernels(platform, copy_bw, only)
+    results = check_kernels(platform, copy_bw, only) + check_selection(platform, only)
     if not getattr(args, "skip_rollout", False):
         results += check_rollout(platform)
     print(format_table(results))
