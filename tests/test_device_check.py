@@ -26,12 +26,14 @@ def test_quick_device_check_writes_its_report(tmp_path):
     out = tmp_path / "devices"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": sys.executable}
     r = subprocess.run(["bash", str(REPO / "launch" / "device_check.sh"), "--quick", "--out",
-                        str(out), "--only", "doctor,kernels,rollout"], cwd=REPO, env=env,
+                        str(out), "--only", "doctor,kernels,selection,rollout,profile"],
+                       cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     [report] = list(out.glob("*-cpu-quick.json"))
     rep = json.loads(report.read_text())
-    assert [s["stage"] for s in rep["stages"]] == ["doctor", "kernels", "rollout"]
+    assert [s["stage"] for s in rep["stages"]] == ["doctor", "kernels", "selection", "rollout",
+                                                   "profile"]
     assert all(s["status"] == "ok" and s["seconds"] <= s["timeout_s"] for s in rep["stages"])
     assert rep["device"]["platform"] == "cpu" and rep["device"]["jax"]
     # every stage's whole output beside the report (it must come back with it from a lent host)
@@ -43,8 +45,17 @@ def test_quick_device_check_writes_its_report(tmp_path):
     # dense vs sparse tokens/s, and the rollout's compiles with their seconds.
     [kernel] = by["kernels"]["results"]
     assert kernel["dense_ms"] > 0 and kernel["sparse_ms"] > 0 and kernel["model"] == "qwen3-1.7b"
-    [rollout] = by["rollout"]["results"]
-    assert rollout["dense_tok_s"] > 0 and rollout["sparse_tok_s"] > 0
+    # the rollout: sparse with the default selection and with XLA's, each against dense
+    rollouts = by["rollout"]["results"]
+    assert [r["xla_selection"] for r in rollouts] == [False, True]
+    assert all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in rollouts)
+    # selection alone: every form gave the ids of top_k + sort
+    assert by["selection"]["results"] and all(r["identical"] for r in by["selection"]["results"])
+    # the profile of each of the rollout's three programs, by phase; its raw traces are gone
+    profiles = by["profile"]["results"]
+    assert len(profiles) == 3 and all(p["kernel_us"] > 0 and p["phases"] for p in profiles)
+    assert any(p["phase"] == "block_select" for p in profiles[1]["phases"])
+    assert "block_select" in report.with_suffix(".md").read_text()
     # INFO lines: compiles of >= 1 s and every load from the persistent cache (compile_cache).
     assert by["rollout"]["compiles"] and all(c["cached"] or c["seconds"] >= 1
                                              for c in by["rollout"]["compiles"])
@@ -60,7 +71,7 @@ def test_a_failed_stage_keeps_the_others(tmp_path, monkeypatch):
 
     stages = [dc.Stage("good", ("--version",), 60, "prints a version"),
               dc.Stage("bad", ("--no-such-flag",), 60, "fails")]
-    monkeypatch.setattr(dc, "stages", lambda quick, run_dir: stages)
+    monkeypatch.setattr(dc, "stages", lambda quick, run_dir, profile_dir="": stages)
     monkeypatch.setattr(dc, "device_summary", lambda: {"kind": "cpu", "devices": 1})
 
     def fake(stage, log_dir):

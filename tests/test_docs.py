@@ -871,18 +871,23 @@ def test_twin_bench_rollout(capsys, tmp_path):
             "--kv_heads", "2", "--head_dim", "16", "--vocab", "64", "--context", "96",
             "--budget", "48", "--schedule", "qwen3-1.7b-0.86", "--dense_layers", "0,1",
             "--batch", "2", "--new_tokens", "16", "--repeats", "1", "--dtype", "float32",
-            "--profile", str(tmp_path)]
+            "--profile", str(tmp_path), "--xla_selection"]
     assert cli.main(argv) == 0
     records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     # budget 48 and the schedule, each against dense; the docs' `--dense_layers 0,1 none` (a
     # second sparse set, twice the compiles) is only parsed, by test_sparrow_command_parses
-    assert len(records) == 2 and all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in records)
+    # --xla_selection: each again with the selection in XLA (on CPU both are XLA's)
+    assert len(records) == 4 and all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in records)
+    assert [r["xla_selection"] for r in records] == [False, False, True, True]
+    assert {r["selection"] for r in records} == {"xla"}
     # --profile: a trace and the HLO per program, which the breakdown reads by decode phase
     folders = sorted(p.name for p in tmp_path.iterdir())
-    assert folders == ["96-dense", "96-sparse_48_0_1", "96-sparse_qwen3-1.7b-0.86_0_1"]
+    assert folders == ["96-dense", "96-sparse_48_0_1", "96-sparse_48_0_1_xla_selection",
+                       "96-sparse_qwen3-1.7b-0.86_0_1",
+                       "96-sparse_qwen3-1.7b-0.86_0_1_xla_selection"]
     assert xplane.main([str(tmp_path / f) for f in folders]) == 0
     out = capsys.readouterr().out
-    assert out.count("(/host:CPU)") == 3 and "mlp" in out and "sample" in out
+    assert out.count("(/host:CPU)") == 5 and "mlp" in out and "sample" in out
     sparse = xplane.breakdown(*xplane.read_profile(str(tmp_path / "96-sparse_48_0_1")))
     assert {"block_select", "sparse_attention", "kv_write"} <= {r["phase"] for r in sparse["phases"]}
 

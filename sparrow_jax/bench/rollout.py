@@ -5,7 +5,7 @@
     sparrow bench rollout [gin files] [--gin_param ...] [--json] [--preset qwen3-1.7b]
         [--layers 4 --hidden 512 --heads 8 --kv_heads 2 --head_dim 64 --vocab 4096]
         [--context 8192 16384] [--budget 1024] [--schedule NAME] [--batch 4] [--new_tokens 64]
-        [--before]
+        [--before] [--xla_selection] [--profile DIR]
 
 For each context length, one random prompt of (context - new_tokens) tokens is prefilled once and
 sampled `batch` times (group sampling, as in GRPO), in dense and in sparse mode, through the real
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after timing, run each decode program once more under the JAX "
                         "profiler: DIR/<context>-<program>/ holds its trace and optimized HLO "
                         "(`python -m sparrow_jax.bench.xplane DIR/...` breaks it down by phase)")
+    p.add_argument("--xla_selection", action="store_true",
+                   help="also run every sparse variant with block selection in XLA "
+                        "(RolloutConfig.selection = 'xla'), beside the default that runs it "
+                        "where attention runs (one Pallas Triton kernel on a GPU)")
     p.add_argument("--before", action="store_true",
                    help="also time each sparse run with the former top_k + sort selection and "
                         "per-step top-20 record (tokens/s before/after in one run); longtail: "
@@ -144,10 +148,12 @@ class SparseRun:
     dense_layers: tuple[int, ...]
     fixed: bool                     # one budget for every bin
     before: bool = False            # the former selection (top_k + sort) and top-20 record
+    xla_selection: bool = False     # block selection in XLA where it would be one kernel
 
     @property
     def key(self) -> str:
-        tail = ":before" if self.before else ""
+        tail = (":before" if self.before else "") + (":xla_selection" if self.xla_selection
+                                                     else "")
         return f"sparse:{self.label}:{','.join(map(str, self.dense_layers)) or 'none'}{tail}"
 
 
@@ -168,6 +174,12 @@ def former_selection(active: bool):
         selection.select_from_scores = saved
 
 
+def selection_path(cfg) -> str:
+    """Where a sparse program's block selection runs: "pallas_triton" (one kernel) or "xla"."""
+    from sparrow_jax.sparsity import selection
+    return selection.selection_backend(cfg.selection_backend)
+
+
 def _dense_layer_sets(specs: Sequence[str] | None, default: tuple[int, ...]
                       ) -> list[tuple[int, ...]]:
     if specs is None:
@@ -186,10 +198,13 @@ def sparse_runs(args: argparse.Namespace, default_dense_layers: tuple[int, ...]
         s = (Schedule.from_json(args.schedule) if args.schedule.lstrip().startswith(("[", "{"))
              else load_schedule(args.schedule))
         tables.append((s.name or "schedule", np.asarray(s.budgets, np.int32), s.bin_size, False))
-    return [SparseRun(label, b, bin_size, layers, fixed, before)
+    runs = [SparseRun(label, b, bin_size, layers, fixed, before)
             for layers in _dense_layer_sets(args.dense_layers, default_dense_layers)
             for label, b, bin_size, fixed in tables
             for before in ((False, True) if getattr(args, "before", False) else (False,))]
+    if getattr(args, "xla_selection", False):
+        runs += [dataclasses.replace(r, xla_selection=True) for r in runs if not r.before]
+    return runs
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -254,7 +269,8 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
         # gather (and attend over) padding blocks every step.
         reach = int(v.budgets[: min(context // v.bin_size, len(v.budgets) - 1) + 1].max())
         cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=reach,
-                                  max_new_tokens=args.new_tokens, dense_layers=v.dense_layers)
+                                  max_new_tokens=args.new_tokens, dense_layers=v.dense_layers,
+                                  selection="xla" if v.xla_selection else base_cfg.selection)
         if v.before:   # a distinct static config: its own compiled program, traced swapped
             if cfg.record_topk == BEFORE_TOPK:
                 raise SystemExit("sparrow bench rollout: --before compares against a top-20 "
@@ -318,6 +334,8 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
             "budget": int(v.budgets[0]) if v.fixed else None,
             "schedule": None if v.fixed else v.label, "bin_size": v.bin_size,
             "dense_layers": list(v.dense_layers), "before": v.before,
+            "xla_selection": v.xla_selection,
+            "selection": selection_path(progs[v.key][0]),
             "record_topk": progs[v.key][0].record_topk,
             "dense_tok_s": dense["tok_s"], "sparse_tok_s": sparse["tok_s"],
             "ratio": sparse["tok_s"] / dense["tok_s"],
@@ -410,6 +428,7 @@ def main(argv: Sequence[str]) -> int:
         for r in bench_context(model, context, args, base_cfg, variants):
             label = str(r["budget"]) if r["budget"] is not None else r["schedule"]
             label += " (before)" if r["before"] else ""
+            label += " (xla sel.)" if r["xla_selection"] else ""
             layers = ",".join(map(str, r["dense_layers"])) or "none"
             cells = [_fmt(r[k], w, f) for k, w, f in (
                 ("dense_tok_s", 12, ".1f"), ("sparse_tok_s", 13, ".1f"), ("ratio", 5, ".2f"),

@@ -41,6 +41,9 @@ class RolloutConfig:
     record_topk: int = 20                # per-token vocabulary top-k (0 = none; for_alpha_mode)
     prefill_chunk: int = 2048
     backend: str = "auto"                # kernel backend, see pallas_kernels.block_sparse_decode
+    # Block selection: "auto" runs it where the attention kernel runs (one Pallas Triton kernel
+    # on a GPU, `selection.selection_backend`); "xla" the XLA form everywhere (for comparison).
+    selection: str = "auto"
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     scorer: str = "centroid"
@@ -95,6 +98,9 @@ class RolloutConfig:
             self._check_compress()
         if self.mode == "exact_sparse" and self.gamma_by_bin:
             self._check_gamma_by_bin()
+        if self.selection not in ("auto", "xla"):
+            raise ValueError(f"RolloutConfig.selection must be 'auto' or 'xla', got "
+                             f"{self.selection!r}")
         if self.engine not in ("static", "paged"):
             raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
                              f"{self.engine!r}")
@@ -164,6 +170,11 @@ class RolloutConfig:
         """The draft lengths an exact_sparse round can run: the distinct gamma_by_bin entries
         (0: a dense step), or (gamma,)."""
         return tuple(sorted(set(self.gamma_by_bin))) or (self.gamma,)
+
+    @property
+    def selection_backend(self) -> str:
+        """The backend block selection is asked to run on (`selection.select_blocks`)."""
+        return self.backend if self.selection == "auto" else "xla"
 
     def sparse_layer(self, i: int) -> bool:
         """Whether decoder layer i decodes block-sparse (sparse mode, or exact_sparse's draft;

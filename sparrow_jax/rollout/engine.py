@@ -56,7 +56,8 @@ def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, co
         with jax.named_scope("block_select"):
             idx, num = selection.select_blocks(q, centroids, lengths, budget_blocks,
                                                max_selected=max_selected,
-                                               block_size=cfg.block_size, backend=cfg.backend)
+                                               block_size=cfg.block_size,
+                                               backend=cfg.selection_backend)
         with jax.named_scope("sparse_attention"):
             return pallas_kernels.block_sparse_decode(q, k_cache, v_cache, idx, num, lengths,
                                                       block_size=cfg.block_size,

@@ -257,7 +257,7 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     def sparse_out():
         idx, num = selection.select_blocks(q, cents, lengths, budget_blocks,
                                            max_selected=max_selected, block_size=bs,
-                                           backend=cfg.backend)
+                                           backend=cfg.selection_backend)
         return attend(idx, num)
     if max_selected >= p:
         out = sparse_out()           # the selection itself is dense for covered rows

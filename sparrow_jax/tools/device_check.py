@@ -4,8 +4,12 @@ Stages, each a separate process under its own timeout (a hung compile or kernel 
 not the check):
   doctor    `sparrow doctor`: every kernel backend against the XLA reference, a short rollout
   kernels   `sparrow bench kernel` at Qwen3-1.7B head shapes, 8K and 32K contexts
+  selection block selection alone (`sparrow bench kernel --selection`): the one-kernel form
+            beside XLA's and the former top_k + sort
   rollout   `sparrow bench rollout` at Qwen3-1.7B shapes in bf16: dense vs sparse tokens/s,
-            with each program's compile seconds (from the compile log)
+            sparse with the selection kernel and with XLA's, each program's compile seconds
+            (from the compile log), one profiled run of each
+  profile   where those decode steps' device time goes, by phase (`bench.xplane`)
   train     2 training steps of the CPU demo config (its small shipped checkpoint and data) on
             the paged engine
 A dated report, markdown and JSON, is rewritten after every stage (docs/devices/ by default), so
@@ -25,6 +29,7 @@ import json
 import os
 import platform as host_platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,15 +43,29 @@ COMPILED = re.compile(r"(compiled|loaded) (\S+) (?:from the compilation cache )?
 @dataclasses.dataclass(frozen=True)
 class Stage:
     name: str
-    argv: tuple[str, ...]      # after `python -m sparrow_jax.cli`
+    argv: tuple[str, ...]      # after `python -m <module>`
     timeout_s: int
     what: str
+    module: str = "sparrow_jax.cli"
 
 
-def stages(quick: bool, run_dir: str) -> list[Stage]:
+def _profile_stage(profile_dir: str, contexts: tuple[int, ...], budget: int,
+                   timeout_s: int) -> Stage:
+    """The decode-step breakdown of the rollout stage's profiled programs (dense, sparse with
+    the default selection, sparse with XLA's) at each context."""
+    sparse = f"sparse_{budget}_0_1"
+    folders = tuple(f"{profile_dir}/{c}-{name}" for c in contexts
+                    for name in ("dense", sparse, f"{sparse}_xla_selection"))
+    return Stage("profile", (*folders, "--json"), timeout_s,
+                 "where a decode step's device time goes, by phase", "sparrow_jax.bench.xplane")
+
+
+def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
     """The check's stages; quick: toy sizes for CPU (tens of seconds each on an idle 2-core
-    machine; timeouts generous for a loaded one). Full: sized for one H100 within ~9 minutes
-    in all (the timeouts add up to 510 s)."""
+    machine; timeouts generous for a loaded one). Full: sized for one H100/H200; the stages
+    together take ~6 minutes there (the first H200: 247 s for doctor, kernels, rollout and
+    train), their timeouts add up to 690 s, and the most telling come first."""
+    profile_dir = profile_dir or f"{run_dir}-profile"
     train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
              "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
              "--gin_param", "TrainConfig.eval_at_start = False",
@@ -54,7 +73,7 @@ def stages(quick: bool, run_dir: str) -> list[Stage]:
              "--gin_param", "TrainConfig.checkpoint_every = 1000",
              "--gin_param", "RolloutConfig.engine = 'paged'")
     if quick:
-        toy = ("--layers", "2", "--hidden", "64", "--heads", "4", "--kv_heads", "2",
+        toy = ("--layers", "3", "--hidden", "64", "--heads", "4", "--kv_heads", "2",
                "--head_dim", "16", "--vocab", "128")
         return [
             Stage("doctor", ("doctor", "--skip_rollout", "--backends", "xla"), 300,
@@ -62,10 +81,15 @@ def stages(quick: bool, run_dir: str) -> list[Stage]:
             Stage("kernels", ("bench", "kernel", "--", "--json", "--contexts", "1024",
                               "--budgets", "256", "--models", "1.7b", "--iters", "2"), 300,
                   "decode kernel, Qwen3-1.7B heads, 1K context"),
+            Stage("selection", ("bench", "kernel", "--", "--json", "--selection", "--blocks",
+                                "64", "--select", "16", "--batch", "1", "--iters", "1"), 300,
+                  "block selection alone, every form beside top_k + sort"),
             Stage("rollout", ("bench", "rollout", "--", "--json", *toy, "--context", "256",
                               "--budget", "64", "--new_tokens", "16", "--repeats", "1",
-                              "--dtype", "float32"), 300,
+                              "--dtype", "float32", "--xla_selection", "--profile",
+                              profile_dir), 300,
                   "dense vs sparse decode, toy model"),
+            _profile_stage(profile_dir, (256,), 64, 120),
             Stage("train", train + ("--gin_param", "TrainConfig.prompts_per_step = 2",
                                     "--gin_param", "LearnerConfig.micro_batch_size = 0",
                                     "--gin_param", "TrainConfig.group_size = 2",
@@ -78,10 +102,15 @@ def stages(quick: bool, run_dir: str) -> list[Stage]:
         Stage("kernels", ("bench", "kernel", "--", "--json", "--contexts", "8192,32768",
                           "--models", "1.7b"), 120,
               "decode kernel at Qwen3-1.7B heads, 8K and 32K contexts"),
+        Stage("selection", ("bench", "kernel", "--", "--json", "--selection", "--blocks",
+                            "2048", "--select", "64", "--batch", "4"), 60,
+              "block selection alone at 32K (32 rows x 2048 blocks, 64 kept), every form"),
         Stage("rollout", ("bench", "rollout", "--", "--json", "--preset", "qwen3-1.7b",
                           "--dtype", "bfloat16", "--context", "8192", "32768",
-                          "--new_tokens", "64", "--repeats", "2"), 150,
-              "Qwen3-1.7B shapes, bf16: dense vs sparse tokens/s"),
+                          "--new_tokens", "64", "--repeats", "2", "--xla_selection",
+                          "--profile", profile_dir), 240,
+              "Qwen3-1.7B shapes, bf16: dense vs sparse tokens/s, selection kernel vs XLA"),
+        _profile_stage(profile_dir, (8192, 32768), 1024, 60),
         Stage("train", train + ("--gin_param", "RolloutConfig.max_new_tokens = 256"), 90,
               "2 training steps, demo model, paged engine, 256 new tokens"),
     ]
@@ -90,7 +119,7 @@ def stages(quick: bool, run_dir: str) -> list[Stage]:
 def run_stage(stage: Stage, log_dir: Path) -> dict:
     """Runs one stage; its record: status (ok / fail / timeout), seconds, JSON lines it printed,
     compile seconds from the compile log, the output's last lines (the log file has it all)."""
-    cmd = [sys.executable, "-m", "sparrow_jax.cli", *stage.argv]
+    cmd = [sys.executable, "-m", stage.module, *stage.argv]
     log = log_dir / f"{stage.name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
@@ -115,7 +144,8 @@ def run_stage(stage: Stage, log_dir: Path) -> dict:
     compiles = [{"program": m.group(2), "seconds": float(m.group(3)),
                  "cached": m.group(1) == "loaded"} for m in COMPILED.finditer(err)]
     lines = [ln for ln in (out + "\n" + err).splitlines() if ln.strip()]
-    return {"stage": stage.name, "what": stage.what, "command": "sparrow " + " ".join(stage.argv),
+    shown = ("sparrow " if stage.module == "sparrow_jax.cli" else f"python -m {stage.module} ")
+    return {"stage": stage.name, "what": stage.what, "command": shown + " ".join(stage.argv),
             "status": status, "returncode": rc, "seconds": round(seconds, 1),
             "timeout_s": stage.timeout_s, "results": records, "compiles": compiles,
             "tail": lines[-12:], "log": str(log)}
@@ -153,6 +183,10 @@ def markdown(report: dict) -> str:
         for r in s["results"]:
             body.append("- " + ", ".join(f"{k}={v}" for k, v in r.items()
                                          if not isinstance(v, (list, dict))))
+            if "phases" in r:        # the profile stage: the costliest phases of the step
+                body.append("  - " + ", ".join(f"{p['phase']} {p['us'] / 1e3:.2f} ms "
+                                               f"({p['launches']} launches)"
+                                               for p in r["phases"][:8]))
         if s["compiles"]:
             slow = sorted(s["compiles"], key=lambda c: -c["seconds"])[:8]
             body.append("- compiles (slowest): " + ", ".join(
@@ -167,11 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "docs" / "devices"),
                     help="report directory (default docs/devices)")
     ap.add_argument("--only", default="", help="comma-separated stage names (default: all)")
+    ap.add_argument("--keep_profile", action="store_true",
+                    help="keep the rollout's raw profiles (traces and optimized HLO, ~50 MB) "
+                         "in the temporary folder the last line names")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sparrow-device-check-"))
-    todo = stages(args.quick, str(work / "run"))
+    todo = stages(args.quick, str(work / "run"), str(work / "profile"))
     only = [s for s in args.only.split(",") if s]
     unknown = set(only) - {s.name for s in todo}
     if unknown:
@@ -199,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
         base.with_suffix(".md").write_text(markdown(report))
         print(f"device_check: {stage.name} {rec['status']} in {rec['seconds']:.0f} s", flush=True)
+        if stage.name == "profile" and not args.keep_profile:
+            shutil.rmtree(work / "profile", ignore_errors=True)   # traces + HLO: ~50 MB
     failed = [s["stage"] for s in report["stages"] if s["status"] != "ok"]
     print(f"device_check: report {base}.md / .json ({len(todo) - len(failed)} of {len(todo)} "
           f"stages ok{', failed: ' + ', '.join(failed) if failed else ''}); logs in {log_dir}")
