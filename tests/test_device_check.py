@@ -45,15 +45,13 @@ def test_quick_device_check_writes_its_report(tmp_path):
     # dense vs sparse tokens/s, and the rollout's compiles with their seconds.
     [kernel] = by["kernels"]["results"]
     assert kernel["dense_ms"] > 0 and kernel["sparse_ms"] > 0 and kernel["model"] == "qwen3-1.7b"
-    # the rollout: sparse with the default selection and with XLA's, each against dense
-    rollouts = by["rollout"]["results"]
-    assert [r["xla_selection"] for r in rollouts] == [False, True]
-    assert all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in rollouts)
+    [rollout] = by["rollout"]["results"]
+    assert rollout["dense_tok_s"] > 0 and rollout["sparse_tok_s"] > 0
     # selection alone: every form gave the ids of top_k + sort
     assert by["selection"]["results"] and all(r["identical"] for r in by["selection"]["results"])
-    # the profile of each of the rollout's three programs, by phase; its raw traces are gone
+    # the profile of each of the rollout's programs, by phase; its raw traces are gone
     profiles = by["profile"]["results"]
-    assert len(profiles) == 3 and all(p["kernel_us"] > 0 and p["phases"] for p in profiles)
+    assert len(profiles) == 2 and all(p["kernel_us"] > 0 and p["phases"] for p in profiles)
     assert any(p["phase"] == "block_select" for p in profiles[1]["phases"])
     assert "block_select" in report.with_suffix(".md").read_text()
     # INFO lines: compiles of >= 1 s and every load from the persistent cache (compile_cache).

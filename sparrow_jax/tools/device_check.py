@@ -50,12 +50,12 @@ class Stage:
 
 
 def _profile_stage(profile_dir: str, contexts: tuple[int, ...], budget: int,
-                   timeout_s: int) -> Stage:
+                   timeout_s: int, xla_selection: bool = True) -> Stage:
     """The decode-step breakdown of the rollout stage's profiled programs (dense, sparse with
-    the default selection, sparse with XLA's) at each context."""
+    the default selection, and sparse with XLA's if the rollout ran it) at each context."""
     sparse = f"sparse_{budget}_0_1"
-    folders = tuple(f"{profile_dir}/{c}-{name}" for c in contexts
-                    for name in ("dense", sparse, f"{sparse}_xla_selection"))
+    names = ("dense", sparse) + ((f"{sparse}_xla_selection",) if xla_selection else ())
+    folders = tuple(f"{profile_dir}/{c}-{name}" for c in contexts for name in names)
     return Stage("profile", (*folders, "--json"), timeout_s,
                  "where a decode step's device time goes, by phase", "sparrow_jax.bench.xplane")
 
@@ -86,10 +86,10 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
                   "block selection alone, every form beside top_k + sort"),
             Stage("rollout", ("bench", "rollout", "--", "--json", *toy, "--context", "256",
                               "--budget", "64", "--new_tokens", "16", "--repeats", "1",
-                              "--dtype", "float32", "--xla_selection", "--profile",
-                              profile_dir), 300,
+                              "--dtype", "float32", "--profile", profile_dir), 300,
                   "dense vs sparse decode, toy model"),
-            _profile_stage(profile_dir, (256,), 64, 120),
+            # (no --xla_selection: on CPU both selections are XLA's, the same program twice)
+            _profile_stage(profile_dir, (256,), 64, 120, xla_selection=False),
             Stage("train", train + ("--gin_param", "TrainConfig.prompts_per_step = 2",
                                     "--gin_param", "LearnerConfig.micro_batch_size = 0",
                                     "--gin_param", "TrainConfig.group_size = 2",
