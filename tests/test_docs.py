@@ -392,6 +392,10 @@ _REGISTRY = {
          ByTest("tests/test_xplane.py::test_breakdown_attributes_kernels_to_decode_phases_on_gpu_and_cpu")),
     "python -m sparrow_jax.bench.kernels --json --contexts 8192,32768 --models 1.7b "
     "--budgets 1024,2048": (Twin("bench_kernel"),),
+    "cd /tmp && JAX_PLATFORMS=cpu PYTHONPATH=$REPO/.compile-env:$REPO $REPO/.venv/bin/python "
+    "-m sparrow_jax.dryrun.hlo $REPO/configs/qwen3_1p7b_gpu.gin --target h100x1 "
+    "--preset qwen3-1.7b --no_bytes --json --gin_param \"RolloutConfig.selection = 'xla'\"":
+        (ByTest("tests/test_decode_hlo.py::test_paged_decode_has_no_sort_or_large_topk"),),
     "python -m sparrow_jax.bench.kernel_sweep --json":
         (ByTest("tests/test_bench_tools.py::test_kernel_sweep_times_each_setting_and_marks_the_default"),),
     # docs/benchmarks.md: dense vs approximate vs exact sparse rollout (issue 42)
