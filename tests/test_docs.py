@@ -341,6 +341,16 @@ _REGISTRY = {
     "python -m sparrow_jax.bench.selection_quality --model runs/long_sparse1_sft --rows 16 "
     "--budgets 128 256 512 --scorers centroid --dense_layers 0,1 0":
         (ByTest("tests/test_selection_quality.py::test_documented_command_parses"),),
+    "launch/local.sh sparrow sft configs/sft_long.gin configs/sft_long_sparse.gin --gin_param "
+    "\"SFTConfig.output_dir = 'runs/long_sparse2_sft'\" --gin_param \"SFTConfig.init_from = "
+    "'runs/long_sparse_sft'\" --gin_param \"SFTConfig.sparse_dense_layers = (0,)\" --gin_param "
+    "\"SFTConfig.long_steps = 40\" --gin_param \"SFTConfig.sparse_loss_coef = 0.5\" --gin_param "
+    "\"SFTConfig.seed = 24\"":
+        (ByTest("tests/test_sft.py::test_sparse_warmup_configs_parse"),
+         ByTest("tests/test_sft.py::test_long_warmup_never_draws_the_long_task_prompts")),
+    "python -m sparrow_jax.bench.selection_quality --model runs/long_sparse2_sft --rows 16 "
+    "--budgets 128 256 512 --scorers centroid --dense_layers 0,1 0":
+        (ByTest("tests/test_selection_quality.py::test_documented_command_parses"),),
     "python -m sparrow_jax.bench.selection_quality --model runs/long_sparse_sft --rows 16 "
     "--budgets 256 --scorers centroid --dense_layers 0,1":
         (ByTest("tests/test_selection_quality.py::test_documented_command_parses"),),

@@ -163,7 +163,7 @@ def test_long_warmup_never_draws_the_long_task_prompts():
         "docs/experiment.md"))
     data_seeds, prompts = _shipped_problems("long")
     stage_seeds = _stage_seeds(text)
-    assert data_seeds == {31, 32, 33} and {21, 22} <= stage_seeds
+    assert data_seeds == {31, 32, 33} and {21, 22, 23, 24} <= stage_seeds
     assert not stage_seeds & data_seeds, (stage_seeds, data_seeds)
     k_range = tuple(int(k) for k in re.search(r"long_k_range = \((\d+), (\d+)\)", text).groups())
     for seed in stage_seeds | {33}:
@@ -228,6 +228,16 @@ def test_sparse_warmup_configs_parse():
          "SFTConfig.sparse_dense_layers = (0,)", "SFTConfig.long_steps = 40", "SFTConfig.seed = 23"])
     cfg = SFTConfig()
     assert (cfg.sparse_dense_layers, cfg.long_steps, cfg.seed) == ((0,), 40, 23)
+    gin.clear_config()     # layer 1 sparse from the layers-0-1 stage, the dense CE weighted up
+    gin.parse_config_files_and_bindings(
+        [str(REPO / "configs/sft_long.gin"), str(REPO / "configs/sft_long_sparse.gin")],
+        ["SFTConfig.output_dir = 'runs/x'", "SFTConfig.init_from = 'runs/long_sparse_sft'",
+         "SFTConfig.sparse_dense_layers = (0,)", "SFTConfig.long_steps = 40",
+         "SFTConfig.sparse_loss_coef = 0.5", "SFTConfig.seed = 24"])
+    cfg = SFTConfig()
+    assert (cfg.init_from, cfg.sparse_dense_layers, cfg.long_steps, cfg.seed) == (
+        "runs/long_sparse_sft", (0,), 40, 24)
+    assert (cfg.sparse_loss_coef, cfg.sparse_budget) == (0.5, 256)
     gin.clear_config()
 
 
