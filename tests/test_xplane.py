@@ -27,7 +27,8 @@ def _trace(device: bool) -> dict:
     def ev(ts, dur, name, module="jit_decode_program", tid=7):
         return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name,
                 "args": {"hlo_module": module, "hlo_op": name}}
-    evs = [ev(0, 10, "loop_fusion_1"), ev(12, 30, "sparrow_block_sparse_decode_triton__1"),
+    evs = [ev(0, 4, "loop_fusion_1"), ev(4, 6, "sparrow_block_select_triton"),
+           ev(12, 30, "sparrow_block_sparse_decode_triton__1"),
            ev(50, 5, "input_reduce_fusion_2"), ev(60, 20, "loop_fusion_1"),
            ev(100, 500, "other_program_op", module="jit_prefill_program")]
     if not device:     # XLA:CPU: a while op encloses the loop body's ops on the same thread
@@ -47,10 +48,11 @@ def test_breakdown_attributes_kernels_to_decode_phases_on_gpu_and_cpu():
     for device in (True, False):
         b = breakdown(_trace(device), HLO)
         phases = {r["phase"]: (r["us"], r["launches"]) for r in b["phases"]}
-        # fusion names map to the instruction (kernel '_' = instruction '.'), the Pallas kernel
-        # (no HLO twin) is its own row, the other program and the enclosing while are not counted
-        assert phases == {"block_select": (30, 2), "mlp": (5, 1),
+        # fusion names map to the instruction (kernel '_' = instruction '.'), the selection
+        # kernel to its phase by name, the attention kernel (no HLO twin) is its own row; the
+        # other program and the enclosing while are not counted
+        assert phases == {"block_select": (30, 3), "mlp": (5, 1),
                           "other: sparrow_block_sparse_decode_triton__1": (30, 1)}
-        assert (b["span_us"], b["busy_us"], b["launches"]) == (80, 65, 4)
+        assert (b["span_us"], b["busy_us"], b["launches"]) == (80, 65, 5)
         assert b["plane"] == ("/device:GPU:0" if device else "/host:CPU")
         assert "busy 81%" in format_breakdown("x", b)

@@ -164,6 +164,10 @@ DECODE_SCOPES = ("block_select", "centroid_update", "sparse_attention", "dense_a
                  "kv_write", "qkv_proj", "o_proj", "mlp", "lm_head", "sample")
 
 
+# The one-kernel block selection's GPU kernel name, and its phase.
+_PALLAS_PHASE = ("sparrow_block_select_triton", "block_select")
+
+
 def hlo_op_names(hlo_text: str) -> dict[str, str]:
     """Instruction name -> its op_name metadata, under both spellings a trace uses (XLA:GPU names
     a fusion's kernel with '_' where the instruction has '.')."""
@@ -213,6 +217,8 @@ def breakdown(trace: dict, hlo_text: str, program: str = "decode_program",
     for e in events:
         op = names.get(e["name"]) or names.get(e["args"].get("hlo_op", ""), "")
         key = next((sc for sc in scopes if f"/{sc}/" in f"{op}/"), None)
+        if key is None and e["name"].startswith(_PALLAS_PHASE[0]):
+            key = _PALLAS_PHASE[1]            # a Pallas kernel has no HLO twin to name it
         if key is None:
             key = "other: " + (e["name"] if e["name"].startswith("sparrow_") or not op
                                else op.split("/")[-1])
