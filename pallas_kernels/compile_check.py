@@ -247,9 +247,11 @@ def _check_cuda(sh: SingleDeviceSharding) -> None:
     # Block selection as one kernel: the 1.7B decode rows (batch 4 x 8 KV heads) at an 8K and
     # a 32K cache (513 / 2049 blocks of 16, 64 selected) and 512 rows at 128K (8193 blocks, 256).
     from pallas_kernels import triton_select
-    for rows, nb, width in ((32, 513, 64), (32, 2049, 64), (512, 8193, 256)):
-        _check(f"{tag} pallas_triton block selection {rows} x {nb} -> {width}", lambda: _compile(
-            functools.partial(triton_select.select_ids_triton, width=width),
+    for rows, nb, width, bits in ((32, 513, 64, 1), (32, 2049, 64, 1), (32, 2049, 64, 2),
+                                  (32, 2049, 64, 4), (512, 8193, 256, 1)):
+        _check(f"{tag} pallas_triton block selection {rows} x {nb} -> {width}, {bits}-bit "
+               "digits", lambda: _compile(
+            functools.partial(triton_select.select_ids_triton, width=width, radix_bits=bits),
             (jax.ShapeDtypeStruct((rows, nb), jnp.float32, sharding=sh),
              jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh),
              jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh)), "__gpu$xla.gpu.triton"))

@@ -45,8 +45,13 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def _wrap32(x: int) -> int:
+    """An unsigned 32-bit pattern as the int32 with the same bits."""
+    return ((x + 2**31) % 2**32) - 2**31
+
+
 def _kernel(scores_ref, total_ref, budget_ref, ids_ref, num_ref, *, nb: int, width: int,
-            chunk: int):
+            chunk: int, radix_bits: int):
     """scores_ref [NBp] f32; total_ref/budget_ref [1] int32; ids_ref [Kp] int32; num_ref [1]."""
     s = scores_ref[...]
     bits = lax.bitcast_convert_type(s, jnp.int32)
@@ -58,12 +63,23 @@ def _kernel(scores_ref, total_ref, budget_ref, ids_ref, num_ref, *, nb: int, wid
     cand = (blk >= 1) & (blk <= total - NUM_RESERVED)
     k_top = budget - NUM_RESERVED
 
-    # The k-th largest candidate key, its unsigned form (key ^ sign) built from the top bit.
+    # The k-th largest candidate key, its unsigned form (key ^ sign) built from the top digit:
+    # per pass, the counts at or above prefix | d for every digit d (one [2^r, NB] compare and
+    # reduction: fewer passes, each wider), and the largest d whose count still reaches k.
     kth = jnp.int32(0)
-    for bit in range(31, -1, -1):
-        probe = kth | (_SIGN if bit == 31 else np.int32(1 << bit))
-        count = jnp.sum(jnp.where(cand & (key >= (probe ^ _SIGN)), 1, 0))
-        kth = jnp.where(count >= k_top, probe, kth)
+    digits = 1 << radix_bits
+    for shift in range(32 - radix_bits, -1, -radix_bits):
+        if radix_bits == 1:
+            probe = kth | np.int32(_wrap32(1 << shift))
+            count = jnp.sum(jnp.where(cand & (key >= (probe ^ _SIGN)), 1, 0))
+            kth = jnp.where(count >= k_top, probe, kth)
+            continue
+        d = lax.broadcasted_iota(jnp.int32, (digits, nb), 0)
+        probe = kth | (d << shift)                                   # [2^r, NB] (wraps: bits)
+        hits = jnp.where(cand[None, :] & (key[None, :] >= (probe ^ _SIGN)), 1, 0)
+        counts = jnp.sum(hits, axis=1)                               # [2^r], monotone in d
+        digit = jnp.sum(jnp.where(counts >= k_top, 1, 0)) - 1        # d = 0 always counts
+        kth = kth | (jnp.maximum(digit, 0) << shift)
     kth = kth ^ _SIGN
     above = cand & (key > kth)
     tied = cand & (key == kth)
@@ -91,11 +107,16 @@ def _kernel(scores_ref, total_ref, budget_ref, ids_ref, num_ref, *, nb: int, wid
 
 
 def select_ids_triton(scores: jax.Array, total: jax.Array, budget: jax.Array, *, width: int,
-                      num_warps: int | None = None, interpret: bool = False
-                      ) -> tuple[jax.Array, jax.Array]:
+                      radix_bits: int = 1, num_warps: int | None = None,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """scores [R, NB] f32 block scores; total [R] int32 blocks in the row (<= NB); budget [R]
     int32 already clamped to [3, width] -> (ids [R, width] int32 ascending, padded with
-    total - 1; num [R] int32). The rule: module docstring. num_warps: None = by row length."""
+    total - 1; num [R] int32). The rule: module docstring. radix_bits (1, 2 or 4): digits per
+    pass of the k-th key's search (32 / radix_bits passes of 2^radix_bits counts; the ids do not
+    depend on it; which is fastest on a GPU is not measured yet). num_warps: None = by row
+    length."""
+    if radix_bits not in (1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits}")
     if scores.ndim != 2 or total.shape != scores.shape[:1] or budget.shape != scores.shape[:1]:
         raise ValueError(f"scores must be [R, NB] and total/budget [R]; got {scores.shape}, "
                          f"{total.shape}, {budget.shape}")
@@ -110,7 +131,7 @@ def select_ids_triton(scores: jax.Array, total: jax.Array, budget: jax.Array, *,
         scores = jnp.pad(scores, ((0, 0), (0, nbp - nb)))
     # More warps for longer rows: the row's vectors live in registers (4 warps up to 2K blocks).
     num_warps = num_warps or min(16, max(4, nbp // 512))
-    kernel = functools.partial(_kernel, nb=nbp, width=kp, chunk=chunk)
+    kernel = functools.partial(_kernel, nb=nbp, width=kp, chunk=chunk, radix_bits=radix_bits)
     scalar = pl.BlockSpec((None, 1), lambda r: (r, 0))
     ids, num = pl.pallas_call(
         kernel,

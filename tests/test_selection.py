@@ -296,11 +296,12 @@ def test_triton_selection_kernel_matches_brute_force_and_the_xla_form(nb, max_se
     lengths[0, 1], lengths[1, 0] = 0, nb * BS                   # empty row, full row
     budgets = rng.integers(3, max_sel + 4, (b, hkv)).astype(np.int32)
     args = (jnp.asarray(scores), jnp.asarray(lengths), jnp.asarray(budgets))
-    idx, n = sel.select_from_scores(*args, max_selected=max_sel, backend="pallas_triton",
-                                    interpret=True)
     xla_idx, xla_n = sel.select_from_scores(*args, max_selected=max_sel)
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(xla_idx))
-    np.testing.assert_array_equal(np.asarray(n), np.asarray(xla_n))
+    for bits in (1, 4) if tied else (2,):          # digits per pass of the k-th key's search
+        idx, n = sel.select_from_scores(*args, max_selected=max_sel, backend="pallas_triton",
+                                        interpret=True, radix_bits=bits)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(xla_idx), err_msg=f"r={bits}")
+        np.testing.assert_array_equal(np.asarray(n), np.asarray(xla_n))
     finite = np.isfinite(scores).reshape(-1, nb).all(axis=1)    # brute force ranks finite rows
     check_rows(scores.reshape(-1, nb)[finite], lengths.ravel()[finite], budgets.ravel()[finite],
                np.asarray(idx).reshape(-1, max_sel)[finite], np.asarray(n).ravel()[finite],

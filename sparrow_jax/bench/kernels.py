@@ -168,15 +168,14 @@ def bench_selection(args) -> list[dict]:
     t_old = _time(ref, scores, lengths, budgets, iters=args.iters)
     want = ref(scores, lengths, budgets)
     rows = []
-    # The XLA sort-free form at each radix width, and on a GPU the one-kernel Triton form
-    # (radix_bits 0 in the rows: it builds the k-th key one bit at a time, in registers).
+    # The XLA sort-free form at each radix width, and on a GPU the one-kernel Triton form at
+    # each (its digits per pass in registers).
     variants = [(bits, "xla") for bits in (1, 2, 4)]
     if jax.default_backend() == "gpu":
-        variants.append((0, "pallas_triton"))
+        variants += [(bits, "pallas_triton") for bits in (1, 2, 4)]
     for bits, backend in variants:
         new = jax.jit(lambda s, ln, bb, bits=bits, backend=backend: selection.select_from_scores(
-            s, ln, bb, max_selected=k, block_size=BLOCK, radix_bits=bits or None,
-            backend=backend))
+            s, ln, bb, max_selected=k, block_size=BLOCK, radix_bits=bits, backend=backend))
         got = new(scores, lengths, budgets)
         t_new = _time(new, scores, lengths, budgets, iters=args.iters)
         same = all(bool(jnp.array_equal(x, y)) for x, y in zip(got, want))
@@ -192,7 +191,8 @@ def format_selection(rows: list[dict]) -> str:
             f"{'sort-free ms':>12} {'ratio':>7} {'identical':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        radix = r["radix_bits"] if r.get("backend", "xla") == "xla" else "kernel"
+        radix = (str(r["radix_bits"]) if r.get("backend", "xla") == "xla"
+                 else f"k{r['radix_bits']}")
         lines.append(f"{r['rows']:>5} {r['blocks']:>6} {r['select']:>5} {radix:>6} "
                      f"{r['old_ms']:>13.3f} {r['new_ms']:>12.3f} {r['speedup']:>6.2f}x "
                      f"{str(r['identical']):>9}")

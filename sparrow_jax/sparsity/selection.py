@@ -40,6 +40,9 @@ NUM_RESERVED = 3
 # keys: H100 compile of 512 rows x 2176 blocks, XLA's count: 169 / 102 / 67 MB at 1 / 2 / 4 bits);
 # XLA:CPU by the compares (one count per pass is fastest there, bench/kernels.py --selection).
 RADIX_BITS = {"cpu": 1, "gpu": 4, "tpu": 4}
+# The one-kernel GPU selection's digits per pass (pallas_kernels.triton_select): a guess - one
+# bit keeps the fewest values live in registers; `bench.kernels --selection` times 1, 2 and 4.
+TRITON_RADIX_BITS = 1
 
 
 def _blocked(keys: jax.Array, block_size: int) -> jax.Array:
@@ -335,7 +338,7 @@ def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax
                                           max_selected=max_selected, block_size=block_size)
         ids, num = triton_select.select_ids_triton(
             scores.reshape(rows, nb), total.reshape(rows), budget.reshape(rows),
-            width=max_selected, interpret=interpret)
+            width=max_selected, radix_bits=radix_bits or TRITON_RADIX_BITS, interpret=interpret)
         return ids.reshape(lead + (max_selected,)), num.reshape(lead)
     keep, num, total = _kept_blocks(scores, lengths, budget_blocks, max_selected=max_selected,
                                     block_size=block_size, radix_bits=radix_bits)
