@@ -229,19 +229,12 @@ def _precompile(model, state, cfg, budgets, bin_size: int) -> tuple[float, Any]:
 
 
 def _profile(run, name: str, context: int, directory: str, compiled) -> str:
-    """One more (untimed) run of program `name` under the JAX profiler, its trace in
-    directory/<context>-<name>/ beside the optimized HLO (hlo.txt: the map from the trace's
-    kernels to the `jax.named_scope` phases of the decode step). Returns the folder."""
-    import os
+    """One more (untimed) run of program `name` under the JAX profiler, saved with its
+    optimized HLO in directory/<context>-<name>/ (`xplane.save_profile`). Returns the folder."""
     import re
-    folder = os.path.join(directory, f"{context}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "hlo.txt"), "w") as f:
-        f.write(compiled.as_text())
-    call = run(name)
-    with jax.profiler.trace(folder):
-        jax.block_until_ready(call())
-    return folder
+    from sparrow_jax.bench import xplane
+    folder = f"{directory}/{context}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}"
+    return xplane.save_profile(run(name), folder, compiled.as_text())
 
 
 def bench_context(model, context: int, args: argparse.Namespace, base_cfg,

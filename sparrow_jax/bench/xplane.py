@@ -235,6 +235,18 @@ def breakdown(trace: dict, hlo_text: str, program: str = "decode_program",
             "phases": rows}
 
 
+def save_profile(call: Callable[[], object], folder: str, hlo_text: str) -> str:
+    """Runs `call()` once under the JAX profiler, its trace in `folder` beside the program's
+    optimized HLO (hlo.txt: the map from the trace's kernels to their named scopes), as
+    `read_profile` reads them. Returns the folder."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "hlo.txt"), "w") as f:
+        f.write(hlo_text)
+    with jax.profiler.trace(folder):
+        jax.block_until_ready(call())
+    return folder
+
+
 def read_profile(folder: str) -> tuple[dict, str]:
     """(trace, hlo text) from a `sparrow bench rollout --profile` folder."""
     traces = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
