@@ -166,8 +166,14 @@ def former_selection(active: bool):
     is traced: swapped for the former top_k + sort while a --before program compiles and runs."""
     from sparrow_jax.sparsity import selection
     saved = selection.select_from_scores
+
+    def former(scores, lengths, budget_blocks, *, max_selected, block_size=16, **_):
+        # XLA only, as it was: the backend / radix / interpret choices of today's form go
+        return selection.select_from_scores_reference(scores, lengths, budget_blocks,
+                                                      max_selected=max_selected,
+                                                      block_size=block_size)
     if active:
-        selection.select_from_scores = selection.select_from_scores_reference
+        selection.select_from_scores = former
     try:
         yield
     finally:
