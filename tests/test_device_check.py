@@ -99,3 +99,11 @@ def test_a_stage_past_its_timeout_is_cut_and_reported(tmp_path, monkeypatch):
     rec = dc.run_stage(dc.Stage("hung", ("doctor",), 1, "hangs"), tmp_path)
     assert rec["status"] == "timeout" and rec["returncode"] is None and rec["seconds"] < 20
     assert (tmp_path / "hung.log").read_text().count("doctor") == 1
+
+
+def test_the_stated_timeouts_are_the_stages_own():
+    """docs/devices/README.md states what the full check's timeouts add up to."""
+    from sparrow_jax.tools import device_check as dc
+    total = sum(s.timeout_s for s in dc.stages(False, "run"))
+    assert total == 720
+    assert "The timeouts add up to 12 minutes" in (REPO / "docs/devices/README.md").read_text()

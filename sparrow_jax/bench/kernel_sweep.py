@@ -16,6 +16,7 @@ such. The shipped defaults are marked: the table says what they cost against the
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import sys
@@ -30,7 +31,16 @@ from sparrow_jax.sparsity import selection
 
 HQ, HKV, D = 16, 8, 128        # Qwen3-1.7B attention heads
 SPARSE_BLOCK, DENSE_TILE = 16, 64
-DEFAULT = {"warps": 4, "stages": 2, "tokens": 128, "splits": "auto"}
+
+def _shipped_default() -> dict:
+    """The setting the kernel runs with when nobody chooses (its signature's defaults)."""
+    params = inspect.signature(pk_triton.paged_block_sparse_decode_triton).parameters
+    tokens = pk_triton.default_blocks_per_step(jnp.bfloat16, SPARSE_BLOCK) * SPARSE_BLOCK
+    return {"warps": params["num_warps"].default, "stages": params["num_stages"].default,
+            "tokens": tokens, "splits": "auto"}
+
+
+DEFAULT = _shipped_default()
 
 
 def _csv(kind):

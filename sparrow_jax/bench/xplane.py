@@ -186,15 +186,14 @@ def program_events(trace: dict, program: str) -> tuple[list[dict], str]:
     mine = [e for e in trace["traceEvents"] if e.get("ph") == "X"
             and e.get("args", {}).get("hlo_module") == f"jit_{program}"]
     device = [e for e in mine if procs.get(e["pid"], "").startswith("/device:")]
-    events = device or mine
-    plane = procs.get(events[0]["pid"], "?") if events else "none"
     if device:     # kernels; those of one CUDA graph may overlap on a stream row: all count
-        return sorted(device, key=lambda e: e["ts"]), plane
+        return sorted(device, key=lambda e: e["ts"]), procs[device[0]["pid"]]
+    plane = procs.get(mine[0]["pid"], "?") if mine else "none"
     # An op enclosing the next op of its thread (XLA:CPU's while / conditional around the loop
     # body's ops) is its children's time, counted once through them.
     leaves = []
     by_thread = collections.defaultdict(list)
-    for e in events:
+    for e in mine:
         by_thread[(e["pid"], e.get("tid"))].append(e)
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))

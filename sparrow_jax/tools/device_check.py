@@ -64,7 +64,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
     """The check's stages; quick: toy sizes for CPU (tens of seconds each on an idle 2-core
     machine; timeouts generous for a loaded one). Full: sized for one H100/H200; the stages
     together take ~6 minutes there (the first H200: 247 s for doctor, kernels, rollout and
-    train), their timeouts add up to 690 s, and the most telling come first."""
+    train), their timeouts add up to 720 s, and the most telling come first."""
     profile_dir = profile_dir or f"{run_dir}-profile"
     train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
              "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
