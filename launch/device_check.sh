@@ -3,7 +3,7 @@
 # host is offline), then `sparrow doctor`, the kernel benchmark at Qwen3-1.7B shapes (8K, 32K),
 # block selection alone, `sparrow bench rollout` at 1.7B shapes in bf16 (dense vs sparse, the
 # selection kernel vs XLA's, each compile's seconds, a profile by phase) and 2 training steps on
-# the paged engine, each stage under its own timeout (~6 minutes on one H200; up to 12).
+# the paged engine, each stage under its own timeout (~7 minutes on one H200; up to 13).
 # Writes a dated report (markdown + JSON) under docs/devices/ after every stage: what finished
 # is kept when a later stage fails. docs/devices/README.md says how to run it on a new machine.
 #   launch/device_check.sh [--quick] [--out DIR] [--only doctor,kernels,rollout,train]

@@ -35,3 +35,23 @@ def test_kernel_sweep_times_each_setting_and_marks_the_default(capsys):
     assert all(r["ms"] is not None and r["ms"] >= 0 for r in rows)
     assert sum(r["default"] for r in rows) == 2
     assert "1.00x the best" in out or "the best" in out
+
+
+def test_bench_rollout_refuses_caches_that_cannot_fit_before_prefill(monkeypatch):
+    """The bench holds two KV caches (the prefilled one and a timed run's copy): where one fits
+    the device and two do not, it stops with a clear message before any prefill (on the H200,
+    batch 16 at 32K ran out of memory mid-run instead)."""
+    import pytest
+    from sparrow_jax.bench import rollout as bench
+    from sparrow_jax.rollout import kv_cache
+    from sparrow_jax.rollout.config import RolloutConfig, padded_length
+
+    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv_heads", "1", "--head_dim",
+            "16", "--vocab", "64", "--context", "256", "--new_tokens", "8", "--batch", "2",
+            "--budget", "64", "--dtype", "float32", "--repeats", "1"]
+    mcfg = bench.model_config(bench.build_parser().parse_args(argv))
+    slots = RolloutConfig(max_new_tokens=8).cache_slots(padded_length(248, 16))
+    one = kv_cache.cache_bytes(mcfg, 2, slots, jnp.float32)
+    monkeypatch.setattr(kv_cache, "_device_memory_limit", lambda: int(1.5 * one / 0.9))
+    with pytest.raises(SystemExit, match="two KV caches"):
+        bench.main(argv)

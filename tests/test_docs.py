@@ -396,6 +396,11 @@ _REGISTRY = {
         (Hardware(), ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report")),
     _ROLLOUT_BENCH + "--preset qwen3-1.7b --dtype bfloat16 --context 8192 32768 --new_tokens 16 "
     "--repeats 2 --profile prof": (Twin("bench_rollout"),),
+    # docs/devices/2026-11-28-nvidia-h200.md: the decode step at RL-like batches
+    _ROLLOUT_BENCH + "--preset qwen3-1.7b --dtype bfloat16 --new_tokens 64 --repeats 2 "
+    "--context 8192 --batch 32": (Twin("bench_rollout"),),
+    _ROLLOUT_BENCH + "--preset qwen3-1.7b --dtype bfloat16 --new_tokens 64 --repeats 2 "
+    "--context 32768 --batch 16": (Twin("bench_rollout"),),
     "python -m sparrow_jax.bench.xplane prof/8192-dense prof/8192-sparse_1024_0_1 "
     "prof/32768-dense prof/32768-sparse_1024_0_1":
         (ByTest("tests/test_docs.py::test_twin_bench_rollout"),

@@ -34,7 +34,6 @@ the whole buffer, sparse decode gathers max_budget tokens), not on the live leng
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -45,6 +44,9 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sparrow_jax.bench.rollout_runs import (BEFORE_TOPK, SparseRun, former_selection,
+                                          selection_path, sparse_runs)
 
 PRESETS: dict[str, dict[str, int]] = {
     "qwen3-1.7b": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16,
@@ -139,80 +141,6 @@ def model_config(args: argparse.Namespace):
     return Qwen3Config(**shape, max_position_embeddings=max(args.context) + 16)
 
 
-@dataclasses.dataclass(frozen=True)
-class SparseRun:
-    """One sparse configuration compared against the dense run of the same context."""
-    label: str                      # budget in tokens, or the schedule's name
-    budgets: np.ndarray             # [num_bins] tokens
-    bin_size: int
-    dense_layers: tuple[int, ...]
-    fixed: bool                     # one budget for every bin
-    before: bool = False            # the former selection (top_k + sort) and top-20 record
-    xla_selection: bool = False     # block selection in XLA where it would be one kernel
-
-    @property
-    def key(self) -> str:
-        tail = (":before" if self.before else "") + (":xla_selection" if self.xla_selection
-                                                     else "")
-        return f"sparse:{self.label}:{','.join(map(str, self.dense_layers)) or 'none'}{tail}"
-
-
-BEFORE_TOPK = 20     # the per-step vocabulary record every rollout made before issue 30
-
-
-@contextlib.contextmanager
-def former_selection(active: bool):
-    """The engines select blocks through `selection.select_from_scores`, looked up when a program
-    is traced: swapped for the former top_k + sort while a --before program compiles and runs."""
-    from sparrow_jax.sparsity import selection
-    saved = selection.select_from_scores
-
-    def former(scores, lengths, budget_blocks, *, max_selected, block_size=16, **_):
-        # XLA only, as it was: the backend / radix / interpret choices of today's form go
-        return selection.select_from_scores_reference(scores, lengths, budget_blocks,
-                                                      max_selected=max_selected,
-                                                      block_size=block_size)
-    if active:
-        selection.select_from_scores = former
-    try:
-        yield
-    finally:
-        selection.select_from_scores = saved
-
-
-def selection_path(cfg) -> str:
-    """Where a sparse program's block selection runs: "pallas_triton" (one kernel) or "xla"."""
-    from sparrow_jax.sparsity import selection
-    return selection.selection_backend(cfg.selection_backend)
-
-
-def _dense_layer_sets(specs: Sequence[str] | None, default: tuple[int, ...]
-                      ) -> list[tuple[int, ...]]:
-    if specs is None:
-        return [tuple(default)]
-    return [() if s.strip().lower() in ("", "none") else tuple(int(x) for x in s.split(","))
-            for s in specs]
-
-
-def sparse_runs(args: argparse.Namespace, default_dense_layers: tuple[int, ...]
-                ) -> list[SparseRun]:
-    """Every (budget or schedule) x (dense layer set) to compare with dense."""
-    from sparrow_jax.sparsity.schedule import Schedule, load_schedule
-    budgets = args.budget if args.budget is not None else ([] if args.schedule else [1024])
-    tables = [(str(b), np.full(20, b, np.int32), 2000, True) for b in budgets]
-    if args.schedule:
-        s = (Schedule.from_json(args.schedule) if args.schedule.lstrip().startswith(("[", "{"))
-             else load_schedule(args.schedule))
-        tables.append((s.name or "schedule", np.asarray(s.budgets, np.int32), s.bin_size, False))
-    runs = [SparseRun(label, b, bin_size, layers, fixed, before)
-            for layers in _dense_layer_sets(args.dense_layers, default_dense_layers)
-            for label, b, bin_size, fixed in tables
-            for before in ((False, True) if getattr(args, "before", False) else (False,))]
-    if getattr(args, "xla_selection", False):
-        runs += [dataclasses.replace(r, xla_selection=True) for r in runs if not r.before]
-    return runs
-
-
 def _timed(fn) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one call."""
     w0, c0 = time.perf_counter(), time.process_time()
@@ -248,6 +176,7 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     """Dense + every sparse variant at one context length; one result dict per variant."""
     from sparrow_jax.rollout import decode, start
     from sparrow_jax.rollout.config import padded_length
+    from sparrow_jax.rollout.kv_cache import check_cache_fits
     if context <= args.new_tokens + 1:
         raise SystemExit(f"sparrow bench rollout: --context {context} must exceed --new_tokens "
                          f"{args.new_tokens} + 1")
@@ -257,6 +186,15 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     prompt[0, :plen] = rng.integers(1, model.config.vocab_size, plen)
     lengths = np.asarray([plen], np.int32)
     key = jax.random.key(args.seed)
+    try:    # the prefilled cache (copied for every timed run) + the copy a run consumes
+        slots = dataclasses.replace(base_cfg, mode="dense", max_new_tokens=args.new_tokens
+                                    ).cache_slots(prompt.shape[1])
+        check_cache_fits(model.config, 2 * args.batch, slots,
+                         model.dtype, block_size=base_cfg.block_size)
+    except MemoryError as e:
+        raise SystemExit(f"sparrow bench rollout: at --context {context} --batch {args.batch} "
+                         f"the bench holds two KV caches (the prefilled one and a timed run's "
+                         f"copy), counted here as one of batch {2 * args.batch}: {e}") from None
 
     # name -> (cfg, budgets, bin_size) of each decode program; names of the --before ones.
     progs: dict[str, tuple[Any, np.ndarray, int]] = {}

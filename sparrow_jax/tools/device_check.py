@@ -64,7 +64,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
     """The check's stages; quick: toy sizes for CPU (tens of seconds each on an idle 2-core
     machine; timeouts generous for a loaded one). Full: sized for one H100/H200; the stages
     together take ~6 minutes there (the first H200: 247 s for doctor, kernels, rollout and
-    train), their timeouts add up to 720 s, and the most telling come first."""
+    train), their timeouts add up to 780 s, and the most telling come first."""
     profile_dir = profile_dir or f"{run_dir}-profile"
     train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
              "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
@@ -103,7 +103,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
                           "--models", "1.7b"), 120,
               "decode kernel at Qwen3-1.7B heads, 8K and 32K contexts"),
         Stage("selection", ("bench", "kernel", "--", "--json", "--selection", "--blocks",
-                            "2048", "--select", "64", "--batch", "4"), 60,
+                            "2048", "--select", "64", "--batch", "4"), 120,
               "block selection alone at 32K (32 rows x 2048 blocks, 64 kept), every form"),
         Stage("rollout", ("bench", "rollout", "--", "--json", "--preset", "qwen3-1.7b",
                           "--dtype", "bfloat16", "--context", "8192", "32768",
@@ -116,10 +116,15 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
     ]
 
 
-def run_stage(stage: Stage, log_dir: Path) -> dict:
+def run_stage(stage: Stage, log_dir: Path, work: Path | None = None) -> dict:
     """Runs one stage; its record: status (ok / fail / timeout), seconds, JSON lines it printed,
-    compile seconds from the compile log, the output's last lines (the log file has it all)."""
+    compile seconds from the compile log, the output's last lines (the log file has it all).
+    `work`: the check's temporary folder, written `TMP` in the record and the log (a committed
+    report names no path of a machine that is gone)."""
     cmd = [sys.executable, "-m", stage.module, *stage.argv]
+
+    def scrub(text: str) -> str:
+        return text.replace(str(work), "TMP") if work is not None else text
     log = log_dir / f"{stage.name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
@@ -133,7 +138,8 @@ def run_stage(stage: Stage, log_dir: Path) -> dict:
             return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
         out, err, status, rc = text(e.stdout), text(e.stderr), "timeout", None
     seconds = time.perf_counter() - t0
-    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}")
+    out, err = scrub(out), scrub(err)
+    log.write_text(scrub(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}"))
     records = []
     for line in out.splitlines():
         if line.startswith("{"):
@@ -145,10 +151,11 @@ def run_stage(stage: Stage, log_dir: Path) -> dict:
                  "cached": m.group(1) == "loaded"} for m in COMPILED.finditer(err)]
     lines = [ln for ln in (out + "\n" + err).splitlines() if ln.strip()]
     shown = ("sparrow " if stage.module == "sparrow_jax.cli" else f"python -m {stage.module} ")
-    return {"stage": stage.name, "what": stage.what, "command": shown + " ".join(stage.argv),
+    return {"stage": stage.name, "what": stage.what,
+            "command": scrub(shown + " ".join(stage.argv)),
             "status": status, "returncode": rc, "seconds": round(seconds, 1),
             "timeout_s": stage.timeout_s, "results": records, "compiles": compiles,
-            "tail": lines[-12:], "log": str(log)}
+            "tail": lines[-12:], "log": f"{log_dir.name}/{log.name}"}
 
 
 def device_summary() -> dict:
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in todo:
         print(f"device_check: {stage.name} ({stage.what}; at most {stage.timeout_s} s)",
               flush=True)
-        rec = run_stage(stage, log_dir)
+        rec = run_stage(stage, log_dir, work)
         report["stages"].append(rec)
         report["seconds"] = time.perf_counter() - t0
         base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
