@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a freshly lent accelerator host: install (from a carried wheelhouse when the
 # host is offline), then `sparrow doctor`, the kernel benchmark at Qwen3-1.7B shapes (8K, 32K),
-# block selection alone, `sparrow bench rollout` at 1.7B shapes in bf16 (dense vs sparse, the
-# selection kernel vs XLA's, each compile's seconds, a profile by phase) and 2 training steps on
-# the paged engine, each stage under its own timeout (~7 minutes on one H200; up to 13).
+# block selection alone, `sparrow bench rollout` at 1.7B shapes in bf16 (dense vs sparse at
+# batch 4 and at an RL batch of 32, each compile's seconds, a profile by phase) and 2 training steps on
+# the paged engine, each stage under its own timeout (~8 minutes on one H200; up to 14.5).
 # Writes a dated report (markdown + JSON) under docs/devices/ after every stage: what finished
 # is kept when a later stage fails. docs/devices/README.md says how to run it on a new machine.
 #   launch/device_check.sh [--quick] [--out DIR] [--only doctor,kernels,rollout,train]

@@ -109,5 +109,21 @@ def test_the_stated_timeouts_are_the_stages_own():
     """docs/devices/README.md states what the full check's timeouts add up to."""
     from sparrow_jax.tools import device_check as dc
     total = sum(s.timeout_s for s in dc.stages(False, "run"))
-    assert total == 780
-    assert "The timeouts add up to 13 minutes" in (REPO / "docs/devices/README.md").read_text()
+    assert total == 870
+    assert "The timeouts add up to 14.5 minutes" in (REPO / "docs/devices/README.md").read_text()
+
+
+def test_the_profile_stage_reads_what_the_rollout_stages_write():
+    """Each profiled `bench rollout` stage writes <dir>/<context>-<program>; the profile stage
+    names exactly those folders (both rollout stages, dense and sparse at each context)."""
+    from sparrow_jax.tools import device_check as dc
+    by = {s.name: s for s in dc.stages(False, "run", "prof")}
+    written = set()
+    for name in ("rollout", "rollout_batch"):
+        argv = by[name].argv
+        d = argv[argv.index("--profile") + 1]
+        contexts = argv[argv.index("--context") + 1:]
+        contexts = contexts[:next((i for i, a in enumerate(contexts) if a.startswith("--")),
+                                  len(contexts))]
+        written |= {f"{d}/{c}-{p}" for c in contexts for p in ("dense", "sparse_1024_0_1")}
+    assert set(by["profile"].argv[:-1]) == written and len(written) == 6

@@ -6,9 +6,10 @@ not the check):
   kernels   `sparrow bench kernel` at Qwen3-1.7B head shapes, 8K and 32K contexts
   selection block selection alone (`sparrow bench kernel --selection`): the one-kernel form
             beside XLA's and the former top_k + sort
-  rollout   `sparrow bench rollout` at Qwen3-1.7B shapes in bf16: dense vs sparse tokens/s,
-            sparse with the selection kernel and with XLA's, each program's compile seconds
-            (from the compile log), one profiled run of each
+  rollout   `sparrow bench rollout` at Qwen3-1.7B shapes in bf16, batch 4, 8K and 32K: dense
+            vs sparse tokens/s, each program's compile seconds (from the compile log), one
+            profiled run of each
+  rollout_batch  the same at 8K with batch 32, an RL rollout's batch
   profile   where those decode steps' device time goes, by phase (`bench.xplane`)
   train     2 training steps of the CPU demo config (its small shipped checkpoint and data) on
             the paged engine
@@ -49,13 +50,12 @@ class Stage:
     module: str = "sparrow_jax.cli"
 
 
-def _profile_stage(profile_dir: str, contexts: tuple[int, ...], budget: int,
-                   timeout_s: int, xla_selection: bool = True) -> Stage:
-    """The decode-step breakdown of the rollout stage's profiled programs (dense, sparse with
-    the default selection, and sparse with XLA's if the rollout ran it) at each context."""
-    sparse = f"sparse_{budget}_0_1"
-    names = ("dense", sparse) + ((f"{sparse}_xla_selection",) if xla_selection else ())
-    folders = tuple(f"{profile_dir}/{c}-{name}" for c in contexts for name in names)
+def _profile_stage(runs: tuple[tuple[str, tuple[int, ...]], ...], budget: int,
+                   timeout_s: int) -> Stage:
+    """The decode-step breakdown of the rollout stages' profiled programs: for each (profile
+    folder, contexts) of a `bench rollout --profile` run, dense and sparse at each context."""
+    folders = tuple(f"{d}/{c}-{name}" for d, contexts in runs for c in contexts
+                    for name in ("dense", f"sparse_{budget}_0_1"))
     return Stage("profile", (*folders, "--json"), timeout_s,
                  "where a decode step's device time goes, by phase", "sparrow_jax.bench.xplane")
 
@@ -64,7 +64,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
     """The check's stages; quick: toy sizes for CPU (tens of seconds each on an idle 2-core
     machine; timeouts generous for a loaded one). Full: sized for one H100/H200; the stages
     together take ~6 minutes there (the first H200: 247 s for doctor, kernels, rollout and
-    train), their timeouts add up to 780 s, and the most telling come first."""
+    train), their timeouts add up to 870 s, and the most telling come first."""
     profile_dir = profile_dir or f"{run_dir}-profile"
     train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
              "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
@@ -88,8 +88,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
                               "--budget", "64", "--new_tokens", "16", "--repeats", "1",
                               "--dtype", "float32", "--profile", profile_dir), 300,
                   "dense vs sparse decode, toy model"),
-            # (no --xla_selection: on CPU both selections are XLA's, the same program twice)
-            _profile_stage(profile_dir, (256,), 64, 120, xla_selection=False),
+            _profile_stage(((profile_dir, (256,)),), 64, 120),
             Stage("train", train + ("--gin_param", "TrainConfig.prompts_per_step = 2",
                                     "--gin_param", "LearnerConfig.micro_batch_size = 0",
                                     "--gin_param", "TrainConfig.group_size = 2",
@@ -105,12 +104,20 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
         Stage("selection", ("bench", "kernel", "--", "--json", "--selection", "--blocks",
                             "2048", "--select", "64", "--batch", "4"), 120,
               "block selection alone at 32K (32 rows x 2048 blocks, 64 kept), every form"),
+        # (the selection kernel vs XLA's, `--xla_selection`, was settled on 2026-11-28: the
+        # kernel; the bench keeps the flag)
         Stage("rollout", ("bench", "rollout", "--", "--json", "--preset", "qwen3-1.7b",
                           "--dtype", "bfloat16", "--context", "8192", "32768",
-                          "--new_tokens", "64", "--repeats", "2", "--xla_selection",
-                          "--profile", profile_dir), 240,
-              "Qwen3-1.7B shapes, bf16: dense vs sparse tokens/s, selection kernel vs XLA"),
-        _profile_stage(profile_dir, (8192, 32768), 1024, 60),
+                          "--new_tokens", "64", "--repeats", "2",
+                          "--profile", f"{profile_dir}/batch4"), 180,
+              "Qwen3-1.7B shapes, bf16, batch 4: dense vs sparse tokens/s at 8K and 32K"),
+        Stage("rollout_batch", ("bench", "rollout", "--", "--json", "--preset", "qwen3-1.7b",
+                                "--dtype", "bfloat16", "--context", "8192", "--batch", "32",
+                                "--new_tokens", "64", "--repeats", "2",
+                                "--profile", f"{profile_dir}/batch32"), 150,
+              "Qwen3-1.7B shapes, bf16, batch 32 at 8K (an RL rollout's batch)"),
+        _profile_stage(((f"{profile_dir}/batch4", (8192, 32768)),
+                        (f"{profile_dir}/batch32", (8192,))), 1024, 60),
         Stage("train", train + ("--gin_param", "RolloutConfig.max_new_tokens = 256"), 90,
               "2 training steps, demo model, paged engine, 256 new tokens"),
     ]
