@@ -242,3 +242,21 @@ def test_oversized_does_not_fit(tiny):
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "DOES NOT FIT" in r.stdout
     assert "FITS" not in r.stdout.replace("DOES NOT FIT", "")
+
+
+def test_selection_line_says_which_form_runs_on_the_target():
+    """On a GPU the rollout selects blocks with one Pallas Triton kernel, whose bytes XLA's cost
+    analysis cannot count: the decode line says so instead of describing the XLA form."""
+    from sparrow_jax.dryrun import selection_cost
+    from sparrow_jax.dryrun.targets import TARGETS
+    from sparrow_jax.rollout.config import RolloutConfig
+    auto, xla = RolloutConfig(mode="sparse"), RolloutConfig(mode="sparse", selection="xla")
+    assert selection_cost.selection_form(auto, TARGETS["h100x1"]) == "pallas_triton"
+    assert selection_cost.selection_form(xla, TARGETS["h100x1"]) == "xla"
+    assert selection_cost.selection_form(auto, TARGETS["v5e-8"]) == "xla"
+    b = {"selection_sort_free": 2e6, "selection_top_k_sort": 3e6, "sparse_layers": 26,
+         "attention_kv_at_max_budget": 5e8, "max_selected": 64}
+    assert "one Pallas Triton kernel" in selection_cost.format_line(
+        4, 512, b | {"selection_form": "pallas_triton"})
+    line = selection_cost.format_line(4, 512, b | {"selection_form": "xla"})
+    assert "selection 0.002 GB sort-free" in line and "Pallas" not in line

@@ -75,6 +75,30 @@ def test_exact_reward():
         exact(sol, p["answer"])
 
 
+def test_prefix_reward_counts_the_right_tokens_before_the_first_wrong_one():
+    prefix, exact = get_reward("synthetic_prefix"), get_reward("synthetic_exact")
+    p = synthetic.make_problem(3, (6, 8))
+    sol, prompt, n = p["solution"], p["prompt"], len(p["solution"].split())
+    assert prefix(f" {sol}  <eos> <pad>", p["answer"], prompt=f"<bos> {prompt}") == 1.0
+    toks = sol.split()
+    for pos in (0, 7, n // 2, n - 1):      # one wrong digit: the tokens before it count
+        bad = toks.copy()
+        bad[pos] = str((int(bad[pos]) + 1) % 10) if bad[pos].isdigit() else "="
+        assert prefix(" ".join(bad), p["answer"], prompt=prompt) == pos / n
+        assert exact(" ".join(bad), p["answer"], prompt=prompt) == 0.0
+    assert prefix(" ".join(toks[:10]), p["answer"], prompt=prompt) == 10 / n   # stops early
+    assert prefix(sol + " 0 1 0", p["answer"], prompt=prompt) == n / (n + 3)  # runs past the end
+    assert prefix("", p["answer"], prompt=prompt) == 0.0
+    # the answer-only hack (stop 10 cycles early with the right final sum) scores its prefix only
+    long = synthetic.make_problem(5, (11, 13))
+    digits, k = synthetic.parse_prompt(long["prompt"])
+    hack = synthetic.format_solution(digits, k - 10)
+    got = prefix(hack, long["answer"], prompt=long["prompt"])
+    assert got < (k - 9) / k and got == pytest.approx(
+        next(i for i, (a, b) in enumerate(zip(hack.split(), long["solution"].split())) if a != b)
+        / len(long["solution"].split()))
+
+
 def test_answer_reward_is_answer_only():
     ans = get_reward("synthetic_answer")
     p = synthetic.make_problem(2, (4, 4), 6)

@@ -195,6 +195,23 @@ def synthetic_exact_reward(
     return 1.0 if _clean_completion(completion_text) == expected else 0.0
 
 
+@register_reward("synthetic_prefix")
+def synthetic_prefix_reward(
+    completion_text: str, ground_truth: str, *, prompt: str = "", meta: dict | None = None
+) -> float:
+    """The share of the solution written right before the first wrong token: matched prefix /
+    max(len(solution), len(completion)), in tokens. 1.0 iff the completion is exact (as
+    `synthetic_exact`); no shortcut scores more than the correct tokens it contains (stopping
+    early keeps only the prefix, running on past the end costs its extra tokens). A dense signal
+    for long solutions, where a sampled answer is almost never exact (the long task: 4-4.5K
+    tokens, docs/data.md)."""
+    expected = _reference_solution(prompt, ground_truth, meta).split()
+    got = _clean_completion(completion_text).split()
+    matched = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
+                   min(len(got), len(expected)))
+    return matched / max(len(expected), len(got))
+
+
 @register_reward("synthetic_answer")
 def synthetic_answer_reward(
     completion_text: str, ground_truth: str, *, prompt: str = "", meta: dict | None = None

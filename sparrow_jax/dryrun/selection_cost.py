@@ -42,6 +42,14 @@ def selection_bytes(target: Target, rows: int, hq: int, hkv: int, pages: int, d:
     return out
 
 
+def selection_form(rc, target: Target) -> str:
+    """Where the rollout's block selection runs on `target`: "pallas_triton" (one kernel per
+    sparse layer, `RolloutConfig.selection = 'auto'` on a GPU) or "xla" (the sort-free form)."""
+    from sparrow_jax.sparsity import selection
+    with kernel_platform(target.kernel_platform):
+        return selection.selection_backend(rc.selection_backend)
+
+
 def decode_step_bytes(shape: StepShape, spec: ShardingSpec, target: Target, *, rows: int,
                       blocks: int, sparse_layers: int, compile_selection: bool = True) -> dict:
     """Per decode step per device, for `rows` rows of `blocks` KV blocks each and `sparse_layers`
@@ -65,7 +73,8 @@ def decode_step_bytes(shape: StepShape, spec: ShardingSpec, target: Target, *, r
         else sel["top_k_sort"] * sparse_layers,
         "attention_kv_at_max_budget": rows * max_selected * rc.block_size * kv_token
         * sparse_layers,
-        "sparse_layers": sparse_layers, "max_selected": max_selected}
+        "sparse_layers": sparse_layers, "max_selected": max_selected,
+        "selection_form": selection_form(rc, target)}
 
 
 def for_step(shape: StepShape, spec: ShardingSpec, target: Target,
@@ -89,7 +98,16 @@ def for_step(shape: StepShape, spec: ShardingSpec, target: Target,
 def format_line(rows: int, blocks: int, b: dict) -> str:
     def gb(x):
         return "-" if x is None else f"{x / 1e9:.3f} GB"
-    return (f"per decode step per device ({rows} rows x {blocks} blocks, {b['sparse_layers']} "
-            f"sparse layers), bytes XLA counts: selection {gb(b['selection_sort_free'])} "
-            f"sort-free (top_k + sort: {gb(b['selection_top_k_sort'])}) vs attention K/V reads "
-            f"at the full selection width {gb(b['attention_kv_at_max_budget'])}")
+    head = (f"per decode step per device ({rows} rows x {blocks} blocks, {b['sparse_layers']} "
+            f"sparse layers), bytes XLA counts: ")
+    xla = (f"{gb(b['selection_sort_free'])} sort-free (top_k + sort: "
+           f"{gb(b['selection_top_k_sort'])})")
+    if b.get("selection_form") == "pallas_triton":
+        # A Pallas Triton custom call's bytes are not in XLA's cost analysis: say which form
+        # runs, and give the XLA forms' counts as what the kernel replaces.
+        sel = (f"selection runs as one Pallas Triton kernel per sparse layer (not in XLA's count; "
+               f"the XLA forms it replaces: {xla})")
+    else:
+        sel = f"selection {xla}"
+    return (head + sel + f" vs attention K/V reads at the full selection width "
+            f"{gb(b['attention_kv_at_max_budget'])}")
