@@ -251,3 +251,21 @@ def test_every_run_in_the_figure_has_its_own_colour_and_style(tmp_path, monkeypa
         else:
             assert len({s[0] for s in style.values()}) == 20        # tab20, each colour used
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
+
+
+def test_parallel_arms_share_a_gpu_by_memory_fraction_and_never_a_tpu(monkeypatch):
+    """Arms run in parallel each take 0.9 / N of a GPU (a JAX process preallocates 75% of it, so
+    a second arm would fail); a fraction or preallocation the user set is kept; on a TPU host
+    parallel arms are refused (a chip opens in one process only)."""
+    from sparrow_jax.experiment import runner
+    monkeypatch.setattr(runner.glob, "glob", lambda pattern: [])
+    assert runner.parallel_env(1, {"A": "1"}) == {"A": "1"}
+    assert runner.parallel_env(2, {})["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"
+    assert runner.parallel_env(8, {})["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.11"
+    mine = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert runner.parallel_env(4, mine) == mine
+    monkeypatch.setattr(runner.glob, "glob",
+                        lambda pattern: ["/dev/accel0"] if pattern == "/dev/accel*" else [])
+    with pytest.raises(SystemExit, match="TPU chip opens in one process only"):
+        runner.parallel_env(2, {})
+    assert runner.parallel_env(1, {}) == {}

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import logging
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -213,8 +215,29 @@ def log_tail(path: Path, lines: int = 30) -> str:
                      for line in text.rstrip("\n").split("\n")[-lines:])
 
 
+def parallel_env(parallel: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The arms' environment when `parallel` of them share this host's accelerators. A JAX
+    process takes 75% of each GPU's memory at start, so a second arm on the same GPU would fail
+    to allocate: each gets 0.9 / parallel of it (XLA_PYTHON_CLIENT_MEM_FRACTION), unless the
+    user set the fraction or turned preallocation off. TPU chips open in one process only: there
+    `parallel` > 1 is refused (a TPU VM has /dev/accel* or /dev/vfio)."""
+    env = dict(environ)
+    if parallel <= 1:
+        return env
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/*"):
+        raise SystemExit(f"sparrow experiment: --parallel {parallel} on a TPU host: a TPU chip "
+                         "opens in one process only, so arms cannot share it; run them one "
+                         "after another (--parallel 1)")
+    if not {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"} & set(env):
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{int(90 / parallel) / 100:.2f}"
+        log.info("%d arms at a time share each GPU: XLA_PYTHON_CLIENT_MEM_FRACTION=%s per arm "
+                 "(set it, or XLA_PYTHON_CLIENT_PREALLOCATE, to choose)", parallel,
+                 env["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+    return env
+
+
 def run_parallel(commands: Mapping[str, Sequence[str]], log_dir: Path, parallel: int, *,
-                 poll_s: float = 0.5) -> dict[str, int]:
+                 poll_s: float = 0.5, env: Mapping[str, str] | None = None) -> dict[str, int]:
     """Runs each arm's command, at most `parallel` at once, stdout+stderr appended to
     log_dir/<arm>.log; returns every arm's exit code. A failing arm is logged with the end of its
     log and the others go on. Ctrl-C (or SIGTERM to this process) sends SIGTERM to the running
@@ -233,7 +256,8 @@ def run_parallel(commands: Mapping[str, Sequence[str]], log_dir: Path, parallel:
                         f"{' '.join(commands[name])}\n".encode())
                 f.flush()
                 proc = subprocess.Popen(list(commands[name]), stdout=f, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL,
+                                        env=None if env is None else dict(env))
                 running[name] = (proc, f, time.monotonic())
                 log.info("arm %s: started (pid %d; %d running, %d waiting), log %s", name,
                          proc.pid, len(running), len(pending), path)
@@ -329,7 +353,8 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
         log.info("%d arm(s) as `sparrow train` subprocesses, at most %d at a time", len(names),
                  cfg.parallel)
         codes = run_parallel({n: arm_command(gin_files, gin_params, _arm_bindings(cfg, n),
-                                             log_level) for n in names}, out, cfg.parallel)
+                                             log_level) for n in names}, out, cfg.parallel,
+                             env=parallel_env(cfg.parallel, os.environ))
         failed = {n: c for n, c in codes.items() if c != 0}
     elif not report_only:
         for i, name in enumerate(names):
