@@ -2,8 +2,9 @@
 # One command for a freshly lent accelerator host: install (from a carried wheelhouse when the
 # host is offline), then `sparrow doctor`, the kernel benchmark at Qwen3-1.7B shapes (8K, 32K),
 # block selection alone, `sparrow bench rollout` at 1.7B shapes in bf16 (dense vs sparse at
-# batch 4 and at an RL batch of 32, each compile's seconds, a profile by phase) and 2 training steps on
-# the paged engine, each stage under its own timeout (~8 minutes on one H200; up to 14.5).
+# batch 4 and at an RL batch of 32, each compile's seconds, a profile by phase), 2 training steps on
+# the paged engine, and 2 steps of the shipped 1.7B GPU config on random weights, each stage
+# under its own timeout (~8 minutes on one H200 before the last, which compiles for minutes).
 # Writes a dated report (markdown + JSON) under docs/devices/ after every stage: what finished
 # is kept when a later stage fails. docs/devices/README.md says how to run it on a new machine.
 #   launch/device_check.sh [--quick] [--out DIR] [--only doctor,kernels,rollout,train]

@@ -109,8 +109,8 @@ def test_the_stated_timeouts_are_the_stages_own():
     """docs/devices/README.md states what the full check's timeouts add up to."""
     from sparrow_jax.tools import device_check as dc
     total = sum(s.timeout_s for s in dc.stages(False, "run"))
-    assert total == 870
-    assert "The timeouts add up to 14.5 minutes" in (REPO / "docs/devices/README.md").read_text()
+    assert total == 1410
+    assert "The timeouts add up to 23.5 minutes" in (REPO / "docs/devices/README.md").read_text()
 
 
 def test_the_profile_stage_reads_what_the_rollout_stages_write():

@@ -407,6 +407,9 @@ _REGISTRY = {
          ByTest("tests/test_xplane.py::test_breakdown_attributes_kernels_to_decode_phases_on_gpu_and_cpu")),
     "python -m sparrow_jax.bench.kernels --json --contexts 8192,32768 --models 1.7b "
     "--budgets 1024,2048": (Twin("bench_kernel"),),
+    # docs/devices/README.md: a shipped config at its model's shape on random weights
+    "python -m sparrow_jax.tools.config_smoke configs/qwen3_1p7b_gpu.gin --preset qwen3-1.7b":
+        (ByTest("tests/test_config_smoke.py::test_the_gpu_config_runs_a_step_on_a_random_tiny_model"),),
     "cd /tmp && JAX_PLATFORMS=cpu PYTHONPATH=$REPO/.compile-env:$REPO $REPO/.venv/bin/python "
     "-m sparrow_jax.dryrun.hlo $REPO/configs/qwen3_1p7b_gpu.gin --target h100x1 "
     "--preset qwen3-1.7b --no_bytes --json --gin_param \"RolloutConfig.selection = 'xla'\"":

@@ -13,6 +13,8 @@ not the check):
   profile   where those decode steps' device time goes, by phase (`bench.xplane`)
   train     2 training steps of the CPU demo config (its small shipped checkpoint and data) on
             the paged engine
+  train_real  2 steps of the shipped configs/qwen3_1p7b_gpu.gin at Qwen3-1.7B shape on random
+            weights (`sparrow_jax.tools.config_smoke`): the real config's programs and memory
 A dated report, markdown and JSON, is rewritten after every stage (docs/devices/ by default), so
 what finished survives a stage that fails or a check that is killed; each stage's whole output is
 in <report>-logs/ beside it. `--quick`: the same stages
@@ -60,11 +62,22 @@ def _profile_stage(runs: tuple[tuple[str, tuple[int, ...]], ...], budget: int,
                  "where a decode step's device time goes, by phase", "sparrow_jax.bench.xplane")
 
 
+# The quick train_real stage's toy model (written beside the run by `main`) and a page pool
+# that fits a CPU machine (the config's 24 GiB per device is for a GPU).
+TOY_MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "head_dim": 16, "tie_word_embeddings": True}
+_SMALL_POOL = ("--gin_param", "RolloutConfig.pool_bytes = 67108864",
+               "--gin_param", "RolloutConfig.min_table_pages = 16",
+               "--gin_param", "RolloutConfig.prompt_buckets = (64,)",
+               "--gin_param", "RolloutConfig.prefill_chunk = 64")
+
+
 def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
     """The check's stages; quick: toy sizes for CPU (tens of seconds each on an idle 2-core
     machine; timeouts generous for a loaded one). Full: sized for one H100/H200; the stages
     together take ~6 minutes there (the first H200: 247 s for doctor, kernels, rollout and
-    train), their timeouts add up to 870 s, and the most telling come first."""
+    train), their timeouts add up to 1410 s, and the most telling come first."""
     profile_dir = profile_dir or f"{run_dir}-profile"
     train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
              "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
@@ -95,6 +108,12 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
                                     "--gin_param", "RolloutConfig.max_new_tokens = 16",
                                     "--gin_param", "RolloutConfig.chunk_steps = 16"), 600,
                   "2 training steps, demo model, paged engine, 16 new tokens"),
+            Stage("train_real", ("configs/qwen3_1p7b_gpu.gin", "--model_config",
+                                 f"{run_dir}-model.json", "--steps", "1", "--prompts", "1",
+                                 "--new_tokens", "16", "--json", "--out", f"{run_dir}-real",
+                                 *_SMALL_POOL), 600,
+                  "1 step of the shipped GPU config, toy random model",
+                  "sparrow_jax.tools.config_smoke"),
         ]
     return [
         Stage("doctor", ("doctor",), 150, "every kernel backend vs the XLA reference; rollouts"),
@@ -120,6 +139,13 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
                         (f"{profile_dir}/batch32", (8192,))), 1024, 60),
         Stage("train", train + ("--gin_param", "RolloutConfig.max_new_tokens = 256"), 90,
               "2 training steps, demo model, paged engine, 256 new tokens"),
+        # The shipped 1.7B GPU config itself, at full depth on random weights: its compile plan,
+        # paged engine, learner and memory on this machine (minutes of compiles: its own call).
+        Stage("train_real", ("configs/qwen3_1p7b_gpu.gin", "--preset", "qwen3-1.7b",
+                             "--steps", "2", "--prompts", "8", "--new_tokens", "4096", "--json",
+                             "--out", f"{run_dir}-real"), 540,
+              "2 steps of configs/qwen3_1p7b_gpu.gin at Qwen3-1.7B shape, random weights, "
+              "64 rollouts x 4096 tokens", "sparrow_jax.tools.config_smoke"),
     ]
 
 
@@ -223,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sparrow-device-check-"))
     todo = stages(args.quick, str(work / "run"), str(work / "profile"))
+    (work / "run-model.json").write_text(json.dumps(TOY_MODEL))      # quick train_real's shape
     only = [s for s in args.only.split(",") if s]
     unknown = set(only) - {s.name for s in todo}
     if unknown:
