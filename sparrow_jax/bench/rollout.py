@@ -47,12 +47,8 @@ import numpy as np
 
 from sparrow_jax.bench.rollout_runs import (BEFORE_TOPK, SparseRun, former_selection,
                                           selection_path, sparse_runs)
+from sparrow_jax.model.config import QWEN3_PRESETS
 
-PRESETS: dict[str, dict[str, int]] = {
-    "qwen3-1.7b": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=6144,
-                       vocab_size=151936),
-}
 _DTYPES = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -61,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("gin_files", nargs="*", help="gin config files (e.g. RolloutConfig settings)")
     p.add_argument("--gin_param", action="append", default=[], help="gin binding override")
     p.add_argument("--json", action="store_true", help="also print one JSON line per run")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+    p.add_argument("--preset", choices=sorted(QWEN3_PRESETS), default=None,
                    help="model shape preset (overrides the size flags; too big for CPU)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
@@ -133,12 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_config(args: argparse.Namespace):
     from sparrow_jax.model import Qwen3Config
-    shape = PRESETS[args.preset] if args.preset else dict(
-        num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        intermediate_size=args.intermediate or 3 * args.hidden, vocab_size=args.vocab)
+    from sparrow_jax.model.config import qwen3_preset
     # Long contexts need positions beyond the HF default; RoPE itself has no limit.
-    return Qwen3Config(**shape, max_position_embeddings=max(args.context) + 16)
+    positions = max(args.context) + 16
+    if args.preset:      # the public checkpoint's exact shape (`sparrow dryrun --preset` too)
+        return dataclasses.replace(qwen3_preset(args.preset), max_position_embeddings=positions)
+    return Qwen3Config(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                       head_dim=args.head_dim, intermediate_size=args.intermediate or 3 * args.hidden,
+                       vocab_size=args.vocab, max_position_embeddings=positions)
 
 
 def _timed(fn) -> tuple[float, float]:
