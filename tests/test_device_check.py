@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import time
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,12 +98,18 @@ def test_a_stage_past_its_timeout_is_cut_and_reported(tmp_path, monkeypatch):
     it printed so far, and does not stop the check."""
     from sparrow_jax.tools import device_check as dc
     sleeper = tmp_path / "python"
-    sleeper.write_text("#!/bin/bash\necho started; sleep 30\n")
+    # The stage starts a process of its own (as config_smoke starts `sparrow train`): it must
+    # go with the stage, not run on (on a GPU it would hold the memory the next stage needs).
+    late = tmp_path / "still-running"
+    sleeper.write_text(f"#!/bin/bash\necho started; (sleep 2; touch {late}) & sleep 30\n")
     sleeper.chmod(0o755)
     monkeypatch.setattr(dc.sys, "executable", str(sleeper))
     rec = dc.run_stage(dc.Stage("hung", ("doctor",), 1, "hangs"), tmp_path)
     assert rec["status"] == "timeout" and rec["returncode"] is None and rec["seconds"] < 20
     assert (tmp_path / "hung.log").read_text().count("doctor") == 1
+    assert "started" in (tmp_path / "hung.log").read_text()
+    time.sleep(2.5)
+    assert not late.exists(), "the stage's own child outlived its timeout"
 
 
 def test_the_stated_timeouts_are_the_stages_own():

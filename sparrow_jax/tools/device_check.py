@@ -33,6 +33,7 @@ import os
 import platform as host_platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,8 +77,8 @@ _SMALL_POOL = ("--gin_param", "RolloutConfig.pool_bytes = 67108864",
 def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
     """The check's stages; quick: toy sizes for CPU (tens of seconds each on an idle 2-core
     machine; timeouts generous for a loaded one). Full: sized for one H100/H200; the stages
-    together take ~6 minutes there (the first H200: 247 s for doctor, kernels, rollout and
-    train), their timeouts add up to 1410 s, and the most telling come first."""
+    before train take ~7 minutes there (2026-11-28 H200: 385 s for the five it had then),
+    their timeouts add up to 1410 s, and the most telling come first."""
     profile_dir = profile_dir or f"{run_dir}-profile"
     train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
              "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
@@ -161,15 +162,18 @@ def run_stage(stage: Stage, log_dir: Path, work: Path | None = None) -> dict:
     log = log_dir / f"{stage.name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
+    # Its own process group: at the timeout the whole stage goes, including processes it
+    # started (config_smoke's `sparrow train`), which would otherwise hold the GPU and the
+    # output pipes - and so this wait - until they finish.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=stage.timeout_s)
-        out, err, status = r.stdout, r.stderr, "ok" if r.returncode == 0 else "fail"
-        rc = r.returncode
-    except subprocess.TimeoutExpired as e:
-        def text(x):
-            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-        out, err, status, rc = text(e.stdout), text(e.stderr), "timeout", None
+        out, err = proc.communicate(timeout=stage.timeout_s)
+        status, rc = ("ok" if proc.returncode == 0 else "fail"), proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        status, rc = "timeout", None
     seconds = time.perf_counter() - t0
     out, err = scrub(out), scrub(err)
     log.write_text(scrub(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}"))
