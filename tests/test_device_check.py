@@ -13,10 +13,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-import time
 
 REPO = Path(__file__).resolve().parents[1]
 
