@@ -9,7 +9,8 @@ For each model head shape (Qwen3-1.7B: 8 KV / 16 query heads, D=128; Qwen3-8B: 8
 heads, D=128), context length and token budget it reports the median time of one decode step of
 attention (one layer), dense and block-sparse, the speedup, and the achieved bandwidth: bytes the
 step must read (K and V of the attended tokens) / time, as a fraction of this device's measured
-copy bandwidth. "select" is the centroid scoring + top-k that sparse decode adds per step.
+copy bandwidth. "select" is the centroid scoring + block selection that sparse decode adds per
+step.
 On CPU the defaults are smaller (batch 1, f32) so the run takes well under two minutes.
 Timing: on CPU the median wall time of a call; on an accelerator the device time per call from
 16 chained calls in one program minus one (`_time`): a single call's host dispatch and sync
@@ -111,7 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     choices=["float32", "bfloat16"])
     ap.add_argument("--iters", type=int, default=10 if cpu else 20)
     ap.add_argument("--selection", action="store_true",
-                    help="time block selection alone, old (top_k + sort) vs sort-free")
+                    help="time block selection alone: top_k + sort, the sort-free XLA form and, "
+                         "on a GPU, the one-kernel Pallas Triton form")
     ap.add_argument("--blocks", type=int, default=2048, help="--selection: blocks per row (P)")
     ap.add_argument("--select", type=int, default=512, help="--selection: selected blocks (K)")
     return ap.parse_args(argv)
