@@ -1,4 +1,4 @@
-"""`sparrow` command line: train, sft, rollout, calibrate, bench {kernel,rollout}.
+"""`sparrow` command line: training, rollout, evaluation, checks and benchmarks (subcommands below).
 
 Every subcommand takes gin files and `--gin_param 'Name.field = value'` overrides. Subcommands
 live beside the stage they drive; this module only parses and dispatches.
