@@ -233,6 +233,13 @@ _REGISTRY = {
     "--no_cost --gin_param 'TrainConfig.rollout_mode = \"exact_sparse\"'":
         (ByTest("tests/test_dryrun.py::"
                 "test_exact_sparse_paged_programs_compile_and_report_memory"),),
+    # docs/devices/README.md: the train_real stage's settings on one H100
+    "sparrow dryrun configs/qwen3_1p7b_gpu.gin --target h100x1 --preset qwen3-1.7b --no_cost "
+    "--gin_param \"TrainConfig.prompts_per_step = 8\" --gin_param \"RolloutConfig.max_new_tokens = 4096\" "
+    "--gin_param \"LearnerConfig.ppo_mini_batch_size = 0\" --gin_param \"TrainConfig.eval_data = ''\" "
+    "--gin_param \"PromptFormat.use_chat_template = False\"":
+        (ByTest("tests/test_shipped_configs.py::test_shipped_configs_fit"),
+         ByTest("tests/test_config_smoke.py::test_overrides_bind_on_every_shipped_config")),
     # README.md (Train a real model)
     "sparrow dryrun configs/qwen3_1p7b_gpu.gin --target h100x8 --preset qwen3-1.7b":
         (ByTest("tests/test_shipped_configs.py::test_shipped_configs_fit"),),
