@@ -260,6 +260,9 @@ _REGISTRY = {
     "sparrow eval checkpoints/demo_sft data/demo/eval.jsonl --out runs/eval_demo --n 8 --k 1,4,8 "
     "--max_new_tokens 1072 --scorer synthetic_exact":
         (ByTest("tests/test_eval_command.py::test_demo_checkpoint_on_verl_parquet"),),
+    # docs/benchmarks.md: the sparsity-aware warm-up step
+    "python -m sparrow_jax.bench.sft_step --model checkpoints/long_sft --steps 2":
+        (ByTest("tests/test_sft.py::test_bench_sft_step_times_dense_and_sparse_steps"),),
     # docs/compression.md
     "python -m sparrow_jax.bench.compress":
         (ByTest("tests/test_compression.py::test_bench_command_prints_table"),),

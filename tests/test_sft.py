@@ -175,15 +175,17 @@ def test_long_warmup_never_draws_the_long_task_prompts():
 
 def test_sparse_loss_adds_the_block_sparse_forwards_cross_entropy():
     """The sparsity-aware loss: at a budget covering every sequence the sparse forward is the
-    dense one (loss = (1 + coef) x CE); at a small budget its CE is its own, and a gradient
-    flows through it."""
+    dense one (loss = (1 + coef) x CE), as with no sparse layer; at a small budget its CE is its
+    own, equal with its gradient to a whole sparse forward's (the dense layers before the first
+    sparse one run once for both forwards), and a gradient flows through it."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
     from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM
-    from sparrow_jax.train.sft import _loss, _pack
+    from sparrow_jax.rollout.teacher_forced import sparse_attention_fn
+    from sparrow_jax.train.sft import _loss, _nll_and_accuracy, _pack
 
     tok = build_synthetic_tokenizer()
     model = Qwen3ForCausalLM(Qwen3Config(
@@ -200,10 +202,27 @@ def test_sparse_loss_adds_the_block_sparse_forwards_cross_entropy():
     wide, (nll_w, _, s_nll_w, _) = _loss(model, *args, 0, (0.5, 1024, (0, 1), 16))
     np.testing.assert_allclose(float(s_nll_w), float(nll), rtol=1e-5)
     np.testing.assert_allclose(float(wide), 1.5 * float(nll), rtol=1e-5)
+    every, (_, _, s_nll_e, _) = _loss(model, *args, 0, (1.0, 48, (0, 1, 2), 16))
+    assert float(s_nll_e) == float(nll) and float(every) == 2 * float(nll)   # no sparse layer
     narrow, (_, _, s_nll_n, _) = _loss(model, *args, 32, (1.0, 48, (0,), 16))
     assert abs(float(s_nll_n) - float(nll)) > 1e-5       # a random model: attention is flat
+    # The dense layer 0, run once for both forwards, changes nothing: the sparse CE and its
+    # gradient equal those of a whole sparse forward (the former form); the gradient flows.
+    sparse_fn = sparse_attention_fn(budgets=jnp.full((1,), 48, jnp.int32), bin_size=1 << 30,
+                                    prompt_lengths=args[4], max_selected=3, block_size=16,
+                                    dense_layers=(0,), query_chunk=32)
+
+    def whole_sparse_forward(m):
+        return _nll_and_accuracy(m(*args[:2], attention_mask=args[3], attention_fn=sparse_fn),
+                                 args[0], args[2])[0]
+    s_nll_ref, ref = nnx.value_and_grad(whole_sparse_forward)(model)
     grads = nnx.grad(lambda m: _loss(m, *args, 32, (1.0, 48, (0,), 16))[1][2])(model)
+    np.testing.assert_allclose(float(s_nll_n), float(s_nll_ref), rtol=1e-5)
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match=r"layers = \(2, 2\) must be \(start, stop\)"):
+        model.run_layers(model.embed(args[0]), args[1], None, layers=(2, 2))
 
 
 def test_sparse_warmup_configs_parse():
@@ -249,3 +268,20 @@ def test_sparse_dense_layers_must_exist(tmp_path):
                     sparse_loss_coef=1.0, sparse_dense_layers=(0, 7))
     with pytest.raises(ValueError, match=r"layers \[7\] do not exist \(the model has 3\)"):
         run_sft(cfg)
+
+
+def test_bench_sft_step_times_dense_and_sparse_steps(capsys):
+    """`python -m sparrow_jax.bench.sft_step` (docs/benchmarks.md) on a random 2-layer model: both
+    step kinds run from the same start on the same batches; only the sparse one has a sparse CE."""
+    from sparrow_jax.bench import sft_step
+    assert sft_step.main(["--model", "", "--layers", "2", "--dense_layers", "0", "--steps", "1",
+                          "--batch", "1", "--k_range", "2", "3", "--width", "384", "--chunk",
+                          "0", "--budget", "48"]) == 0
+    out = capsys.readouterr().out
+    dense, sparse = (re.search(rf"^{k}: .* loss (\S+) sparse loss (\S+)$", out, re.M)
+                     for k in ("dense", "sparse"))
+    assert float(dense[2]) == 0.0 and float(sparse[2]) > 0.0
+    assert float(dense[1]) == pytest.approx(float(sparse[1]), rel=1e-4)   # the same start
+    assert re.search(r"sparse / dense CPU s per step: \d+\.\d\dx", out)
+    with pytest.raises(SystemExit):
+        sft_step.parse_args(["--steps", "0"])

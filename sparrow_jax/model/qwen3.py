@@ -153,7 +153,8 @@ class Qwen3ForCausalLM(nnx.Module):
     def run_layers(self, x: Array, positions: Array, attend: AttendFn, *,
                    remat: str | None = None,
                    layer_splits: tuple[int, ...] | None = None,
-                   residual_spec: ShardingSpec | None = None) -> Array:
+                   residual_spec: ShardingSpec | None = None,
+                   layers: tuple[int, int] | None = None) -> Array:
         """x [B, T, H] -> final-normed hidden [B, T, H]; `attend` sees every layer's q/k/v.
 
         remat: one of REMAT_MODES for this call (None: "full" if the model was built with
@@ -167,29 +168,38 @@ class Qwen3ForCausalLM(nnx.Module):
         backward pass keeps per layer are split over the devices that share a row instead of
         replicated on each (sequence parallelism; XLA turns the layer's all-reduces into
         reduce-scatter + all-gather). None: XLA's choice.
+        layers: (start, stop) runs only layers start..stop-1 on x (the residual stream after
+        layer start - 1), and returns their output without the final norm when stop is not the
+        last layer: two forwards that share their first layers (the sparsity-aware warm-up's
+        dense and sparse ones) run those once. None: all layers.
         """
         constrain = functools.partial(constrain_residual, spec=residual_spec)
         mode = remat or ("full" if self.remat else "none")
         if mode not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {mode!r}")
+        n = len(self.layers)
+        start, stop = layers or (0, n)
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"layers = {layers} must be (start, stop) with "
+                             f"0 <= start < stop <= {n} (the model's layers)")
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        finish = self.norm if stop == n else (lambda h: h)
         if layer_splits is not None:
-            n = len(self.layers)
-            bounds = sorted({0, n, *(i for i in layer_splits if 0 < i < n)})
+            bounds = sorted({start, stop, *(i for i in layer_splits if start < i < stop)})
             for lo, hi in zip(bounds[:-1], bounds[1:]):
                 x = self._scan_layers(lo, hi, constrain(x), cos, sin, attend, mode, constrain)
-            return self.norm(x)
+            return finish(x)
 
         def layer_call(i: int):
             # i is closed over, not a default argument: nnx.remat would trace that into an array.
             return lambda layer, x, cos, sin: layer(x, cos, sin, lambda q, k, v: attend(i, q, k, v))
 
-        for i, layer in enumerate(self.layers):
+        for i in range(start, stop):
             layer_fn = layer_call(i)
             if mode != "none":
                 layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[mode])
-            x = constrain(layer_fn(layer, x, cos, sin))
-        return self.norm(x)
+            x = constrain(layer_fn(self.layers[i], x, cos, sin))
+        return finish(x)
 
     def _scan_layers(self, lo: int, hi: int, x: Array, cos: Array, sin: Array, attend: AttendFn,
                      remat: str, constrain: Callable[[Array], Array] = lambda x: x) -> Array:

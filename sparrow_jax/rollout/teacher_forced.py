@@ -109,17 +109,24 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
             scores = block_scores(q_c, pos_c)                                 # [B, C, Hkv, NB]
             budget = budget_for_lengths(budgets, pos_c + 1, bin_size)
             budget_blocks = jnp.minimum(budget // block_size, max_selected)
-            chosen = selection.selected_keys(scores, pos_c, budget_blocks,
-                                             max_selected=max_selected,
-                                             block_size=block_size)       # [B, C, Hkv, S']
-            chosen = jnp.pad(chosen, ((0, 0), (0, 0), (0, 0), (0, t - chosen.shape[-1])))
+            chosen = selection.selected_blocks(scores, pos_c, budget_blocks,
+                                               max_selected=max_selected,
+                                               block_size=block_size)     # [B, C, Hkv, NB]
             # A budget covering the length is dense, also beyond the selection width (the
             # rollout's dense path for such rows, e.g. the controller's dense rung).
             chosen = chosen | (budget >= pos_c + 1)[..., None, None]
             is_decode = pos_c >= prompt_lengths[:, None]                         # [B, C]
-            seen = jnp.where(is_decode[..., None, None, None], chosen[..., k_idx], True)
-            seen = seen & key_mask[:, k_idx][:, None, None]                  # [B, C, Hkv, M, C']
-            return seen.transpose(0, 2, 3, 1, 4)
+            # Per block, not per key: k_idx's rows are runs of consecutive keys starting at
+            # multiples of C' (`map_causal_query_chunks`; clipped to T - 1, which T % bs == 0
+            # keeps inside one block), so with C' % bs == 0 each run of bs keys is one block and
+            # the mask is gathered, transposed and combined bs times smaller, then repeated.
+            runs = k_idx.shape[-1] % block_size == 0
+            blk = k_idx[:, ::block_size] // block_size if runs else k_idx // block_size
+            seen = jnp.where(is_decode[..., None, None, None], chosen[..., blk], True)
+            seen = seen.transpose(0, 2, 3, 1, 4)                    # [B, Hkv, M, C, C'(/bs)]
+            if runs:
+                seen = jnp.repeat(seen, block_size, axis=-1)
+            return seen & key_mask[:, k_idx][:, None, :, None]                # [B, Hkv, M, C, C']
 
         return visible_causal_attention(visible, query_chunk, q, k, v, positions)
     # Runs of dense layers and the sparse ones between them (`run_layers` scans each): a split

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
 
 __all__ = ["block_centroids", "update_centroid", "block_minmax", "centroid_scores",
-           "quest_scores", "select_from_scores", "select_blocks", "selected_keys", "order_key",
-           "kth_largest_key", "prefix_count", "compact_ids", "select_from_scores_reference"]
+           "quest_scores", "select_from_scores", "select_blocks", "selected_blocks",
+           "selected_keys", "order_key", "kth_largest_key", "prefix_count", "compact_ids",
+           "select_from_scores_reference"]
 
 # Blocks always kept in the sparse regime: the sink (block 0) and the two most recent blocks.
 NUM_RESERVED = 3
@@ -419,11 +420,11 @@ def select_blocks(q: jax.Array, centroids: jax.Array, lengths: jax.Array,
                               block_size=block_size, backend=backend)
 
 
-def selected_keys(scores: jax.Array, positions: jax.Array, budget_blocks: jax.Array, *,
-                  max_selected: int, block_size: int = 16) -> jax.Array:
-    """The keys decode-time selection lets each query see, for a whole-sequence (teacher-forced)
-    replay: scores [B, C, Hkv, NB] (over whole blocks), positions [B, C] of the queries,
-    budget_blocks [B, C] -> [B, C, Hkv, NB * block_size] bool (causality not applied: a query at
+def selected_blocks(scores: jax.Array, positions: jax.Array, budget_blocks: jax.Array, *,
+                    max_selected: int, block_size: int = 16) -> jax.Array:
+    """The blocks decode-time selection lets each query see, for a whole-sequence
+    (teacher-forced) replay: scores [B, C, Hkv, NB] (over whole blocks), positions [B, C] of the
+    queries, budget_blocks [B, C] -> [B, C, Hkv, NB] bool (causality not applied: a query at
     position p decoded with length p + 1, so its selection never picks a later block)."""
     b, c, hkv, nb = scores.shape
     lengths = jnp.broadcast_to((positions + 1)[..., None], (b, c, hkv))
@@ -432,4 +433,12 @@ def selected_keys(scores: jax.Array, positions: jax.Array, budget_blocks: jax.Ar
     # compacting them (rows here are never empty: lengths >= 1).
     chosen, _, _ = _kept_blocks(scores, lengths, budget, max_selected=max_selected,
                                 block_size=block_size)
-    return jnp.repeat(chosen, block_size, axis=-1)
+    return chosen
+
+
+def selected_keys(scores: jax.Array, positions: jax.Array, budget_blocks: jax.Array, *,
+                  max_selected: int, block_size: int = 16) -> jax.Array:
+    """`selected_blocks` per key: [B, C, Hkv, NB * block_size] bool."""
+    return jnp.repeat(selected_blocks(scores, positions, budget_blocks,
+                                      max_selected=max_selected, block_size=block_size),
+                      block_size, axis=-1)

@@ -31,7 +31,8 @@ from tqdm import tqdm
 from sparrow_jax.data import synthetic
 from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
 from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
-from sparrow_jax.model.attention import chunked_causal_attention
+from sparrow_jax.model.attention import (chunked_causal_attention, dense_causal_attention,
+                                         layer_splits_of)
 from sparrow_jax.rollout.teacher_forced import sparse_attention_fn
 
 log = logging.getLogger(__name__)
@@ -214,19 +215,39 @@ def _loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, prompt_leng
           attention_chunk: int, sparse: tuple | None):
     """CE of the dense forward, plus coef x CE of the block-sparse one when sparse = (coef,
     budget, dense_layers, block_size). Returns (loss, (dense nll, dense acc, sparse nll,
-    sparse acc)); the sparse pair is 0 without it."""
+    sparse acc)); the sparse pair is 0 without it.
+
+    The sparse forward's layers before its first sparse one are dense, with the same inputs as
+    the dense forward's: they run once and both forwards continue from their output (the same
+    values as two whole forwards; the shared layers' gradient is the sum of both branches')."""
     fn = chunked_causal_attention(attention_chunk) if attention_chunk > 0 else None
-    nll, acc = _nll_and_accuracy(model(tokens, positions, attention_mask=mask, attention_fn=fn),
-                                 tokens, weights)
     if sparse is None:
+        nll, acc = _nll_and_accuracy(model(tokens, positions, attention_mask=mask,
+                                           attention_fn=fn), tokens, weights)
         return nll, (nll, acc, jnp.zeros(()), jnp.zeros(()))
     coef, budget, dense_layers, block_size = sparse
     sparse_fn = sparse_attention_fn(budgets=jnp.full((1,), budget, jnp.int32), bin_size=1 << 30,
                                     prompt_lengths=prompt_lengths,
                                     max_selected=budget // block_size, block_size=block_size,
                                     dense_layers=dense_layers, query_chunk=attention_chunk)
-    s_nll, s_acc = _nll_and_accuracy(
-        model(tokens, positions, attention_mask=mask, attention_fn=sparse_fn), tokens, weights)
+    fn = fn or dense_causal_attention
+    n = model.config.num_hidden_layers
+    shared = next((i for i in range(n) if i not in dense_layers), n)
+
+    def hidden(attention_fn, x, layers):
+        return model.run_layers(
+            x, positions, lambda i, q, k, v: attention_fn(i, q, k, v, positions, mask),
+            layer_splits=layer_splits_of(attention_fn), layers=layers)
+
+    x = model.embed(tokens)
+    if shared == n:                       # no sparse layer: the sparse forward is the dense one
+        nll, acc = _nll_and_accuracy(model.logits(hidden(fn, x, None)), tokens, weights)
+        return nll + coef * nll, (nll, acc, nll, acc)
+    if shared:
+        x = hidden(fn, x, (0, shared))
+    nll, acc = _nll_and_accuracy(model.logits(hidden(fn, x, (shared, n))), tokens, weights)
+    s_nll, s_acc = _nll_and_accuracy(model.logits(hidden(sparse_fn, x, (shared, n))), tokens,
+                                     weights)
     return nll + coef * s_nll, (nll, acc, s_nll, s_acc)
 
 
