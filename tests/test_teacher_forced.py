@@ -1,6 +1,6 @@
 """The teacher-forced sparse replay's visibility mask (`rollout.teacher_forced.sparse_attention_fn`):
 built per selection block, it equals the former per-key construction bit for bit, for the key
-layouts `map_causal_query_chunks` and the one-shot path ask for."""
+layouts `map_causal_query_chunks` asks for."""
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,9 @@ def _layouts(c: int):
             yield chunk * c + np.arange(c), k_idx
 
 
-@pytest.mark.parametrize("chunk", [0, 32, 24])     # one-shot; C' % bs == 0; C' % bs != 0
+# C' % bs == 0 (the per-block path), C' % bs != 0 (per key). The one-shot path's layout is one
+# run of all keys; tests/test_rollout.py::test_teacher_forced_sparse_replays_rollout replays it.
+@pytest.mark.parametrize("chunk", [32, 24])
 def test_block_level_mask_equals_per_key_mask(monkeypatch, chunk):
     rng = np.random.default_rng(chunk)
     q = jnp.asarray(rng.normal(size=(3, T, HQ, D)), jnp.float32)
@@ -68,9 +70,8 @@ def test_block_level_mask_equals_per_key_mask(monkeypatch, chunk):
     new = jax.jit(captured["visible"])
     old = jax.jit(_per_key_visible(q, k, key_mask.astype(bool), prompt_lengths, budgets,
                                    bin_size, max_selected))
-    layouts = [(np.arange(T), np.arange(T)[None])] if chunk == 0 else list(_layouts(chunk))
     sparse_seen = 0
-    for q_idx, k_idx in layouts:
+    for q_idx, k_idx in _layouts(chunk):
         q_pos = np.minimum(q_idx, T - 1)                 # padded queries (dropped) sit at T - 1
         args = (q[:, q_pos], positions[:, q_pos], jnp.asarray(q_idx), jnp.asarray(k_idx))
         a, b = np.asarray(new(*args)), np.asarray(old(*args))
