@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.dryrun.hlo import large_sorts, sort_and_topk_ops
+from sparrow_jax.sparsity import block_scores
 from sparrow_jax.sparsity import selection as sel
 
 BS = 16
@@ -110,12 +111,12 @@ def test_block_centroids_mean_in_f32():
     keys = rng.standard_normal((2, 3, 64, 8)).astype(np.float32)
     for dtype in (jnp.float32, jnp.bfloat16):
         kj = jnp.asarray(keys, dtype)
-        c = jax.jit(sel.block_centroids)(kj)
+        c = jax.jit(block_scores.block_centroids)(kj)
         assert c.shape == (2, 3, 4, 8) and c.dtype == dtype
         want = np.asarray(kj, np.float64).reshape(2, 3, 4, 16, 8).mean(axis=3)
         np.testing.assert_allclose(np.asarray(c, np.float64), want,
                                    atol=1e-6 if dtype == jnp.float32 else 1e-2)
-    kmin, kmax = sel.block_minmax(jnp.asarray(keys))
+    kmin, kmax = block_scores.block_minmax(jnp.asarray(keys))
     np.testing.assert_array_equal(np.asarray(kmin), keys.reshape(2, 3, 4, 16, 8).min(axis=3))
     np.testing.assert_array_equal(np.asarray(kmax), keys.reshape(2, 3, 4, 16, 8).max(axis=3))
 
@@ -128,7 +129,7 @@ def test_update_centroid_tracks_full_recompute():
     cache = jnp.zeros_like(keys)
     cents = jnp.zeros((b, hkv, s // BS, d), jnp.float32)
     start = np.array([0, 5])                                # ragged rows
-    upd = jax.jit(sel.update_centroid)
+    upd = jax.jit(block_scores.update_centroid)
     for step in range(s - 5):
         pos = start + step
         cache = cache.at[np.arange(b), :, pos].set(keys[np.arange(b), :, pos])
@@ -147,10 +148,10 @@ def test_centroid_scores_group_mean_and_time_axis():
     c = rng.standard_normal((b, hkv, nb, d)).astype(np.float32)
     qm = q.reshape(b, t, hkv, hq // hkv, d).mean(axis=3)
     want = np.einsum("bthd,bhnd->bthn", qm, c)
-    got = jax.jit(sel.centroid_scores)(jnp.asarray(q), jnp.asarray(c)[:, None])
+    got = jax.jit(block_scores.centroid_scores)(jnp.asarray(q), jnp.asarray(c)[:, None])
     assert got.shape == (b, t, hkv, nb) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    got1 = sel.centroid_scores(jnp.asarray(q[:, 0]), jnp.asarray(c))      # decode shape
+    got1 = block_scores.centroid_scores(jnp.asarray(q[:, 0]), jnp.asarray(c))      # decode shape
     np.testing.assert_allclose(np.asarray(got1), want[:, 0], rtol=1e-5, atol=1e-5)
 
 
@@ -160,8 +161,8 @@ def test_select_blocks_end_to_end(scorer):
     b, hq, hkv, s, d = 2, 4, 2, 256, 8
     keys = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
-    cents = sel.block_centroids(keys)
-    kmin, kmax = sel.block_minmax(keys)
+    cents = block_scores.block_centroids(keys)
+    kmin, kmax = block_scores.block_minmax(keys)
     lengths, budgets = jnp.array([256, 200]), jnp.array([6, 5])
     f = jax.jit(lambda *a: sel.select_blocks(*a, max_selected=6, scorer=scorer,
                                              key_min=kmin, key_max=kmax))

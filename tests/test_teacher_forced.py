@@ -9,17 +9,17 @@ import pytest
 
 from sparrow_jax.rollout import teacher_forced
 from sparrow_jax.rollout.state import budget_for_lengths
-from sparrow_jax.sparsity import selection
+from sparrow_jax.sparsity import block_scores, selection
 
 BS, T, HQ, HKV, D = 16, 192, 4, 2, 8
 
 
 def _per_key_visible(q, k, key_mask, prompt_lengths, budgets, bin_size, max_selected):
     """The former `visible`: selected blocks repeated to keys, then gathered per key."""
-    centroids = selection.block_centroids(k.transpose(0, 2, 1, 3), BS)
+    centroids = block_scores.block_centroids(k.transpose(0, 2, 1, 3), BS)
 
     def visible(q_c, pos_c, q_idx, k_idx):
-        scores = selection.centroid_scores(q_c, centroids[:, None])
+        scores = block_scores.centroid_scores(q_c, centroids[:, None])
         budget = budget_for_lengths(budgets, pos_c + 1, bin_size)
         chosen = selection.selected_keys(scores, pos_c,
                                          jnp.minimum(budget // BS, max_selected),

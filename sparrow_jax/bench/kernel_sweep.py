@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels import triton as pk_triton
 from pallas_kernels.reference import all_blocks_selection, contiguous_as_pages
 from sparrow_jax.bench.kernels import _time
-from sparrow_jax.sparsity import selection
+from sparrow_jax.sparsity import block_scores, selection
 
 HQ, HKV, D = 16, 8, 128        # Qwen3-1.7B attention heads
 SPARSE_BLOCK, DENSE_TILE = 16, 64
@@ -90,7 +90,7 @@ def sweep(args: argparse.Namespace):
         v = jax.random.normal(kv, (b, HKV, ctx, D), dtype)
         lengths = jnp.full((b,), ctx, jnp.int32)
         nsel = args.budget // SPARSE_BLOCK
-        ids, num = selection.select_blocks(q, selection.block_centroids(k, SPARSE_BLOCK), lengths,
+        ids, num = selection.select_blocks(q, block_scores.block_centroids(k, SPARSE_BLOCK), lengths,
                                            jnp.full((b,), nsel, jnp.int32), max_selected=nsel,
                                            block_size=SPARSE_BLOCK)
         dense_ids, dense_num = all_blocks_selection(b, HKV, ctx, lengths, DENSE_TILE)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from sparrow_jax.sparsity import selection
+from sparrow_jax.sparsity import block_scores, selection
 
 MODELS = {"1.7b": ("qwen3-1.7b", 16, 8, 128), "8b": ("qwen3-8b", 32, 8, 128)}
 BLOCK = 16
@@ -133,7 +133,7 @@ def bench_shape(model: str, hq: int, hkv: int, d: int, ctx: int, args, copy_bw: 
     t_dense = _time(dense, q, k, v, lengths, iters=args.iters)
     kv_token_bytes = 2 * hkv * d * dtype.itemsize          # K and V of one token, all KV heads
     dense_bytes = b * ctx * kv_token_bytes
-    cents = selection.block_centroids(k, BLOCK)
+    cents = block_scores.block_centroids(k, BLOCK)
     rows = []
     for budget in args.budgets:
         nsel = budget // BLOCK

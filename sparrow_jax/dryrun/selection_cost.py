@@ -20,7 +20,7 @@ def selection_bytes(target: Target, rows: int, hq: int, hkv: int, pages: int, d:
     """Bytes XLA counts for one layer's block selection (scores + selection over
     [rows, Hkv, pages] blocks), sort-free vs the former top_k + sort, compiled alone for one
     device of `target`: {"sort_free": bytes, "top_k_sort": bytes} (None: no cost analysis)."""
-    from sparrow_jax.sparsity import selection
+    from sparrow_jax.sparsity import block_scores, selection
     dev = jax.sharding.SingleDeviceSharding(target_devices(target)[0])
 
     def sds(shape, dt):
@@ -32,7 +32,7 @@ def selection_bytes(target: Target, rows: int, hq: int, hkv: int, pages: int, d:
     for name, select in (("sort_free", selection.select_from_scores),
                          ("top_k_sort", selection.select_from_scores_reference)):
         def fn(q, c, lengths, budget, select=select):
-            scores = selection.centroid_scores(q, c)
+            scores = block_scores.centroid_scores(q, c)
             ln = jnp.broadcast_to(lengths[:, None], scores.shape[:2])
             bb = jnp.broadcast_to(budget[:, None], scores.shape[:2])
             return select(scores, ln, bb, max_selected=max_selected, block_size=block_size)

@@ -28,7 +28,7 @@ from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_len
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec
-from sparrow_jax.sparsity import selection
+from sparrow_jax.sparsity import block_scores, selection
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, co
     if not sparse:
         return dense(), centroids
     with jax.named_scope("centroid_update"):
-        centroids = selection.update_centroid(centroids, k_cache, lengths,
+        centroids = block_scores.update_centroid(centroids, k_cache, lengths,
                                               block_size=cfg.block_size)
 
     def sparse_out():
@@ -101,7 +101,7 @@ def prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first_
     pad = ((0, 0), (0, 0), (0, s_max - plen), (0, 0))
     k_layers = [constrain(jnp.pad(rep(k), pad), CACHE_AXES, spec) for k in ks]
     v_layers = [constrain(jnp.pad(rep(v), pad), CACHE_AXES, spec) for v in vs]
-    cents = [constrain(selection.block_centroids(k, cfg.block_size), CACHE_AXES, spec)
+    cents = [constrain(block_scores.block_centroids(k, cfg.block_size), CACHE_AXES, spec)
              if cfg.mode != "compress" else k[:, :, :0] for k in k_layers]  # compress: no blocks
     lengths = rep(prompt_lengths)
     k_rec = cfg.record_topk

@@ -31,7 +31,7 @@ from sparrow_jax.rollout.prefill import prefill, prefill_attention
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.rollout.state import budget_for_lengths, sample_tokens
 from sparrow_jax.runtime.sharding import ShardingSpec
-from sparrow_jax.sparsity import selection
+from sparrow_jax.sparsity import block_scores, selection
 
 # Logical axes: pools and slots over `data` (a pool serves its shard's slots), heads over `model`.
 POOL_AXES = ("batch", "kv_heads", None, None, "head_dim")       # [G, Hkv, N, bs, D]
@@ -93,7 +93,7 @@ def _write_pages(k_pool, v_pool, c_pool, ks, vs, write_pages, *, block_size: int
         return x.reshape(r, hkv, nb, block_size, d)
 
     return (put(k_pool, blocks(ks)), put(v_pool, blocks(vs)),
-            put(c_pool, selection.block_centroids(ks, block_size)))
+            put(c_pool, block_scores.block_centroids(ks, block_size)))
 
 
 def _sharded_write(spec: ShardingSpec | None, num_kv_heads: int, block_size: int):
@@ -120,7 +120,7 @@ def _replay_attention(layer, q, k_cache, v_cache, start, lengths, *, prompt_leng
     stop = start + c if isinstance(start, int) else k_cache.shape[2]
     k, v = k_cache[:, :, :stop], v_cache[:, :, :stop]
     pos = jnp.broadcast_to(start + jnp.arange(c), (b, c))
-    scores = selection.centroid_scores(q, selection.block_centroids(k, bs)[:, None])
+    scores = block_scores.centroid_scores(q, block_scores.block_centroids(k, bs)[:, None])
     max_selected = cfg.max_budget // bs
     budget = budget_for_lengths(budgets, pos + 1, bin_size)
     budget_blocks = jnp.minimum(budget // bs, max_selected)

@@ -19,7 +19,7 @@ from sparrow_jax.model.attention import (alike_layers, chunked_causal_attention,
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout.config import padded_length
 from sparrow_jax.rollout.state import Trajectories, budget_for_lengths
-from sparrow_jax.sparsity import selection
+from sparrow_jax.sparsity import block_scores, selection
 
 
 def build_sequences(traj: Trajectories, block_size: int = 16) -> tuple[jax.Array, jax.Array]:
@@ -89,24 +89,24 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
         t = q.shape[1]
         kt = k.transpose(0, 2, 1, 3)                                   # [B, Hkv, S, D]
         if scorer == "centroid":
-            centroids = selection.block_centroids(kt, block_size)       # [B, Hkv, NB, D]
+            centroids = block_scores.block_centroids(kt, block_size)       # [B, Hkv, NB, D]
         elif scorer == "quest":
-            key_min, key_max = selection.block_minmax(kt, block_size)
+            key_min, key_max = block_scores.block_minmax(kt, block_size)
         key_mask = attention_mask.astype(bool)
 
-        def block_scores(q_c, pos_c):
+        def chunk_scores(q_c, pos_c):
             """[B, C, Hkv, NB] scores of the queries q_c [B, C, Hq, D] at positions pos_c."""
             if scorer == "centroid":
-                return selection.centroid_scores(q_c, centroids[:, None])
+                return block_scores.centroid_scores(q_c, centroids[:, None])
             if scorer == "quest":
-                return selection.quest_scores(q_c, key_min[:, None], key_max[:, None])
+                return block_scores.quest_scores(q_c, key_min[:, None], key_max[:, None])
             return oracle_block_mass(q_c, kt, pos_c, block_size)
 
         def visible(q_c, pos_c, q_idx, k_idx):
             """Which keys k_idx [M, C'] the queries q_c [B, C, Hq, D] at positions pos_c [B, C]
             see besides causality: all in the prompt, the blocks decode-time selection picked
             after it -> [B, Hkv, M, C, C'] (`map_causal_query_chunks`)."""
-            scores = block_scores(q_c, pos_c)                                 # [B, C, Hkv, NB]
+            scores = chunk_scores(q_c, pos_c)                                 # [B, C, Hkv, NB]
             budget = budget_for_lengths(budgets, pos_c + 1, bin_size)
             budget_blocks = jnp.minimum(budget // block_size, max_selected)
             chosen = selection.selected_blocks(scores, pos_c, budget_blocks,
