@@ -171,7 +171,10 @@ def run_stage(stage: Stage, log_dir: Path, work: Path | None = None) -> dict:
         out, err = proc.communicate(timeout=stage.timeout_s)
         status, rc = ("ok" if proc.returncode == 0 else "fail"), proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:      # the group ended between the timeout and the kill
+            pass
         out, err = proc.communicate()
         status, rc = "timeout", None
     seconds = time.perf_counter() - t0
