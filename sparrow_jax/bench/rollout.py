@@ -201,12 +201,14 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     dense_cfg = dataclasses.replace(base_cfg, mode="dense", max_new_tokens=args.new_tokens)
     progs["dense"] = (dense_cfg, np.full(20, 1 << 20, np.int32), 2000)  # budgets unused
     for v in variants:
-        # Static selection width = the largest budget this context reaches: a wider width would
-        # gather (and attend over) padding blocks every step.
-        reach = int(v.budgets[: min(context // v.bin_size, len(v.budgets) - 1) + 1].max())
-        cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=reach,
-                                  max_new_tokens=args.new_tokens, dense_layers=v.dense_layers,
-                                  selection="xla" if v.xla_selection else base_cfg.selection)
+        # Static selection width = the largest budget this context reaches (the trainer's rule,
+        # RolloutConfig.fit_selection_width): a wider one gathers padding blocks every step.
+        reachable = v.budgets[: min(context // v.bin_size, len(v.budgets) - 1) + 1]
+        cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=max(
+            base_cfg.max_budget, padded_length(int(reachable.max()), base_cfg.block_size)),
+            max_new_tokens=args.new_tokens, dense_layers=v.dense_layers,
+            selection="xla" if v.xla_selection else base_cfg.selection)
+        cfg, _ = cfg.fit_selection_width(reachable)
         if v.before:   # a distinct static config: its own compiled program, traced swapped
             if cfg.record_topk == BEFORE_TOPK:
                 raise SystemExit("sparrow bench rollout: --before compares against a top-20 "

@@ -4,7 +4,6 @@ the train loop."""
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Sequence
 
 import jax
@@ -12,7 +11,8 @@ import numpy as np
 
 from sparrow_jax.evaluation import metrics
 from sparrow_jax.rl.rewards import RewardPool
-from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
+from sparrow_jax.rollout import RolloutConfig, Trajectories
+from sparrow_jax.rollout.api import generate_timed
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.sharding import ShardingSpec
 
@@ -80,16 +80,6 @@ def shard_eval_batch(records: Sequence[dict[str, Any]], pad_id: int,
     return batch_records(mine, pad_id, rows=total // n_proc, filler=records[0])
 
 
-def timed_generate(model, batch, *, cfg: RolloutConfig, budgets, bin_size: int, group_size: int,
-                   rng, spec=None) -> tuple[Trajectories, float]:
-    """generate() + wall time in seconds (blocked until the result is on the host)."""
-    start = time.perf_counter()
-    traj = generate(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg, budgets=budgets,
-                    bin_size=bin_size, group_size=group_size, rng=rng, spec=spec)
-    traj = jax.block_until_ready(traj)
-    return traj, time.perf_counter() - start
-
-
 def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: RolloutConfig,
              budgets, bin_size: int, rng, spec=None, diagnostics: dict[str, RewardPool] | None = None,
              samples: int = 1) -> dict[str, float]:
@@ -103,8 +93,9 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     The program is compiled by a first call, so callers that compare speeds should evaluate
     each mode once before timing (the train loop's evaluations after the first do that).
     """
-    traj, seconds = timed_generate(model, batch, cfg=cfg, budgets=budgets, bin_size=bin_size,
-                                   group_size=samples, rng=rng, spec=spec)
+    traj, seconds = generate_timed(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
+                                   budgets=budgets, bin_size=bin_size, group_size=samples,
+                                   rng=rng, spec=spec)
     texts = decode_responses(tokenizer, traj)
     if samples > 1:     # rows are prompt-major groups: repeat the per-prompt fields
         batch = {**{k: [x for x in batch[k] for _ in range(samples)]

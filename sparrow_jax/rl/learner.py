@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 ALPHA_MODES = ("full", "topk", "none")
 # after_step(batch with logp_old, mini_index, num_mini) -> metrics; see Learner.update.
 AfterStep = Callable[["LearnerBatch", int, int], dict[str, float]]
-__all__ = ["LearnerConfig", "Learner", "LearnerBatch", "SparseReplay", "make_optimizer",
+__all__ = ["LearnerConfig", "Learner", "analysis_fused", "LearnerBatch", "SparseReplay", "make_optimizer",
            "split_micro_batches", "merge_micro_batches", "data_row_shards"]
 
 
@@ -122,6 +122,14 @@ def _residual_spec(model: Qwen3ForCausalLM) -> ShardingSpec | None:
     return None if shardings is None else residual_spec(shardings[0].mesh)
 
 
+def analysis_fused(cfg: LearnerConfig, loss_cfg: grpo.LossConfig, rows: int) -> bool:
+    """Whether a step of `rows` rollouts runs the analysis inside its gradient program: one
+    mini-batch, one epoch and a loss whose normalisation does not need pi_old first, so pi_old's
+    logprobs and alpha come out of the gradient program's own forward."""
+    mini = cfg.ppo_mini_batch_size or rows
+    return rows // mini == 1 and cfg.ppo_epochs == 1 and fusable(loss_cfg)
+
+
 class Learner:
     """Holds the policy (an NNX model updated in place: the f32 master weights) and AdamW's state.
 
@@ -173,9 +181,8 @@ class Learner:
         return nnx.state(self.model, nnx.Param)
 
     def fused(self, rows: int) -> bool:
-        """One mini-batch, one epoch and a loss whose normalisation does not need pi_old first:
-        pi_old's logprobs and alpha come out of the gradient program's own forward."""
-        return self._num_mini(rows) == 1 and self.cfg.ppo_epochs == 1 and fusable(self.loss_cfg)
+        """`analysis_fused` of this learner's configs."""
+        return analysis_fused(self.cfg, self.loss_cfg, rows)
 
     def analyze(self, traj: Trajectories, budgets=None, replay: SparseReplay | None = None,
                 sparse_model: Qwen3ForCausalLM | None = None) -> dict[str, jax.Array]:

@@ -166,15 +166,15 @@ def rollout_config(args: argparse.Namespace, schedule, stop_ids: tuple[int, ...]
             f"schedule {schedule.name or ''} budget {int(finite.max())} exceeds "
             f"RolloutConfig.max_budget={cfg.max_budget} (the static selection width); pass "
             f"--gin_param 'RolloutConfig.max_budget = {int(finite.max())}' or a smaller schedule")
+    # Bins beyond reach are never looked up: they take the last reachable bin's budget, so the
+    # selection width (the shared rule, RolloutConfig.fit_selection_width) is sized by what
+    # this run's sequences can reach.
     last_bin = min(max_context // schedule.bin_size, len(budgets) - 1)
-    reach = int(budgets[: last_bin + 1].max())
-    # Bins beyond reach are never looked up; clipping them keeps the engine's width check exact.
-    budgets = np.minimum(budgets, reach).astype(np.int32)
-    if reach < cfg.max_budget:
-        log.info("selection width %d -> %d tokens (largest budget reachable within %d tokens)",
-                 cfg.max_budget, reach, max_context)
-        cfg = dataclasses.replace(cfg, max_budget=reach)
-    return cfg, budgets
+    budgets[last_bin + 1:] = budgets[last_bin]
+    cfg, note = cfg.fit_selection_width(budgets)
+    if note:
+        log.info("%s (within %d tokens)", note, max_context)
+    return cfg, np.minimum(budgets, np.iinfo(np.int32).max).astype(np.int32)
 
 
 def _mesh_spec(mesh_arg: str | None):
