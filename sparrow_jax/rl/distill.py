@@ -14,7 +14,7 @@ NNX model:
                  loss = pg_coef x PPO(logp_sparse vs the rollout's logprobs, the base's
                  advantages) + kl_coef x k3 KL(sparse || dense logprobs from before the update)
 
-Layout of the adapter pytree (plain nested dicts, f32, replicated):
+Layout of the adapter pytree (plain nested dicts, f32, replicated: `ADAPTER_AXES`):
 `lora["layers"]["<i>"]["<q|k|v|o|gate|up|down>_proj"] = {"a": [in, r], "b": [r, out]}`. NNX
 kernels are stored [in, out] (y = x @ W), so the adapted kernel is `W + a @ b x alpha / rank`
 (the torch form W + B @ A x alpha / r with W [out, in], A = a^T, B = b^T). `a` starts small
@@ -42,16 +42,20 @@ from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, Spars
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
                                                 trajectory_hidden)
 from sparrow_jax.runtime.checkpoint import tree_path_names
+from sparrow_jax.runtime.sharding import LogicalAxes, tree_shardings
 from sparrow_jax.runtime.shapes import COMPILES
 
 # The adapted linear layers: name -> the sub-module of a decoder layer holding it.
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Logical axes of the adapter's factors, a [in, r] and b [r, out]: replicated - rank-r factors
+# are small next to the weights they adapt, and a replica spares the merge any communication.
+ADAPTER_AXES: dict[str, LogicalAxes] = {"a": (None, None), "b": (None, None)}
 _K3_CLAMP = 10.0
 LoRA = dict[str, Any]
 
-__all__ = ["DistillConfig", "Distiller", "TARGETS", "init_lora", "merge_lora", "merge_lora_model",
-           "distill_program"]
+__all__ = ["ADAPTER_AXES", "DistillConfig", "Distiller", "TARGETS", "adapter_axes", "init_lora",
+           "merge_lora", "merge_lora_model", "distill_program"]
 
 
 @gin.configurable
@@ -94,17 +98,26 @@ def _kernel_paths(params) -> dict[tuple[str, str], tuple[tuple[Any, ...], Any]]:
     return out
 
 
+def adapter_axes(path: tuple[Any, ...], leaf: Any) -> LogicalAxes:
+    """The declared logical axes (`ADAPTER_AXES`) of the adapter leaf at jax tree `path`; an
+    error naming the path for a leaf that is no adapter factor."""
+    names = tree_path_names(path)
+    if not names or names[-1] not in ADAPTER_AXES:
+        raise ValueError(f"adapter leaf {'/'.join(names)!r} declares no logical axes (the "
+                         f"adapter holds only {sorted(ADAPTER_AXES)} factors)")
+    return ADAPTER_AXES[names[-1]]
+
+
 def init_lora(params, rank: int, *, key: jax.Array, std: float = 0.0) -> LoRA:
-    """A fresh adapter for `params`: a ~ N(0, std^2) (std 0 = 1 / rank), b = 0, f32, replicated
-    over the parameters' mesh (the adapter is small)."""
+    """A fresh adapter for `params`: a ~ N(0, std^2) (std 0 = 1 / rank), b = 0, f32, placed per
+    `ADAPTER_AXES` (replicated) on the parameters' mesh."""
     kernels = _kernel_paths(params)
     if not kernels:
         raise ValueError("no q/k/v/o/gate/up/down_proj kernels found in the parameters")
     lora = _init_from_shapes({k: leaf.shape for k, (_, leaf) in kernels.items()}, rank, key, std)
     sharding = getattr(next(iter(kernels.values()))[1], "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
-        lora = jax.device_put(lora, jax.sharding.NamedSharding(sharding.mesh,
-                                                               jax.sharding.PartitionSpec()))
+        lora = jax.device_put(lora, tree_shardings(lora, adapter_axes, sharding.mesh))
     return lora
 
 
