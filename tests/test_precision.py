@@ -16,7 +16,7 @@ from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import compute_copy, load_hf
 from sparrow_jax.rl import learner_programs as lp
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig
-from sparrow_jax.rl.rewards import register_reward
+from sparrow_jax.rewards.registry import register_reward
 from sparrow_jax.rollout import RolloutConfig, generate
 
 VOCAB = 96

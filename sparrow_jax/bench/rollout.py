@@ -310,8 +310,9 @@ def main(argv: Sequence[str]) -> int:
         spec = processes.join()          # before anything touches the devices
     if args.new_tokens is None:
         args.new_tokens = 1024 if args.workload == "longtail" else 64
-    from sparrow_jax.cli import parse_gin
     from sparrow_jax.runtime import compile_cache
+    from sparrow_jax.runtime.gin_files import parse_gin
+    from sparrow_jax.train import trainer  # noqa: F401 - the configurables a run's files bind
     parse_gin(args.gin_files, args.gin_param)
     compile_cache.log_compiles()       # each compile's seconds (>= 1 s at INFO; device_check)
 

@@ -1,5 +1,5 @@
-"""Held-out evaluation under dense and sparse decoding, and response decoding/scoring shared with
-the train loop."""
+"""Held-out evaluation under dense and sparse decoding (responses decoded and scored by
+sparrow_jax.rewards.scoring, as in the train loop)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,12 @@ import jax
 import numpy as np
 
 from sparrow_jax.evaluation import metrics
-from sparrow_jax.rl.rewards import RewardPool
-from sparrow_jax.rollout import RolloutConfig, Trajectories
+from sparrow_jax.rewards import scoring
+from sparrow_jax.rewards.pool import RewardPool
+from sparrow_jax.rollout import RolloutConfig
 from sparrow_jax.rollout.api import generate_timed
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.sharding import ShardingSpec
-
-
-def decode_responses(tokenizer, traj: Trajectories) -> list[str]:
-    """Texts of this process's rows (all rows with one process)."""
-    tokens, lens = multihost.local_rows(traj.tokens), multihost.local_rows(traj.response_lengths)
-    return [tokenizer.decode(tokens[i, :lens[i]].tolist(), skip_special_tokens=True)
-            for i in range(tokens.shape[0])]
-
-
-def score(pool: RewardPool, texts: Sequence[str], answers: Sequence[str],
-          prompts: Sequence[str], metas: Sequence[dict | None]) -> tuple[np.ndarray, dict]:
-    return pool.score(list(zip(texts, answers, prompts, metas)))
 
 
 def batch_records(records: Sequence[dict[str, Any]], pad_id: int, *, rows: int | None = None,
@@ -96,7 +85,7 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     traj, seconds = generate_timed(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
                                    budgets=budgets, bin_size=bin_size, group_size=samples,
                                    rng=rng, spec=spec)
-    texts = decode_responses(tokenizer, traj)
+    texts = scoring.decode_responses(tokenizer, traj)
     if samples > 1:     # rows are prompt-major groups: repeat the per-prompt fields
         batch = {**{k: [x for x in batch[k] for _ in range(samples)]
                     for k in ("answers", "prompts", "metas")},
@@ -109,10 +98,10 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     def scored(reward_pool: RewardPool) -> np.ndarray:
         out = np.zeros(len(texts), np.float32)  # same shape on every process, for all_rows
         if keep.size:
-            out[keep] = score(reward_pool, [texts[i] for i in keep],
-                              [batch["answers"][i] for i in keep],
-                              [batch["prompts"][i] for i in keep],
-                              [batch["metas"][i] for i in keep])[0]
+            out[keep] = scoring.score(reward_pool, [texts[i] for i in keep],
+                                      [batch["answers"][i] for i in keep],
+                                      [batch["prompts"][i] for i in keep],
+                                      [batch["metas"][i] for i in keep]).rewards
         return multihost.all_rows(out)
 
     # Means over every process's real prompts.

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
 import gin
+import numpy as np
 
 from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.runtime.choices import Choice
 from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 from sparrow_jax.sparsity.compression import SCORERS
-from sparrow_jax.sparsity.schedule import DENSE_BUDGET
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
 
+log = logging.getLogger(__name__)
 
 class RolloutMode(Choice):
     """How the rollout attends to its KV cache (docs/rollout.md)."""
@@ -266,3 +269,54 @@ class RolloutConfig:
     def prompt_width(self, width: int) -> int:
         """The static prompt width (a bucket) for prompts of up to `width` tokens."""
         return bucket_length(width, self.prompt_ladder, multiple=self.block_size)
+
+
+def rollout_config(schedule: Schedule, stop_ids: tuple[int, ...], pad_id: int, prompt_width: int,
+                   *, max_new_tokens: int | None = None, mode: str | None = None
+                   ) -> tuple[RolloutConfig, np.ndarray]:
+    """RolloutConfig (gin + these settings) for generating with `schedule`, and the budgets
+    array [num_bins] int32 handed to the engine (`sparrow rollout`, `sparrow eval`).
+
+    mode None: RolloutConfig.mode, or dense when the schedule is dense. The static selection
+    width is shrunk to the largest budget any sequence of this run can reach (prompt_width +
+    max_new_tokens tokens): the sparse kernels gather `max_budget` tokens per KV head per step
+    whatever the live budget is, so a wider width is pure waste. ValueError on a bad setting.
+    """
+    try:
+        cfg = RolloutConfig()  # gin bindings apply here
+    except ValueError as e:
+        raise ValueError(f"bad RolloutConfig: {e}") from None
+    overrides: dict = {"pad_token_id": pad_id,
+                       "stop_token_ids": tuple(dict.fromkeys(cfg.stop_token_ids + stop_ids))}
+    if max_new_tokens is not None:
+        overrides["max_new_tokens"] = max_new_tokens
+    mode = mode or ("dense" if schedule.is_dense else cfg.mode)
+    if mode == "sparse" and schedule.is_dense:
+        raise ValueError("--mode sparse needs a sparse schedule (--schedule NAME|JSON or gin "
+                         "make_schedule.name); the current schedule is dense")
+    try:
+        cfg = dataclasses.replace(cfg, mode=mode, **overrides)
+    except ValueError as e:
+        raise ValueError(f"bad RolloutConfig: {e}") from None
+    budgets = np.asarray(schedule.budgets, np.int64)
+    max_context = prompt_width + cfg.max_new_tokens
+    if mode == "dense":
+        return cfg, np.minimum(budgets, np.iinfo(np.int32).max).astype(np.int32)
+    if schedule.block_size != cfg.block_size:
+        raise ValueError(f"schedule block_size {schedule.block_size} != RolloutConfig.block_size "
+                         f"{cfg.block_size}")
+    finite = budgets[budgets < DENSE_BUDGET]     # the dense rung is always allowed
+    if finite.size and finite.max() > cfg.max_budget:
+        raise ValueError(
+            f"schedule {schedule.name or ''} budget {int(finite.max())} exceeds "
+            f"RolloutConfig.max_budget={cfg.max_budget} (the static selection width); pass "
+            f"--gin_param 'RolloutConfig.max_budget = {int(finite.max())}' or a smaller schedule")
+    # Bins beyond reach are never looked up: they take the last reachable bin's budget, so the
+    # selection width (the shared rule, RolloutConfig.fit_selection_width) is sized by what
+    # this run's sequences can reach.
+    last_bin = min(max_context // schedule.bin_size, len(budgets) - 1)
+    budgets[last_bin + 1:] = budgets[last_bin]
+    cfg, note = cfg.fit_selection_width(budgets)
+    if note:
+        log.info("%s (within %d tokens)", note, max_context)
+    return cfg, np.minimum(budgets, np.iinfo(np.int32).max).astype(np.int32)

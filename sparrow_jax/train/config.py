@@ -21,7 +21,7 @@ class TrainConfig:
     # (sparrow_jax.data.rows.expand_paths)
     train_data: str | tuple[str, ...] = ""
     eval_data: str | tuple[str, ...] = ""   # held-out prompts ("" = no validation)
-    reward: str = "math_verify"       # name in the reward registry (sparrow_jax.rl.rewards)
+    reward: str = "math_verify"       # name in the reward registry (sparrow_jax.rewards)
     diagnostic_rewards: tuple[str, ...] = ()
     reward_processes: int = 4         # 0 = score in-process (cheap rewards)
     reward_timeout_s: float = 10.0

@@ -88,7 +88,8 @@ def _signature_problem(setting: str, name: str, fn: Any) -> str | None:
 
 
 def _reward_problems(names: dict[str, str]) -> list[str]:
-    from sparrow_jax.rl.rewards import get_reward
+    from sparrow_jax.data import synthetic  # noqa: F401 - registers the synthetic task's rewards
+    from sparrow_jax.rewards.registry import get_reward
     _ensure_cwd_importable()
     out = []
     for setting, name in names.items():

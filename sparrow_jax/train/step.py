@@ -18,9 +18,10 @@ import numpy as np
 
 from sparrow_jax.model import compute_copy
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.rewards import scoring
+from sparrow_jax.rewards.pool import RewardPool, RewardReport
 from sparrow_jax.rl.distill import Distiller
 from sparrow_jax.rl.learner import Learner
-from sparrow_jax.rl.rewards import RewardPool
 from sparrow_jax.rollout.api import generate_timed
 from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
 from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
@@ -103,16 +104,17 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
     prompts = [p for p in batch["prompts"] for _ in range(n)]
     metas = [m for m in batch["metas"] for _ in range(n)]
     with timer("reward"):
-        texts = decode_responses(stages.tokenizer, traj)
-        rewards, info = stages.rewards.score(list(zip(texts, answers, prompts, metas)))
-    if info["errors"] or info["timeouts"]:    # scored 0, counted in reward/errors|timeouts
+        texts = scoring.decode_responses(stages.tokenizer, traj)
+        report = scoring.score(stages.rewards, texts, answers, prompts, metas)
+    rewards = report.rewards
+    if report.errors or report.timeouts:    # scored 0, counted in reward/errors|timeouts
         log.warning("step %d: %d reward errors, %d timeouts (scored 0)%s", step + 1,
-                    info["errors"], info["timeouts"],
-                    f"; first error: {info['first_error']}" if "first_error" in info else "")
+                    report.errors, report.timeouts,
+                    "" if report.first_error is None else f"; first error: {report.first_error}")
     # Every process's counts (the decision to stop is the same on all of them).
-    counts = multihost.all_rows(np.asarray([[info["timeouts"], info["errors"], len(texts),
-                                             info.get("crashed", 0)]]))
-    check_rewards(plan, stages, step, info, counts.sum(axis=0), batch, texts, answers)
+    counts = multihost.all_rows(np.asarray([[report.timeouts, report.errors, len(texts),
+                                             report.crashed]]))
+    check_rewards(plan, stages, step, report, counts.sum(axis=0), batch, texts, answers)
     # -- learner: dense logprobs + alpha, GRPO update ----------------------------------------
     with timer("learner"):
         # The learner works on the batch's longest sequence rounded up to a bucket.
@@ -143,7 +145,7 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
          "response/length_max": float(lengths.max()),
          "rollout/tokens_per_s": float(lengths.sum() / seconds), **loss_metrics}
     for name, pool in stages.diagnostics.items():
-        diag = pool.score(list(zip(texts, answers, prompts, metas)))[0]
+        diag = scoring.score(pool, texts, answers, prompts, metas).rewards
         m[f"reward/{name}"] = float(multihost.all_rows(diag).mean())
     # -- mismatch tail per bin -> the schedule controller ------------------------------------
     if "alpha" in analysis:
@@ -174,13 +176,6 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
     return m
 
 
-def decode_responses(tokenizer, traj: Trajectories) -> list[str]:
-    """Texts of this process's rows (all rows with one process)."""
-    tokens, lens = multihost.local_rows(traj.tokens), multihost.local_rows(traj.response_lengths)
-    return [tokenizer.decode(tokens[i, :lens[i]].tolist(), skip_special_tokens=True)
-            for i in range(tokens.shape[0])]
-
-
 def tail_metrics(plan: RunPlan, sched, alpha, logp_dense, traj: Trajectories
                  ) -> dict[str, float]:
     """The mismatch summary (`alpha/*`) and the per-bin tail and token counts of one batch."""
@@ -195,8 +190,8 @@ def tail_metrics(plan: RunPlan, sched, alpha, logp_dense, traj: Trajectories
     return m
 
 
-def check_rewards(plan: RunPlan, stages: Stages, step: int, info: dict, totals: np.ndarray,
-                  batch: dict, texts: list[str], answers: list[str]) -> None:
+def check_rewards(plan: RunPlan, stages: Stages, step: int, report: RewardReport,
+                  totals: np.ndarray, batch: dict, texts: list[str], answers: list[str]) -> None:
     """Stops the run (RunError, before the update: nothing of this step is saved) when
     - reward workers died while the run was stopping (SIGTERM/Ctrl-C reached them): the step's
       rewards would be zeros that no completion earned;
@@ -219,11 +214,11 @@ def check_rewards(plan: RunPlan, stages: Stages, step: int, info: dict, totals: 
     why = ("in the run's first step any error stops it" if first and share <= limit else
            f"more than TrainConfig.max_reward_error_share = {limit}")
     where = ""
-    if "first_error_index" in info:
-        i = info["first_error_index"]
+    if report.first_error_index is not None:
+        i = report.first_error_index
         prompt_id = batch["ids"][i // cfg.group_size]
         where = (f" First failure: row {i} (prompt id {prompt_id!r}, answer {answers[i]!r:.80}, "
-                 f"completion {texts[i]!r:.160}):\n{info['first_traceback'].rstrip()}")
+                 f"completion {texts[i]!r:.160}):\n{report.first_traceback.rstrip()}")
     raise faults.RunError(
         f"step {step_no}: {errors} of {rows} rewards raised an error ({share:.1%}; {why}), "
         f"so the run stops before this step's update (nothing of it is saved). Fix the reward "

@@ -33,7 +33,7 @@ from sparrow_jax.evaluation import reference as reference_eval
 from sparrow_jax.model import compute_copy, load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.rl.distill import Distiller
 from sparrow_jax.rl.learner import Learner
-from sparrow_jax.rl.rewards import RewardPool
+from sparrow_jax.rewards.pool import RewardPool
 from sparrow_jax.rollout import warmup
 from sparrow_jax.runtime import checkpoint as ckpt
 from sparrow_jax.runtime import faults, multihost, resume_check
