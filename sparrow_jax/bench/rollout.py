@@ -203,7 +203,11 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     for v in variants:
         # Static selection width = the largest budget this context reaches (the trainer's rule,
         # RolloutConfig.fit_selection_width): a wider one gathers padding blocks every step.
-        reachable = v.budgets[: min(context // v.bin_size, len(v.budgets) - 1) + 1]
+        last_bin = min(context // v.bin_size, len(v.budgets) - 1)
+        reachable = v.budgets[: last_bin + 1]
+        # Bins beyond reach are never looked up: they take the last reachable bin's budget.
+        budgets = np.concatenate([reachable, np.repeat(reachable[-1:], len(v.budgets) - last_bin
+                                                       - 1)]).astype(np.int32)
         cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=max(
             base_cfg.max_budget, padded_length(int(reachable.max()), base_cfg.block_size)),
             max_new_tokens=args.new_tokens, dense_layers=v.dense_layers,
@@ -215,7 +219,7 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
                                  "record; this configuration records it already (alpha_mode "
                                  "'topk')")
             cfg = dataclasses.replace(cfg, record_topk=BEFORE_TOPK)
-        progs[v.key] = (cfg, np.minimum(v.budgets, reach), v.bin_size)
+        progs[v.key] = (cfg, budgets, v.bin_size)
 
     # One prefill for every mode; its time includes compiling the prefill program.
     t0 = time.perf_counter()

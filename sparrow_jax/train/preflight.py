@@ -143,8 +143,9 @@ def _component_problems(cfg: Any) -> list[str]:
             text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             out.append(text if text.startswith(name) else f"{name}: {text}")
     rollout = built.get("RolloutConfig")
+    built_all = not out
     out += _layout_problems(cfg, rollout, built.get("LearnerConfig"))
-    if not out and not cfg.problems():
+    if built_all and not cfg.problems():
         # The settings together (train/plan.py): one mode, budgets within the selection width.
         from sparrow_jax.train.config import ConfigError, TrainConfig
         from sparrow_jax.train.plan import from_gin
