@@ -268,6 +268,27 @@ def test_rollout_engines_do_not_import_each_other(engine_module):
     assert "sparrow_jax.rollout.api" not in graph[mine]
 
 
+# The stages one RL step calls, bottom up; `runtime` (what every run stands on) is not a stage.
+RL_STEP_MODULE = "sparrow_jax.train.step"
+MAX_RL_STEP_PACKAGES = 5
+
+
+def step_packages(graph: dict[str, set[str]], module: str = RL_STEP_MODULE) -> set[str]:
+    """The packages an RL step's module crosses: its own and those it imports (not runtime)."""
+    return {room(t) for t in graph[module] | {module}} - {"sparrow_jax.runtime"}
+
+
+def test_the_rl_step_crosses_few_packages_and_no_evaluation():
+    """train/step.py reads prompts, rolls out, scores, learns and controls the schedule through
+    the stage packages only: never through evaluation/, at most 5 packages with its own."""
+    crossed = step_packages(module_graph())
+    assert "sparrow_jax.evaluation" not in crossed, crossed
+    assert len(crossed) <= MAX_RL_STEP_PACKAGES, sorted(crossed)
+    planted = {"sparrow_jax.train.step": {"sparrow_jax.evaluation.heldout",
+                                          "sparrow_jax.runtime.faults"}}
+    assert step_packages(planted) == {"sparrow_jax.train", "sparrow_jax.evaluation"}
+
+
 def test_kernels_and_benches_point_down():
     graph = module_graph()
     for name, targets in graph.items():

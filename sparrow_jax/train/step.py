@@ -16,10 +16,9 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from sparrow_jax.model import compute_copy
-from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rewards import scoring
 from sparrow_jax.rewards.pool import RewardPool, RewardReport
+from sparrow_jax.rl.actor import RolloutActor
 from sparrow_jax.rl.distill import Distiller
 from sparrow_jax.rl.learner import Learner
 from sparrow_jax.rollout.api import generate_timed
@@ -35,29 +34,9 @@ from sparrow_jax.sparsity.controller import ScheduleController
 from sparrow_jax.train import exact_step, schedule_step
 from sparrow_jax.train.plan import RunPlan
 
-__all__ = ["RolloutActor", "Stages", "rl_step", "check_rewards"]
+__all__ = ["Stages", "rl_step", "check_rewards"]
 
 log = logging.getLogger(__name__)
-
-
-class RolloutActor:
-    """The policy in the compute dtype for rollout and evaluation: cast once per RL step (after
-    the update), not per decode step; the policy itself when the dtypes already agree. With a
-    DistillSparse adapter, the sparse actor: base + adapter merged, then cast."""
-
-    def __init__(self, policy: Qwen3ForCausalLM, distiller: Distiller | None = None):
-        self.policy, self.distiller = policy, distiller
-        self._copy: Qwen3ForCausalLM | None = None
-
-    def model(self) -> Qwen3ForCausalLM:
-        if self._copy is None:
-            self._copy = (self.distiller.sparse_model(self.policy) if self.distiller
-                          else compute_copy(self.policy))
-        return self._copy
-
-    def policy_changed(self) -> None:
-        """The policy's weights changed (an update, a restored checkpoint): recast next time."""
-        self._copy = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
 from sparrow_jax.evaluation import heldout as evaluation
 from sparrow_jax.evaluation import reference as reference_eval
 from sparrow_jax.model import compute_copy, load_hf, load_tokenizer, stop_token_ids
+from sparrow_jax.rl.actor import RolloutActor
 from sparrow_jax.rl.distill import Distiller
 from sparrow_jax.rl.learner import Learner
 from sparrow_jax.rewards.pool import RewardPool
@@ -133,7 +134,7 @@ class Trainer:
         # DistillSparse: a LoRA adapter only the sparse actor carries (sparrow_jax.rl.distill).
         self.distiller = (Distiller(plan.distill, self.learner, self.replay) if plan.distills
                           else None)
-        self.actor = step.RolloutActor(self.model, self.distiller)
+        self.actor = RolloutActor(self.model, self.distiller)
         self.pool = RewardPool(cfg.reward, processes=cfg.reward_processes,
                                timeout_s=cfg.reward_timeout_s)
         self.diagnostics = {n: RewardPool(n, processes=0) for n in cfg.diagnostic_rewards}
@@ -149,7 +150,7 @@ class Trainer:
             ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
 
     def rollout_model(self):
-        """The rollout's copy of the policy (`step.RolloutActor`)."""
+        """The rollout's copy of the policy (`rl.actor.RolloutActor`)."""
         return self.actor.model()
 
     # -- checkpoints ------------------------------------------------------------------------
