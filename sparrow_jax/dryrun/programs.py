@@ -242,19 +242,19 @@ def learner_programs(shape: StepShape, spec: ShardingSpec, micro: int) -> list[P
     rows, t = shape.rows_step, shape.rollout.max_new_tokens
     budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))
     replay = shape.replay if lc.alpha_mode == "full" else None
-    fused, num_mini = lrn.fused(rows), lrn._num_mini(rows)
+    fused, num_mini = lrn.fused(rows), lrn.num_mini_batches(rows)
     batch = learner.LearnerBatch(traj=traj, advantages=sds((rows,), jnp.float32, spec),
                                  logp_old=None if fused else sds((rows, t), jnp.float32, spec))
     progs = [] if fused else [Program(
         "learner.analyze", learner_programs_mod.analyze_program,
         (nnx.graphdef(model), state, traj, budgets), ("static", "state", "step", "local"),
-        dict(replay=replay, opts=lrn.opts, **lrn._micro_batching(traj.tokens, 1)), "all")]
+        dict(replay=replay, opts=lrn.opts, **lrn.micro_batch_layout(traj.tokens, 1)), "all")]
     index = sds((), jnp.int32, spec, ())
     progs.append(Program(
         "learner.grads" + ("[fused analysis]" if fused else ""), learner_programs_mod.grads_program,
         (params, rest, batch, budgets, index), ("state", "state", "step", "local", "local"),
         dict(graphdef=lrn.graphdef, opts=lrn.opts, loss_cfg=lrn.loss_cfg, replay=replay,
-             num_mini=num_mini, **lrn._micro_batching(traj.tokens, num_mini)),
+             num_mini=num_mini, **lrn.micro_batch_layout(traj.tokens, num_mini)),
         -device_bytes(params) if fused else 0))      # fused: every output but the grads
     opt_state = place(jax.eval_shape(lrn.tx.init, params),
                        learner_programs_mod.opt_state_shardings(lrn.tx, params))

@@ -37,8 +37,7 @@ from flax import nnx
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, compute_copy
 from sparrow_jax.rl import grpo
 from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, SparseReplay,
-                                             _empty_metric_sums, opt_state_shardings,
-                                             split_micro_batches)
+                                             opt_state_shardings, split_micro_batches)
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
                                                 trajectory_hidden)
 from sparrow_jax.runtime.checkpoint import tree_path_names
@@ -211,6 +210,13 @@ def sparse_logprobs(model: Qwen3ForCausalLM, traj, budgets, selection: SparseRep
     return map_time_chunks(chunk, opts.logit_chunk, hidden, traj.tokens)
 
 
+def _adapter_ppo_config(loss_cfg: grpo.LossConfig) -> grpo.LossConfig:
+    """The adapter's PPO loss: the base's clipping and aggregation, none of the rollout
+    corrections (no TIS, rejection, veto or renormalisation: its anchor is the rollout itself)."""
+    return dataclasses.replace(loss_cfg, tis_cap=None, kl_coef=0.0, token_rejection=None,
+                               sequence_veto=None, tis_renormalize=False)
+
+
 def _adapter_loss(lora, params, rest, graphdef, batch: LearnerBatch, budgets, denominator,
                   num_tokens, opts: ProgramOptions, dopts: DistillOptions,
                   loss_cfg: grpo.LossConfig):
@@ -221,10 +227,9 @@ def _adapter_loss(lora, params, rest, graphdef, batch: LearnerBatch, budgets, de
     logp = sparse_logprobs(model, traj, budgets, dopts.selection, opts)
     # PPO against the rollout's own logprobs (the sparse actor that sampled): ratio = pi_s /
     # pi_rollout, so logp_old = logp_rollout and the TIS weight is 1.
-    pg_sum, _, sums = grpo.policy_loss_terms(
-        logp, traj.logprobs, traj.logprobs, batch.advantages, traj.mask,
-        clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
-        tis_cap=None, aggregation=loss_cfg.aggregation, kl_coef=0.0)
+    pg_sum, _, sums = grpo.policy_loss_terms(logp, traj.logprobs, traj.logprobs,
+                                             batch.advantages, traj.mask,
+                                             _adapter_ppo_config(loss_cfg))
     valid = traj.mask > 0
     # k3 estimator of KL(sparse || dense) from tokens the sparse actor sampled.
     log_r = jnp.where(valid, batch.logp_old, 0.0) - jnp.where(valid, logp, 0.0)
@@ -278,7 +283,7 @@ def distill_program(lora, opt_state, params, rest, batch: LearnerBatch, budgets,
 
         shapes = jax.eval_shape(micro, jax.tree.map(lambda x: x[0], parts))
         zero = jnp.zeros((), jnp.float32)
-        init = (jax.tree.map(jnp.zeros_like, lora), _empty_metric_sums(shapes[1]), zero, zero)
+        init = (jax.tree.map(jnp.zeros_like, lora), grpo.empty_metric_sums(shapes[1]), zero, zero)
         (grads, sums, loss, pg), _ = jax.lax.scan(step, init, parts)
     gnorm = optax.tree.norm(grads)
     updates, new_state = tx.update(grads, opt_state, lora)
@@ -350,7 +355,7 @@ class Distiller:
         if batch.logp_old is None:
             raise ValueError("the adapter's KL needs the dense logprobs (batch.logp_old)")
         learner = self.learner
-        layout = learner._micro_batching(batch.traj.tokens, num_mini)
+        layout = learner.micro_batch_layout(batch.traj.tokens, num_mini)
         COMPILES.note("distill/update", rows=batch.traj.tokens.shape[0],
                       prompt_width=batch.traj.prompt_tokens.shape[1],
                       response=batch.traj.tokens.shape[1], num_mini=num_mini, **layout)

@@ -127,11 +127,11 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
         diag = scoring.score(pool, texts, answers, prompts, metas).rewards
         m[f"reward/{name}"] = float(multihost.all_rows(diag).mean())
     # -- mismatch tail per bin -> the schedule controller ------------------------------------
-    if "alpha" in analysis:
-        m.update(tail_metrics(plan, sched, analysis["alpha"], analysis["logp_old"], traj))
+    if analysis.alpha is not None:
+        m.update(tail_metrics(plan, sched, analysis.alpha, analysis.logp_old, traj))
         # A skipped (non-finite) update's tails are not evidence about the policy.
         if plan.adapts and not loss_metrics.get("learner/skipped_updates"):
-            live = schedule_step.counts(ctrl, analysis["alpha"], traj, n)
+            live = schedule_step.counts(ctrl, analysis.alpha, traj, n)
             replayed = (None, None) if probe is None else schedule_step.counts(ctrl, probe, traj, n)
             m.update(schedule_step.step_metrics(ctrl.update(*live, *replayed),
                                                 ctrl.config.quantile))
@@ -151,7 +151,7 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
         m.update(exact_step.acceptance_metrics(
             traj, budgets, gamma=rc.gamma_by_bin or rc.gamma, bin_size=sched.bin_size,
             num_layers=layers, num_sparse_layers=sparse_layers))
-        m.update(exact_step.logprob_agreement(traj, analysis["logp_old"]))
+        m.update(exact_step.logprob_agreement(traj, analysis.logp_old))
     return m
 
 
@@ -215,4 +215,4 @@ def probe_alpha(plan: RunPlan, stages: Stages, traj: Trajectories, actor):
     if budgets is None:
         return None
     return stages.learner.analyze(traj, budgets.astype(np.int32), plan.replay,
-                                  sparse_model=actor if stages.distiller else None)["alpha"]
+                                  sparse_model=actor if stages.distiller else None).alpha
