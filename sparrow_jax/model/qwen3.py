@@ -20,6 +20,7 @@ from flax import nnx
 from sparrow_jax.model.attention import (FullAttentionFn, dense_causal_attention,
                                          layer_splits_of)
 from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.runtime.choices import Choice
 from sparrow_jax.runtime.sharding import RESIDUAL_AXES, ShardingSpec, declare_axes
 
 Array = jax.Array
@@ -31,11 +32,18 @@ AttendFn = Callable[[int, Array, Array, Array], Array]
 #   "none": everything (fastest, most memory); "full": only the layer's input (recompute the
 #   layer); "dots": the outputs of the weight matmuls (dots without batch dimensions), recompute
 #   attention scores, norms and activations - the usual LLM trade-off.
+class RematMode(Choice):
+    """Per-layer rematerialisation of the gradient forward (`LearnerConfig.remat`)."""
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+
+
 REMAT_POLICIES = {
-    "full": None,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    RematMode.FULL: None,
+    RematMode.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-REMAT_MODES = ("none", *REMAT_POLICIES)
+REMAT_MODES = RematMode.values()
 
 
 def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:

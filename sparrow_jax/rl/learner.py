@@ -122,12 +122,19 @@ def _residual_spec(model: Qwen3ForCausalLM) -> ShardingSpec | None:
     return None if shardings is None else residual_spec(shardings[0].mesh)
 
 
+def mini_batches(cfg: LearnerConfig, rows: int) -> int:
+    """Optimizer steps per epoch over a batch of `rows` rows (`ppo_mini_batch_size` each)."""
+    mini = cfg.ppo_mini_batch_size or rows
+    if rows % mini:
+        raise ValueError(f"batch of {rows} rows is not a multiple of ppo_mini_batch_size={mini}")
+    return rows // mini
+
+
 def analysis_fused(cfg: LearnerConfig, loss_cfg: grpo.LossConfig, rows: int) -> bool:
     """Whether a step of `rows` rollouts runs the analysis inside its gradient program: one
     mini-batch, one epoch and a loss whose normalisation does not need pi_old first, so pi_old's
     logprobs and alpha come out of the gradient program's own forward."""
-    mini = cfg.ppo_mini_batch_size or rows
-    return rows // mini == 1 and cfg.ppo_epochs == 1 and fusable(loss_cfg)
+    return mini_batches(cfg, rows) == 1 and cfg.ppo_epochs == 1 and fusable(loss_cfg)
 
 
 class Learner:
@@ -201,12 +208,8 @@ class Learner:
                                sparse_state=sparse_state, **layout)
 
     def num_mini_batches(self, rows: int) -> int:
-        """Optimizer steps per epoch over a batch of `rows` rows (`ppo_mini_batch_size` each)."""
-        mini = self.cfg.ppo_mini_batch_size or rows
-        if rows % mini:
-            raise ValueError(f"batch of {rows} rows is not a multiple of "
-                             f"ppo_mini_batch_size={mini}")
-        return rows // mini
+        """`mini_batches` of this learner's config."""
+        return mini_batches(self.cfg, rows)
 
     def micro_batch_layout(self, x: jax.Array, num_mini: int = 1) -> dict[str, int]:
         """Static micro-batch layout inside one of `num_mini` mini-batches of a batch whose rows

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from sparrow_jax.model.attention import chunked_causal_attention
-from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, RematMode
 from sparrow_jax.rl import grpo
 from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.rollout.state import Trajectories
@@ -40,13 +40,6 @@ class AlphaMode(Choice):
     FULL = "full"    # exact, full-vocabulary: a teacher-forced replay of the sparse actor
     TOPK = "topk"    # the paper's lower bound from the rollout's recorded top-k (no extra forward)
     NONE = "none"    # no mismatch statistic
-
-
-class RematMode(Choice):
-    """Per-layer rematerialisation of the gradient forward (`model.qwen3.REMAT_MODES`)."""
-    NONE = "none"
-    FULL = "full"
-    DOTS = "dots"
 
 
 @jax.tree_util.register_dataclass
