@@ -217,6 +217,9 @@ def _trip_count(ins: Instr) -> int | None:
 
 
 class _Walker:
+    """Counts the kernels of computations of one module, collecting its conditionals (each with
+    every branch's kernels) and what it could not count exactly (flags) as it goes."""
+
     def __init__(self, comps: dict[str, list[Instr]]):
         self.comps, self.conditionals, self.flags = comps, [], []
 
