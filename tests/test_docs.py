@@ -233,6 +233,10 @@ _REGISTRY = {
     "--no_cost --gin_param 'TrainConfig.rollout_mode = \"exact_sparse\"'":
         (ByTest("tests/test_dryrun.py::"
                 "test_exact_sparse_paged_programs_compile_and_report_memory"),),
+    "sparrow dryrun configs/qwen3_1p7b_gpu.gin --target h100x8 --preset qwen3-1.7b --no_fit "
+    "--no_cost --kernels":
+        (ByTest("tests/test_dryrun.py::test_dryrun_counts_decode_kernels"),
+         ByTest("tests/test_decode_hlo.py::test_decode_step_kernels_do_not_grow")),
     # docs/devices/README.md: the train_real stage's settings on one H100
     "sparrow dryrun configs/qwen3_1p7b_gpu.gin --target h100x1 --preset qwen3-1.7b --no_cost "
     "--gin_param \"TrainConfig.prompts_per_step = 8\" --gin_param \"RolloutConfig.max_new_tokens = 4096\" "
@@ -391,6 +395,15 @@ _REGISTRY = {
     "-m sparrow_jax.dryrun.hlo $REPO/configs/qwen3_1p7b_gpu.gin --target v5p-8 "
     "--preset qwen3-1.7b --layers 3":
         (ByTest("tests/test_decode_hlo.py::test_paged_decode_has_no_sort_or_large_topk"),),
+    # docs/benchmarks.md: kernels per decode step (issue 55)
+    "cd /tmp && JAX_PLATFORMS=cpu PYTHONPATH=$REPO/.compile-env:$REPO $REPO/.venv/bin/python "
+    "-m sparrow_jax.dryrun.hlo $REPO/configs/qwen3_1p7b_gpu.gin --target h100x8 "
+    "--preset qwen3-1.7b --no_bytes --json":
+        (ByTest("tests/test_decode_hlo.py::test_decode_step_kernels_do_not_grow"),),
+    "cd /tmp && JAX_PLATFORMS=cpu PYTHONPATH=$REPO/.compile-env:$REPO $REPO/.venv/bin/python "
+    "-m sparrow_jax.dryrun.hlo $REPO/configs/qwen3_1p7b_gpu.gin --target h100x8 "
+    "--preset qwen3-1.7b --no_bytes --json --gin_param 'TrainConfig.rollout_mode = \"dense\"'":
+        (ByTest("tests/test_decode_hlo.py::test_decode_step_kernels_do_not_grow"),),
     _ROLLOUT_BENCH + "--context 8192 16384 --budget 1024 --dense_layers 0,1 none --batch 16 "
     "--new_tokens 256 --repeats 3": (Twin("bench_rollout"),),
     _ROLLOUT_BENCH + "--layers 28 --context 8192 16384 --budget 1024 --dense_layers 0,1 none "

@@ -23,6 +23,8 @@ import pytest
 
 from hf_fixtures import require_compile_env
 
+from sparrow_jax.dryrun import kernel_census
+from sparrow_jax.dryrun import report as report_text
 from sparrow_jax.model.config import Qwen3Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,6 +169,28 @@ def test_exact_sparse_paged_programs_compile_and_report_memory(tiny):
     decode = progs["rollout.paged_decode[exact_sparse]"]
     assert decode["error"] is None and decode["peak"] > report["paged_pool"]["bytes_per_device"]
     assert report["paged_pool"]["max_tokens_per_sample"] == 144
+
+
+@pytest.mark.slow       # ~85 s: `launch/local.sh test --all`
+def test_dryrun_counts_decode_kernels(tiny):
+    """`--kernels` (GPU targets): the report counts the kernels of one decode step per dense
+    layer, per sparse layer and outside (layer 0 dense, so the tiny model's 3 layers hold both
+    kinds twice: compiled at 2 and 3 layers), and prints the line; a TPU target is refused."""
+    r = run_dryrun(tiny["gin"], "--target", "h100x8", "--json", "--no_fit", "--no_cost",
+                   "--kernels", "--gin_param", "RolloutConfig.dense_layers = (0,)")
+    report = _report(r)
+    assert r.returncode == 0, r.stderr[-3000:]
+    k = report["decode_kernels"]
+    assert k["layers"] == 3 and k["sparse_layers"] == 2 and k["flags"] == [], k
+    assert k["per_dense_layer"] > 0 and k["per_sparse_layer"] > k["per_dense_layer"], k
+    assert k["per_step"] == pytest.approx(
+        k["outside"] + k["per_dense_layer"] + 2 * k["per_sparse_layer"]), k
+    assert "pallas sparrow_block_select_triton" in k["sparse_layer_kernels"], k
+    line = kernel_census.format_line(k)
+    assert line.startswith(f"decode step kernels: {k['per_dense_layer']} per dense layer"), line
+    assert line in report_text.format_report(report).splitlines()
+    r = run_dryrun(tiny["gin"], "--target", "v5e-8", "--kernels")
+    assert r.returncode != 0 and "--kernels counts the kernels of a GPU decode step" in r.stderr
 
 
 def test_model_axis_across_hosts_is_an_error(tiny):

@@ -13,7 +13,6 @@ width shapes; every layer of a kind lowers alike, so the op census holds at full
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -23,7 +22,7 @@ import time
 
 import jax
 
-from sparrow_jax.dryrun import selection_cost
+from sparrow_jax.dryrun import kernel_census, selection_cost, step_kernels
 
 # Top-k widths XLA's GPU TopK kernel handles directly; a wider top-k becomes a sort.
 SMALL_TOPK = 16
@@ -103,56 +102,54 @@ def large_sorts(ops: dict[str, list]) -> list[str]:
             + [f"{name} k={k}" for k, name in ops["topk"] if k < 0 or k > SMALL_TOPK])
 
 
-def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool = True) -> dict:
+def decode_ops(target_name: str, model, layers: int = 0, selection_bytes: bool = True,
+               kernels: bool = True) -> dict:
     """Compiles the configured rollout's decode program (the paged engine's decode chunk, or the
     static engine's decode loop) for `target_name`, at `layers` layers (0 = all); its sort/top-k
-    census and per-step selection bytes. Reads the parsed gin configuration as `sparrow dryrun`."""
-    from sparrow_jax.dryrun.programs import (compile_program, decode_state, kernel_platform,
-                                             paged_rollout_programs, rollout_programs, step_shape)
+    census, per-step selection bytes and (kernels, GPU targets) the kernels one decode step
+    launches (`kernel_census`: more compiles, at the depths it needs). Reads the parsed gin
+    configuration as `sparrow dryrun`."""
+    from sparrow_jax.dryrun.decode_call import decode_call
+    from sparrow_jax.dryrun.programs import compile_program, step_shape
     from sparrow_jax.dryrun.run import build_spec
     from sparrow_jax.dryrun.targets import get_target
     target = get_target(target_name)
     shape = step_shape(model, target)
-    if layers:
-        shape = dataclasses.replace(shape, model=dataclasses.replace(
-            shape.model, num_hidden_layers=layers))
     spec = build_spec(shape, target)
-    data, rc, m = spec.mesh.shape["data"], shape.rollout, shape.model
-    per_dev = shape.rows_call / data
+    rc, m = shape.rollout, shape.model
+    per_dev = shape.rows_call / spec.mesh.shape["data"]
     t0 = time.perf_counter()
-    if rc.engine == "paged":
-        progs, layout = paged_rollout_programs(shape, spec, shape.rows_call, target.hbm_bytes)
-        decode = progs[-1]
-        rows, pages = layout.slots_per_pool, layout.max_pages
-        pool_layer = layout.bytes_per_device // (2 * m.num_hidden_layers)  # one layer's K (or V)
-    else:
-        prefill, decode = rollout_programs(shape, spec, shape.rows_call)
-        with kernel_platform(target.kernel_platform):
-            lowered = prefill.fn.lower(*prefill.args, **prefill.static)
-        decode.args = (*decode.args[:2], decode_state(lowered, None, spec), decode.args[3])
-        rows = int(per_dev)
-        pages = rc.cache_slots(shape.prompt_len) // rc.block_size
-        pool_layer = 0
+    call = decode_call(shape, spec, target, layers)
+    decode, compiled_layers = call.program, layers or m.num_hidden_layers
     measured, _, compiled = compile_program(decode, target.kernel_platform, per_dev)
     if compiled is None:
         raise RuntimeError(f"{decode.name} did not compile for {target.name}: {measured.error}")
     hlo = compiled.as_text()
     ops = sort_and_topk_ops(hlo)
-    sparse_layers = rc.num_sparse_layers(m.num_hidden_layers)
+    sparse_layers = rc.num_sparse_layers(compiled_layers)
     full_sparse = rc.num_sparse_layers(model.num_hidden_layers)
-    per_step = selection_cost.decode_step_bytes(shape, spec, target, rows=rows, blocks=pages,
+    per_step = selection_cost.decode_step_bytes(shape, spec, target, rows=call.rows,
+                                                blocks=call.blocks_per_row,
                                                 sparse_layers=full_sparse,
                                                 compile_selection=selection_bytes)
+    compile_s = time.perf_counter() - t0
+    census = None
+    if kernels and target.platform == "cuda":
+        known = {kernel_census.Depth(compiled_layers): step_kernels.step_census(hlo)}
+        census = kernel_census.census_by_depth(shape, spec, target, known)
     return {
         "target": target.name, "program": decode.name, "engine": rc.engine,
-        "layers_compiled": m.num_hidden_layers, "layers_model": model.num_hidden_layers,
-        "sparse_layers_compiled": sparse_layers, "compile_s": time.perf_counter() - t0,
+        "layers_compiled": compiled_layers, "layers_model": model.num_hidden_layers,
+        "sparse_layers_compiled": sparse_layers, "compile_s": compile_s,
         "sort": ops["sort"], "topk": ops["topk"], "large_sorts": large_sorts(ops),
-        "rows_per_device": rows, "blocks_per_row": pages,
+        "rows_per_device": call.rows, "blocks_per_row": call.blocks_per_row,
         "max_selected": per_step["max_selected"], "record_topk": rc.record_topk,
         # Copies of a layer's pool or more (paged engine): none when the pool updates in place.
-        "pool_copies": large_copies(hlo, pool_layer // 2) if pool_layer else [],
+        "pool_copies": large_copies(hlo, call.pool_layer_bytes // 2) if call.pool_layer_bytes
+        else [],
         "kernel_launches": kernel_launches(hlo),
+        "kernels_per_step": census.as_dict() if census else None,
+        "kernels_s": time.perf_counter() - t0 - compile_s,
         "per_step_bytes": per_step,
     }
 
@@ -167,7 +164,8 @@ def format_report(r: dict) -> str:
         f"{r['kernel_launches']['total']} (block selection kernels "
         f"{r['kernel_launches']['block_select_kernels']})",
         selection_cost.format_line(r["rows_per_device"], r["blocks_per_row"],
-                                   r["per_step_bytes"])])
+                                   r["per_step_bytes"])]
+        + ([kernel_census.format_lists(r["kernels_per_step"])] if r["kernels_per_step"] else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,13 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no_bytes", action="store_true",
                     help="skip the selection-alone compiles that count its bytes per step")
+    ap.add_argument("--no_kernels", action="store_true",
+                    help="skip the kernel census of a GPU target's decode step (its compiles "
+                         "at 1-4 layers)")
     args = ap.parse_args(argv)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")
     parse_gin(args.gin_files, args.gin_param)
     report = decode_ops(args.target, qwen3_preset(args.preset), args.layers,
-                        selection_bytes=not args.no_bytes)
+                        selection_bytes=not args.no_bytes, kernels=not args.no_kernels)
     print(json.dumps(report, default=str) if args.json else format_report(report), flush=True)
     return 0 if not report["large_sorts"] else 1
 

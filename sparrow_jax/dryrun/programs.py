@@ -158,6 +158,15 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
                     dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
 
 
+def paged_layout(shape: StepShape, spec: ShardingSpec, rows: int,
+                 hbm_bytes: int) -> page_pool.PoolLayout:
+    """The page pool the configured paged rollout of `rows` samples gets on this mesh."""
+    return page_pool.pool_layout(shape.model, shape.rollout, shape.compute_dtype, rows=rows,
+                                 prompt_width=shape.prompt_len, group_size=shape.group_size,
+                                 data=spec.mesh.shape["data"],
+                                 model=spec.mesh.shape.get("model", 1), memory_limit=hbm_bytes)
+
+
 def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_bytes: int,
                            pages_per_pool: int | None = None
                            ) -> tuple[list[Program], page_pool.PoolLayout]:
@@ -172,9 +181,7 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
     state = place(state, jax.tree.map(lambda x: x.sharding, state), shape.compute_dtype)
     graphdef, rc, n, m = nnx.graphdef(model), shape.rollout, shape.group_size, shape.model
     data = spec.mesh.shape["data"]
-    layout = page_pool.pool_layout(m, rc, shape.compute_dtype, rows=rows,
-                                   prompt_width=shape.prompt_len, group_size=n, data=data,
-                                   model=spec.mesh.shape.get("model", 1), memory_limit=hbm_bytes)
+    layout = paged_layout(shape, spec, rows, hbm_bytes)
     if pages_per_pool is not None:
         layout = dataclasses.replace(layout, pages_per_pool=pages_per_pool)
     kv = jax.eval_shape(lambda: paged.PagedKV(*(tuple(

@@ -3,7 +3,7 @@ report dict `sparrow_jax.dryrun.run.run_dryrun` returns)."""
 
 from __future__ import annotations
 
-from sparrow_jax.dryrun import selection_cost
+from sparrow_jax.dryrun import kernel_census, selection_cost
 from sparrow_jax.dryrun.programs import gib
 
 
@@ -51,6 +51,8 @@ def format_report(r: dict) -> str:
     if sel:
         lines.append(selection_cost.format_line(sel["rows_per_device"], sel["blocks_per_row"],
                                                 sel))
+    if r.get("decode_kernels"):
+        lines.append(kernel_census.format_line(r["decode_kernels"]))
     mb = r.get("max_batches") or {}
     if mb:
         lines.append(f"largest that fits: rollout {mb.get('rollout_rows_per_device')} rows/device "

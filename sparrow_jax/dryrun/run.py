@@ -49,15 +49,14 @@ import jax.numpy as jnp
 
 from sparrow_jax.dryrun.programs import (Measured, StepShape, abstract_policy,
                                          abstract_trajectories, compile_program, decode_state,
-                                         device_bytes, join_program, learner_programs, place,
-                                         paged_rollout_programs, rollout_programs, sds,
+                                         device_bytes, join_program, learner_programs, paged_layout,
+                                         paged_rollout_programs, place, rollout_programs, sds,
                                          step_shape)
 from sparrow_jax.dryrun.targets import (TARGETS, Target, get_target, target_devices,
                                         toolchain_name, toolchain_problem)
 from sparrow_jax.model.config import QWEN3_PRESETS, Qwen3Config, qwen3_preset
+from sparrow_jax.dryrun import kernel_census, selection_cost
 from sparrow_jax.dryrun import report as report_text
-from sparrow_jax.dryrun import selection_cost
-from sparrow_jax.rollout import page_pool
 from sparrow_jax.rollout.config import padded_length
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
@@ -234,14 +233,16 @@ def _depth_text(depth: int, rollout_depth: int, layers: int) -> str:
 
 def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
                fit: bool = True, depth: int = 0, cost: bool = True,
-               rollout_depth: int | None = None) -> dict:
+               rollout_depth: int | None = None, kernels: bool = False) -> dict:
     """Compiles one RL step of the parsed gin configuration for `target_name`; the report.
     depth > 0: compile the model-sized programs at `depth` and `depth + 1` layers and
     extrapolate (`at_depth`); 0: at full depth. rollout_depth: the same for the rollout
     programs only (default: `depth`) - their layers are unrolled, so their compile time grows
     with depth, and their extrapolation is exact (measured; docs/dryrun.md), while the learner's
     scanned layers compile at full depth. cost=False skips the 1-step decode compile that only
-    the cost check reads (not the memory verdict)."""
+    the cost check reads (not the memory verdict). kernels: also count the kernels one decode
+    step launches (`kernel_census`, GPU targets: the decode program compiled again at 2-5
+    layers)."""
     target = get_target(target_name)
     log.info("dryrun target %s; toolchain %s", target.describe(), toolchain_name(target))
     t0 = time.perf_counter()
@@ -251,10 +252,7 @@ def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
     rollout_depth = depth if rollout_depth is None else rollout_depth
     pool = None
     if shape.rollout.engine == "paged":
-        pool = page_pool.pool_layout(
-            model, shape.rollout, shape.compute_dtype, rows=shape.rows_call,
-            prompt_width=shape.prompt_len, group_size=shape.group_size, data=data,
-            model=spec.mesh.shape.get("model", 1), memory_limit=target.hbm_bytes)
+        pool = paged_layout(shape, spec, shape.rows_call, target.hbm_bytes)
     rollout = at_depth(measure_rollout, shape, rollout_depth, spec, target, shape.rows_call,
                        probe=cost, pages_per_pool=pool and pool.pages_per_pool)
     probe = rollout.pop() if cost else None
@@ -308,6 +306,8 @@ def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
             "slots_per_device": lay.slots_per_pool, "max_tokens_per_sample":
                 lay.max_pages * shape.rollout.block_size,
             "chunk_steps": shape.rollout.chunk_steps}
+    if kernels:
+        report["decode_kernels"] = kernel_census.census_by_depth(shape, spec, target).as_dict()
     if fit:
         report["max_batches"] = fit_max_batches(shape, spec, target, rollout[:2], learn,
                                                 limit - base, depth, rollout_depth)
@@ -339,6 +339,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no_cost", action="store_true",
                         help="skip the 1-step decode compile behind the per-step bytes check "
                              "(the memory verdict does not read it; CI's shipped-config guard)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="GPU targets: also count the kernels one decode step launches, per "
+                             "dense / sparse layer and outside (the decode program compiled "
+                             "again at 2-5 layers; docs/dryrun.md)")
 
 
 def _depth(value: str) -> int:
@@ -376,6 +380,7 @@ def _reexec(args: argparse.Namespace) -> int:
     argv += ["--model_config", os.path.abspath(args.model_config)] if args.model_config else []
     argv += (["--preset", args.preset] if args.preset else []) + ["--json"] * args.json
     argv += ["--no_fit"] * args.no_fit + ["--no_cost"] * args.no_cost + ["--depth", args.depth]
+    argv += ["--kernels"] * args.kernels
     argv += ["--rollout_depth", args.rollout_depth] if args.rollout_depth else []
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=os.pathsep.join([str(COMPILE_ENV), str(REPO)]), JAX_PLATFORMS="cpu",
@@ -391,6 +396,9 @@ def main(args: argparse.Namespace) -> int:
         target = get_target(args.target)
     except ValueError as e:
         raise SystemExit(f"sparrow dryrun: {e}") from None
+    if args.kernels and target.platform != "cuda":
+        raise SystemExit(f"sparrow dryrun: --kernels counts the kernels of a GPU decode step; "
+                         f"{target.name} is a {target.platform} target")
     problem = toolchain_problem(target)
     if problem:
         if (COMPILE_ENV / ".sparrow-compile-env").exists() and not os.environ.get(_CHILD_ENV):
@@ -408,7 +416,7 @@ def main(args: argparse.Namespace) -> int:
                             fit=not args.no_fit, depth=_depth(args.depth),
                             cost=not args.no_cost,
                             rollout_depth=None if args.rollout_depth is None
-                            else _depth(args.rollout_depth))
+                            else _depth(args.rollout_depth), kernels=args.kernels)
     except ValueError as e:
         raise SystemExit(f"sparrow dryrun: {e}") from None
     print(json.dumps(report, indent=1, default=str) if args.json else report_text.format_report(report),
