@@ -26,7 +26,7 @@ from sparrow_jax import cli  # noqa: E402
 
 from sparrow_jax.evaluation import heldout as evaluation
 from sparrow_jax.data import synthetic  # noqa: E402
-from sparrow_jax.data.prompts import PromptDataset  # noqa: E402
+from sparrow_jax.data.prompts import PromptBatch, PromptDataset  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
 from sparrow_jax.rollout.api import generate_timed  # noqa: E402
 from sparrow_jax.rewards import scoring  # noqa: E402
@@ -74,13 +74,13 @@ def main(out: str) -> None:
     batch = trainer.eval_batch
     sharded = trainer.evaluate()
     row = {"mesh": {k: int(v) for k, v in trainer.spec.mesh.shape.items()},
-           "rows": int(batch["prompt_ids"].shape[0]), "valid": int(np.sum(batch["valid"]))}
+           "rows": int(batch.prompt_ids.shape[0]), "valid": int(np.sum(batch.valid))}
 
     # The same 5 prompts on one device, unpadded, with the trainer's settings and rng.
     model = load_hf(MODEL, dtype=np.float32)
     records = PromptDataset.from_files(os.path.join(out, "eval.jsonl"),
                                        trainer.tokenizer).records[:5]
-    plain = evaluation.batch_records(records, trainer.tokenizer.pad_token_id)
+    plain = PromptBatch.from_records(records, trainer.tokenizer.pad_token_id)
     pool = RewardPool("pad_check_chars", processes=0)
     sched = trainer.controller.schedule
     for mode in ("dense", "sparse"):
@@ -90,7 +90,7 @@ def main(out: str) -> None:
                                   budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
                                   rng=jax.random.key(trainer.cfg.seed + 1))
         # What the mean would be if the padding rows (copies of prompt 0) were counted.
-        traj, _ = generate_timed(model, plain["prompt_ids"], plain["prompt_lengths"], cfg=rc,
+        traj, _ = generate_timed(model, plain.prompt_ids, plain.prompt_lengths, cfg=rc,
                                  budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
                                  group_size=1, rng=jax.random.key(trainer.cfg.seed + 1))
         texts = scoring.decode_responses(trainer.tokenizer, traj)

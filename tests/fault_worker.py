@@ -106,7 +106,7 @@ def _install(faults: dict) -> None:
 
         def traced_next(self):
             batch = plain_next(self)
-            _trace(f"batch {current['step']} {json.dumps(batch['ids'])}")
+            _trace(f"batch {current['step']} {json.dumps(batch.ids)}")
             return batch
         cls.__next__ = traced_next
         return it

@@ -113,7 +113,7 @@ def test_custom_fields_and_length_limit(tmp_path, chat_tok):
 
 
 def ids_of(it, steps):
-    return [b["ids"] for b in (next(it) for _ in range(steps))]
+    return [list(b.ids) for b in (next(it) for _ in range(steps))]
 
 
 def test_shuffle_epochs_and_padding(tmp_path, chat_tok):
@@ -122,18 +122,18 @@ def test_shuffle_epochs_and_padding(tmp_path, chat_tok):
     batches = list(it)
     assert len(batches) == 6 == 2 * it.steps_per_epoch
     b = batches[0]
-    assert b["prompt_ids"].shape == (4, 8) and b["prompt_ids"].dtype == np.int32
-    np.testing.assert_array_equal(b["prompt_lengths"], [4, 4, 4, 4])  # <bos> what is N
-    assert np.all(b["prompt_ids"][:, 4:] == chat_tok.pad_token_id)  # right padding
-    assert [int(a) for a in b["answers"]] == [int(i[1:]) for i in b["ids"]]
-    epoch1 = sum((x["ids"] for x in batches[:3]), [])
-    epoch2 = sum((x["ids"] for x in batches[3:]), [])
+    assert b.prompt_ids.shape == (4, 8) and b.prompt_ids.dtype == np.int32
+    np.testing.assert_array_equal(b.prompt_lengths, [4, 4, 4, 4])  # <bos> what is N
+    assert np.all(b.prompt_ids[:, 4:] == chat_tok.pad_token_id)  # right padding
+    assert [int(a) for a in b.answers] == [int(i[1:]) for i in b.ids]
+    epoch1 = sum((list(x.ids) for x in batches[:3]), [])
+    epoch2 = sum((list(x.ids) for x in batches[3:]), [])
     assert sorted(epoch1) == sorted(epoch2) == sorted(f"q{i}" for i in range(12))
     assert epoch1 != epoch2 and epoch1 != [f"q{i}" for i in range(12)]  # reshuffled each epoch
     again = make_prompt_iterator(path, chat_tok, batch_size=4, seed=1, num_epochs=2)
-    assert [x["ids"] for x in again] == [x["ids"] for x in batches]
+    assert [x.ids for x in again] == [x.ids for x in batches]
     other = make_prompt_iterator(path, chat_tok, batch_size=4, seed=2, num_epochs=2)
-    assert [x["ids"] for x in other] != [x["ids"] for x in batches]
+    assert [x.ids for x in other] != [x.ids for x in batches]
     ordered = make_prompt_iterator(
         path,
         chat_tok,
@@ -145,7 +145,7 @@ def test_shuffle_epochs_and_padding(tmp_path, chat_tok):
         pad_to_max=True,
     )
     last = list(ordered)[-1]
-    assert last["ids"] == ["q10", "q11"] and last["prompt_ids"].shape == (2, 6)
+    assert last.ids == ("q10", "q11") and last.prompt_ids.shape == (2, 6)
 
 
 def test_sharding(tmp_path, chat_tok):
@@ -185,13 +185,13 @@ def test_synthetic_rows_through_pipeline_and_gin(tmp_path):
     gin.clear_config()
     assert isinstance(it, PromptIterator)
     b = next(it)
-    assert b["prompt_ids"].shape == (4, 64) and np.all(b["prompt_lengths"] == 57)
-    assert np.all(b["prompt_ids"][:, 0] == tok.bos_token_id)
-    assert all("solution" in m for m in b["metas"])
+    assert b.prompt_ids.shape == (4, 64) and np.all(b.prompt_lengths == 57)
+    assert np.all(b.prompt_ids[:, 0] == tok.bos_token_id)
+    assert all("solution" in m for m in b.metas)
     exact = synthetic.synthetic_exact_reward
     assert all(
         exact(m["solution"], a, prompt=p) == 1.0
-        for m, a, p in zip(b["metas"], b["answers"], b["prompts"], strict=True)
+        for m, a, p in zip(b.metas, b.answers, b.prompts, strict=True)
     )
 
 
@@ -203,7 +203,7 @@ def test_repeated_prompts_in_a_batch_are_announced(tmp_path, chat_tok, caplog):
         it = make_prompt_iterator(path, chat_tok, batch_size=6, seed=0)
     assert "the batch of 6 prompts (TrainConfig.prompts_per_step) is larger than the 3" in (
         caplog.text) and "repeats prompts (about 2.0 times each)" in caplog.text
-    ids = next(it)["ids"]
+    ids = next(it).ids
     assert len(ids) == 6 and len(set(ids)) < 6          # what the warning says
     caplog.clear()
     with caplog.at_level("WARNING"):

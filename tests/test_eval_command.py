@@ -188,7 +188,8 @@ def test_training_evaluation_agrees_with_sparrow_eval(tiny, tmp_path, capsys):
 
     import eval_worker_rewards  # noqa: F401 - registers "parity"
     from sparrow_jax.data.prompts import load_prompt_records
-    from sparrow_jax.evaluation.heldout import batch_records, evaluate
+    from sparrow_jax.data.prompts import PromptBatch
+    from sparrow_jax.evaluation.heldout import evaluate
     from sparrow_jax.model import load_hf, load_tokenizer
     from sparrow_jax.rewards.pool import RewardPool
     from sparrow_jax.rollout.config import RolloutConfig
@@ -204,7 +205,7 @@ def test_training_evaluation_agrees_with_sparrow_eval(tiny, tmp_path, capsys):
     cfg = RolloutConfig(max_new_tokens=16, mode="dense", engine="static", record_topk=0,
                         stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
     with RewardPool("parity", processes=0) as pool:
-        got = evaluate(load_hf(tiny / "model"), tok, pool, batch_records(records, tok.pad_token_id),
+        got = evaluate(load_hf(tiny / "model"), tok, pool, PromptBatch.from_records(records, tok.pad_token_id),
                        cfg=cfg, budgets=np.array([2 ** 30], np.int32), bin_size=2000,
                        rng=jax.random.key(3), samples=4)
     assert 0 < want["avg@4"] < 1

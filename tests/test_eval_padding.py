@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hf_fixtures import run_on_cpu_devices
+from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.evaluation import heldout as evaluation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,20 +22,25 @@ def _records(n):
              "meta": {"i": i}} for i in range(n)]
 
 
-def test_batch_records_pads_with_masked_rows():
-    b = evaluation.batch_records(_records(3), pad_id=0, rows=5)
-    assert b["prompt_ids"].shape == (5, 4)
-    assert b["valid"].tolist() == [True, True, True, False, False]
-    assert b["prompt_lengths"].tolist() == [2, 3, 4, 2, 2]  # padding rows copy a real prompt
-    assert b["answers"][:3] == ["a0", "a1", "a2"]
-    assert evaluation.batch_records(_records(2), pad_id=0)["valid"].all()
+def test_prompt_batch_pads_with_masked_rows():
+    b = PromptBatch.from_records(_records(3), pad_id=0, rows=5)
+    assert b.prompt_ids.shape == (5, 4)
+    assert b.valid.tolist() == [True, True, True, False, False]
+    assert b.prompt_lengths.tolist() == [2, 3, 4, 2, 2]  # padding rows copy a real prompt
+    assert b.answers[:3] == ("a0", "a1", "a2")
+    # A short batch padded with its last row, and a row per sample of a 2-sample rollout.
+    short = PromptBatch.from_records(_records(2), pad_id=0).padded_to(4)
+    assert short.valid.tolist() == [True, True, False, False] and short.answers[3] == "a1"
+    assert PromptBatch.from_records(_records(2), pad_id=0).per_sample(2).answers == (
+        "a0", "a0", "a1", "a1")
+    assert PromptBatch.from_records(_records(2), pad_id=0).valid.all()
     with pytest.raises(ValueError, match="fewer than"):
-        evaluation.batch_records(_records(3), pad_id=0, rows=2)
+        PromptBatch.from_records(_records(3), pad_id=0, rows=2)
 
 
 def test_shard_eval_batch_single_device_keeps_every_prompt():
     b = evaluation.shard_eval_batch(_records(5), pad_id=0)
-    assert b["prompt_ids"].shape[0] == 5 and b["valid"].all()
+    assert b.prompt_ids.shape[0] == 5 and b.valid.all()
     with pytest.raises(ValueError, match="no held-out prompts"):
         evaluation.shard_eval_batch([], pad_id=0)
 

@@ -14,7 +14,7 @@ import pytest
 
 from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import cli
-from sparrow_jax.evaluation import heldout as evaluation
+from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.data import synthetic
 from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
@@ -42,7 +42,7 @@ def _eval_rollout(model, batch, stops):
     repeated, so sampling is what puts a stop id in the middle of responses."""
     cfg = RolloutConfig(mode="dense", temperature=1.0, max_new_tokens=MAX_NEW, backend="xla",
                         stop_token_ids=stops, pad_token_id=0)
-    traj = generate(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
+    traj = generate(model, batch.prompt_ids, batch.prompt_lengths, cfg=cfg,
                     budgets=np.full(20, 64, np.int32), bin_size=16, rng=jax.random.key(0 + 1))
     return np.asarray(traj.tokens), np.asarray(traj.response_lengths)
 
@@ -58,7 +58,7 @@ def setup(tmp_path_factory):
     synthetic.write_jsonl(str(root / "eval.jsonl"), 4, seed=1, k_range=(1, 1), num_letters=4)
     tok = load_tokenizer(root / "model")
     records = PromptDataset.from_files(str(root / "eval.jsonl"), tok).records
-    batch = evaluation.batch_records(records, tok.pad_token_id)
+    batch = PromptBatch.from_records(records, tok.pad_token_id)
     model = load_hf(root / "model", dtype=np.float32)
     eos = tok.eos_token_id
     tokens, lengths = _eval_rollout(model, batch, (eos,))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.data.prompts import PromptDataset
-from sparrow_jax.evaluation.heldout import batch_records
+from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.rollout import RolloutConfig, exact, generate, speculative
 
@@ -37,7 +37,7 @@ def measure(model, batch, cfg: RolloutConfig, *, budget: int, samples: int, bin_
             seed: int) -> dict:
     """One exact-sparse rollout at `budget` -> per-bin acceptance rows and the pooled row."""
     t0 = time.perf_counter()
-    traj = generate(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
+    traj = generate(model, batch.prompt_ids, batch.prompt_lengths, cfg=cfg,
                     budgets=np.full(64, budget, np.int32), bin_size=bin_size,
                     group_size=samples, rng=jax.random.key(seed))
     traj = jax.device_get(traj)
@@ -116,7 +116,7 @@ def main(argv=None) -> None:
     tok = load_tokenizer(args.model)
     model = load_hf(args.model, dtype=jnp.float32)
     records = PromptDataset.from_files(args.prompts, tok).records[:args.num_prompts]
-    batch = batch_records(records, tok.pad_token_id or 0)
+    batch = PromptBatch.from_records(records, tok.pad_token_id or 0)
     results = []
     for budget in args.budgets:
         try:

@@ -34,7 +34,7 @@ from flax import nnx
 
 from sparrow_jax.data import synthetic  # noqa: F401 - registers synthetic_exact
 from sparrow_jax.data.prompts import PromptDataset
-from sparrow_jax.evaluation.heldout import batch_records
+from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.model.attention import chunked_causal_attention
 from sparrow_jax.rewards.pool import RewardPool
@@ -130,7 +130,7 @@ def run_arm(model, batch, arm: Arm, base: RolloutConfig, tokenizer, pool, bin_si
             num_bins: int) -> dict:
     cfg = arm_config(arm, base)
     budgets = np.full(20, max(arm.budget, cfg.block_size * 3), np.int32)
-    ids, lens = batch["prompt_ids"], batch["prompt_lengths"]
+    ids, lens = batch.prompt_ids, batch.prompt_lengths
 
     state = jax.block_until_ready(start(model, ids, lens, cfg=cfg, rng=jax.random.key(0)))
     kv = kv_bytes_per_row(state, cfg, model.config)
@@ -139,7 +139,7 @@ def run_arm(model, batch, arm: Arm, base: RolloutConfig, tokenizer, pool, bin_si
     traj = jax.block_until_ready(decode(model, state, cfg=cfg, budgets=budgets))
     seconds = time.perf_counter() - t0
     texts = decode_responses(tokenizer, traj)
-    rewards = score(pool, texts, batch["answers"], batch["prompts"], batch["metas"]).rewards
+    rewards = score(pool, texts, batch.answers, batch.prompts, batch.metas).rewards
     resp = np.asarray(traj.response_lengths)
     graphdef, state = nnx.split(model)
     alpha = _alpha(graphdef, state, traj, jnp.asarray(budgets), mode=cfg.mode,
@@ -192,7 +192,7 @@ def main(argv=None) -> None:
     tok = load_tokenizer(args.model)
     model = load_hf(args.model, dtype=jnp.float32)
     records = PromptDataset.from_files(args.prompts, tok).records[:args.num_prompts]
-    batch = batch_records(records, tok.pad_token_id or 0)
+    batch = PromptBatch.from_records(records, tok.pad_token_id or 0)
     base = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, backend="xla",
                          stop_token_ids=stop_token_ids(tok, args.model),
                          pad_token_id=tok.pad_token_id or 0, compress_every=args.compress_every)

@@ -175,13 +175,87 @@ def load_prompt_records(
     return records, report
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """A batch of prompts as the rollout takes them (`PromptIterator`, held-out and eval batches).
+
+    prompt_ids [B, P] int32, right-padded with the pad id; prompt_lengths [B] int32; answers,
+    prompts, ids, metas: one per row (the ground truth, the prompt text, the row's id, the other
+    fields passed to the reward); valid [B] bool: the real rows - False marks copies that pad a
+    batch to a row count the data axis divides, which no metric counts."""
+    prompt_ids: np.ndarray
+    prompt_lengths: np.ndarray
+    answers: tuple[str, ...]
+    prompts: tuple[str, ...]
+    ids: tuple[Any, ...]
+    metas: tuple[dict[str, Any] | None, ...]
+    valid: np.ndarray
+
+    @classmethod
+    def from_records(cls, records: Sequence[dict[str, Any]], pad_id: int, *,
+                     rows: int | None = None, filler: dict[str, Any] | None = None,
+                     width: int | None = None, multiple: int = 1) -> "PromptBatch":
+        """Tokenized prompt records (`PromptDataset.records`) as one batch, padded to `rows`
+        rows with copies of `filler` (default: the first record - a real prompt, so padded rows
+        prefill and decode like any other; `valid` marks them) and to `width` tokens (default:
+        the longest prompt rounded up to `multiple`)."""
+        rows = len(records) if rows is None else rows
+        if rows < len(records):
+            raise ValueError(f"rows={rows} is fewer than the {len(records)} records")
+        filler = filler if filler is not None else (records[0] if records else None)
+        if rows > len(records) and filler is None:
+            raise ValueError("padding an empty record list needs a filler record")
+        padded = list(records) + [filler] * (rows - len(records))
+        if not padded:
+            raise ValueError("PromptBatch.from_records: no records")
+        lengths = np.asarray([len(r["prompt_ids"]) for r in padded], np.int32)
+        width = width or -(-int(lengths.max()) // multiple) * multiple
+        ids = np.full((rows, width), pad_id, np.int32)
+        for i, r in enumerate(padded):
+            ids[i, :lengths[i]] = r["prompt_ids"]
+        return cls(prompt_ids=ids, prompt_lengths=lengths,
+                   answers=tuple(r["answer"] for r in padded),
+                   prompts=tuple(r["prompt"] for r in padded),
+                   ids=tuple(r.get("id") for r in padded),
+                   metas=tuple(r.get("meta") for r in padded),
+                   valid=np.arange(rows) < len(records))
+
+    def __len__(self) -> int:
+        return int(self.prompt_lengths.shape[0])
+
+    def rows(self, start: int, stop: int) -> "PromptBatch":
+        """Rows start .. stop - 1 (a rollout call's sub-batch)."""
+        return PromptBatch(*(x[start:stop] for x in dataclasses.astuple(self)))
+
+    def padded_to(self, rows: int) -> "PromptBatch":
+        """This batch with copies of its last row appended up to `rows` rows (marked not
+        `valid`): a short final batch keeps the compiled program's batch shape."""
+        extra = rows - len(self)
+        if extra < 0:
+            raise ValueError(f"padded_to({rows}): the batch has {len(self)} rows already")
+
+        def pad(x):
+            if isinstance(x, np.ndarray):
+                return np.concatenate([x, np.repeat(x[-1:], extra, axis=0)])
+            return tuple(x) + (x[-1],) * extra
+        out = PromptBatch(*(pad(x) for x in dataclasses.astuple(self)))
+        return dataclasses.replace(out, valid=np.concatenate([self.valid, np.zeros(extra, bool)]))
+
+    def per_sample(self, samples: int) -> "PromptBatch":
+        """Each row repeated `samples` times in place (rows g*n .. g*n+n-1 are prompt g's), as
+        a rollout of `samples` samples per prompt lays out its rows."""
+        def rep(x):
+            return np.repeat(x, samples, axis=0) if isinstance(x, np.ndarray) else tuple(
+                v for v in x for _ in range(samples))
+        return PromptBatch(*(rep(x) for x in dataclasses.astuple(self)))
+
+
 class PromptIterator:
     """Batches of prompts from a grain pipeline: source -> shard -> shuffle -> repeat -> batch.
 
-    Each batch: prompt_ids int32 [B, P] (right-padded with pad_id), prompt_lengths int32 [B],
-    answers / prompts / ids: list[str], metas: list[dict]. P is the batch's longest prompt
-    rounded up to `pad_multiple` (few distinct shapes -> few recompiles), or max_prompt_len
-    when `pad_to` is set to it.
+    Each batch is a `PromptBatch`; its width P is the batch's longest prompt rounded up to
+    `pad_multiple` (few distinct shapes -> few recompiles), or max_prompt_len when `pad_to` is
+    set to it.
     """
 
     def __init__(
@@ -257,25 +331,14 @@ class PromptIterator:
     def steps_per_epoch(self) -> int:
         return self.num_records // self.batch_size
 
-    def _collate(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        lengths = np.asarray([len(r["prompt_ids"]) for r in rows], np.int32)
-        width = self.pad_to or -(-int(lengths.max()) // self.pad_multiple) * self.pad_multiple
-        ids = np.full((len(rows), width), self.pad_id, np.int32)
-        for i, r in enumerate(rows):
-            ids[i, : lengths[i]] = r["prompt_ids"]
-        return {
-            "prompt_ids": ids,
-            "prompt_lengths": lengths,
-            "answers": [r["answer"] for r in rows],
-            "prompts": [r["prompt"] for r in rows],
-            "ids": [r["id"] for r in rows],
-            "metas": [r["meta"] for r in rows],
-        }
+    def _collate(self, rows: Sequence[dict[str, Any]]) -> PromptBatch:
+        return PromptBatch.from_records(rows, self.pad_id, width=self.pad_to,
+                                        multiple=self.pad_multiple)
 
     def __iter__(self) -> "PromptIterator":
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> PromptBatch:
         return next(self._it)
 
     def get_state(self) -> dict[str, Any]:

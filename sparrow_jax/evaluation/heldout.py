@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.evaluation import metrics
 from sparrow_jax.rewards import scoring
 from sparrow_jax.rewards.pool import RewardPool
@@ -16,33 +17,6 @@ from sparrow_jax.rollout import RolloutConfig
 from sparrow_jax.rollout.api import generate_timed
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.sharding import ShardingSpec
-
-
-def batch_records(records: Sequence[dict[str, Any]], pad_id: int, *, rows: int | None = None,
-                  filler: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Prompt records (data.prompts format) -> a right-padded batch like PromptIterator yields.
-
-    rows: pad the batch to this many rows with copies of `filler` (default: the first record):
-    a real prompt, so the padded rows prefill and decode like any other. `valid` [rows] bool
-    marks the real rows; `evaluate` masks the others out of every metric.
-    """
-    rows = len(records) if rows is None else rows
-    if rows < len(records):
-        raise ValueError(f"rows={rows} is fewer than the {len(records)} records")
-    filler = filler if filler is not None else (records[0] if records else None)
-    if rows > len(records) and filler is None:
-        raise ValueError("padding an empty record list needs a filler record")
-    padded = list(records) + [filler] * (rows - len(records))
-    if not padded:
-        raise ValueError("batch_records: no records")
-    lengths = np.asarray([len(r["prompt_ids"]) for r in padded], np.int32)
-    ids = np.full((rows, int(lengths.max())), pad_id, np.int32)
-    for i, r in enumerate(padded):
-        ids[i, :lengths[i]] = r["prompt_ids"]
-    return {"prompt_ids": ids, "prompt_lengths": lengths,
-            "answers": [r["answer"] for r in padded], "prompts": [r["prompt"] for r in padded],
-            "metas": [r.get("meta") for r in padded],
-            "valid": np.arange(rows) < len(records)}
 
 
 def data_shards(spec: ShardingSpec | None) -> int:
@@ -53,7 +27,7 @@ def data_shards(spec: ShardingSpec | None) -> int:
 
 
 def shard_eval_batch(records: Sequence[dict[str, Any]], pad_id: int,
-                     spec: ShardingSpec | None = None) -> dict[str, Any]:
+                     spec: ShardingSpec | None = None) -> PromptBatch:
     """This process's share of the held-out `records` as one batch.
 
     Process p takes records p, p + P, ... (P processes). Every process gets the same row count,
@@ -66,14 +40,14 @@ def shard_eval_batch(records: Sequence[dict[str, Any]], pad_id: int,
     unit = math.lcm(data_shards(spec), n_proc)
     total = -(-len(records) // unit) * unit
     mine = list(records[jax.process_index()::n_proc])
-    return batch_records(mine, pad_id, rows=total // n_proc, filler=records[0])
+    return PromptBatch.from_records(mine, pad_id, rows=total // n_proc, filler=records[0])
 
 
-def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: RolloutConfig,
+def evaluate(model, tokenizer, pool: RewardPool, batch: PromptBatch, *, cfg: RolloutConfig,
              budgets, bin_size: int, rng, spec=None, diagnostics: dict[str, RewardPool] | None = None,
              samples: int = 1) -> dict[str, float]:
     """One pass over held-out prompts in cfg.mode; reward, length and tokens/s over the rows that
-    `batch["valid"]` marks real (all rows when the batch has no mask).
+    `batch.valid` marks real.
 
     samples > 1: that many samples per prompt, and also `avg@n` and the unbiased `pass@k` for
     k = 1, 2, 4, ... <= n with standard errors over prompts (sparrow_jax.evaluation.metrics, as
@@ -82,26 +56,22 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     The program is compiled by a first call, so callers that compare speeds should evaluate
     each mode once before timing (the train loop's evaluations after the first do that).
     """
-    traj, seconds = generate_timed(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
+    traj, seconds = generate_timed(model, batch.prompt_ids, batch.prompt_lengths, cfg=cfg,
                                    budgets=budgets, bin_size=bin_size, group_size=samples,
                                    rng=rng, spec=spec)
     texts = scoring.decode_responses(tokenizer, traj)
-    if samples > 1:     # rows are prompt-major groups: repeat the per-prompt fields
-        batch = {**{k: [x for x in batch[k] for _ in range(samples)]
-                    for k in ("answers", "prompts", "metas")},
-                 "valid": np.repeat(np.asarray(batch.get("valid", np.ones(len(texts) // samples,
-                                                                          bool)), bool), samples)}
-    # Padding rows (batch["valid"] False, see shard_eval_batch) are neither scored nor counted.
-    valid = np.asarray(batch.get("valid", np.ones(len(texts), bool)), bool)
+    rows = batch.per_sample(samples)    # rows are prompt-major groups of `samples`
+    # Padding rows (valid False, see shard_eval_batch) are neither scored nor counted.
+    valid = np.asarray(rows.valid, bool)
     keep = np.flatnonzero(valid)
 
     def scored(reward_pool: RewardPool) -> np.ndarray:
         out = np.zeros(len(texts), np.float32)  # same shape on every process, for all_rows
         if keep.size:
             out[keep] = scoring.score(reward_pool, [texts[i] for i in keep],
-                                      [batch["answers"][i] for i in keep],
-                                      [batch["prompts"][i] for i in keep],
-                                      [batch["metas"][i] for i in keep]).rewards
+                                      [rows.answers[i] for i in keep],
+                                      [rows.prompts[i] for i in keep],
+                                      [rows.metas[i] for i in keep]).rewards
         return multihost.all_rows(out)
 
     # Means over every process's real prompts.

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sparrow_jax.evaluation import results, scorers
-from sparrow_jax.evaluation.heldout import batch_records
+from sparrow_jax.data.prompts import PromptBatch
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ def run(args, weights_dir: Path, tokenizer, records: list[dict], sampling: dict[
                 t0 = time.perf_counter()
                 # Always b rows (the last chunk padded with its last problem): one shape, so a
                 # resumed run compiles and computes exactly what an uninterrupted one did.
-                batch = batch_records(part, pad_id, rows=b, filler=part[-1])
-                traj = generate(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
+                batch = PromptBatch.from_records(part, pad_id, rows=b, filler=part[-1])
+                traj = generate(model, batch.prompt_ids, batch.prompt_lengths, cfg=cfg,
                                 budgets=budgets, bin_size=schedule.bin_size, group_size=n,
                                 rng=rng, first_sample=c * b * n)
                 host = jax.device_get({"t": traj.tokens, "n": traj.response_lengths})

@@ -14,30 +14,32 @@ lists its own prompts on the host.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.runtime.shapes import bucket_length
 
 
-def split_prompts(batch: dict[str, Any], per_call: int) -> list[dict[str, Any]]:
-    """A prompt batch (PromptIterator format) -> sub-batches of `per_call` prompts (0 = one)."""
-    n = len(batch["prompt_lengths"])
+class Rows(Protocol):
+    """A batch that splits by rows (`data.prompts.PromptBatch`)."""
+    def __len__(self) -> int: ...
+    def rows(self, start: int, stop: int) -> "Rows": ...
+
+
+B = TypeVar("B", bound=Rows)
+
+
+def split_prompts(batch: B, per_call: int) -> list[B]:
+    """A prompt batch -> sub-batches of `per_call` prompts (0 = one)."""
+    n = len(batch)
     per_call = per_call or n
     if n % per_call:
         raise ValueError(f"{n} prompts per step is not a multiple of rollout_batch_prompts="
                          f"{per_call} (every rollout program call must have the same shape)")
-    out = []
-    for i in range(0, n, per_call):
-        sub = {}
-        for k, v in batch.items():
-            sub[k] = v[i:i + per_call] if isinstance(v, (np.ndarray, list, tuple)) else v
-        out.append(sub)
-    return out
+    return [batch.rows(i, i + per_call) for i in range(0, n, per_call)]
 
 
 @functools.partial(jax.jit, static_argnames=("num_processes", "rows"))
@@ -86,8 +88,8 @@ def trim_to_bucket(traj: Trajectories, buckets: Sequence[int], *, multiple: int 
     return traj if length == width else _trim(traj, length=length)
 
 
-def rollout_in_sub_batches(generate_fn: Callable[[dict[str, Any], int], tuple[Trajectories, float]],
-                           batch: dict[str, Any], per_call: int) -> tuple[Trajectories, float]:
+def rollout_in_sub_batches(generate_fn: Callable[[B, int], tuple[Trajectories, float]],
+                           batch: B, per_call: int) -> tuple[Trajectories, float]:
     """Runs `generate_fn(sub_batch, index) -> (traj, seconds)` per sub-batch; joined result and
     total seconds."""
     trajs, seconds = [], 0.0

@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 import pallas_kernels
+from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.model import stop_token_ids
 from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
 from sparrow_jax.rollout.config import padded_length, rollout_config
@@ -129,19 +130,14 @@ def _mesh_spec(mesh_arg: str | None):
 
 
 # -- batches and output rows --------------------------------------------------------------------
-def _batches(dataset, batch_size: int) -> Iterator[tuple[dict[str, Any], int]]:
+def _batches(dataset, batch_size: int) -> Iterator[tuple[PromptBatch, int]]:
     """(batch padded to batch_size rows, number of real rows). Short final batches repeat their
     last prompt so the compiled program keeps one batch shape; the copies are dropped later.
     Widths are left to the engine, which pads them up to RolloutConfig.prompt_buckets."""
     it = dataset.iterator(batch_size=batch_size, shuffle=False, num_epochs=1,
                           drop_remainder=False, shard_index=0, shard_count=1)
     for batch in it:
-        ids, lengths = batch["prompt_ids"], batch["prompt_lengths"]
-        real = len(lengths)
-        ids = np.pad(ids, ((0, batch_size - real), (0, 0)), constant_values=dataset.pad_id)
-        ids[real:] = ids[real - 1]
-        lengths = np.concatenate([lengths, np.repeat(lengths[-1:], batch_size - real)])
-        yield {**batch, "prompt_ids": ids, "prompt_lengths": lengths}, real
+        yield batch.padded_to(batch_size), len(batch)
 
 
 def _budget_summary(budgets: np.ndarray, cached: np.ndarray, block_size: int, mode: str
@@ -159,7 +155,7 @@ def _budget_summary(budgets: np.ndarray, cached: np.ndarray, block_size: int, mo
             "sparse_tokens": sparse, "dense_tokens": int(len(budgets) - sparse)}
 
 
-def sample_rows(traj: Trajectories, batch: dict[str, Any], real: int, group_size: int,
+def sample_rows(traj: Trajectories, batch: PromptBatch, real: int, group_size: int,
                 tokenizer: Any, cfg: RolloutConfig) -> list[dict[str, Any]]:
     """One JSON-ready dict per real sample of a finished batch."""
     host = jax.device_get({"tokens": traj.tokens, "logprobs": traj.logprobs,
@@ -172,8 +168,8 @@ def sample_rows(traj: Trajectories, batch: dict[str, Any], real: int, group_size
         n = int(host["n"][row])
         ids = host["tokens"][row, :n].tolist()
         rows.append({
-            "prompt_id": batch["ids"][p], "sample_index": j, "prompt": batch["prompts"][p],
-            "answer": batch["answers"][p],
+            "prompt_id": batch.ids[p], "sample_index": j, "prompt": batch.prompts[p],
+            "answer": batch.answers[p],
             "completion": tokenizer.decode(ids, skip_special_tokens=True),
             "token_ids": ids,
             "logprobs": [round(float(x), 6) for x in host["logprobs"][row, :n]],
@@ -257,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
         for i, (batch, real) in enumerate(_batches(dataset, args.batch_size)):
             t0 = time.perf_counter()
             try:
-                traj = generate(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
+                traj = generate(model, batch.prompt_ids, batch.prompt_lengths, cfg=cfg,
                                 budgets=budgets, bin_size=schedule.bin_size,
                                 group_size=args.group_size, rng=jax.random.fold_in(rng, i),
                                 spec=spec)

@@ -378,7 +378,7 @@ def trainer_shape(trainer) -> RunShape:
         data = spec.mesh.shape[data_axis] if data_axis else 1
         heads = spec.mesh.shape[heads_axis] if heads_axis else 1
     batch = trainer.eval_batch
-    rows, width = (0, None) if batch is None else batch["prompt_ids"].shape
+    rows, width = (0, None) if batch is None else batch.prompt_ids.shape
     return RunShape(processes=jax.process_count(), data_shards=data, model_shards=heads,
                     dtype=trainer.rollout_model().dtype, eval_rows=rows * jax.process_count(),
                     eval_width=None if width is None else trainer.rollout_cfg.prompt_width(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -74,14 +74,13 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
         actor = stages.actor.model()
 
         def generate(sub, i):
-            return generate_timed(actor, sub["prompt_ids"], sub["prompt_lengths"],
+            return generate_timed(actor, sub.prompt_ids, sub.prompt_lengths,
                                   cfg=stages.rollout, budgets=budgets, bin_size=sched.bin_size,
                                   group_size=n, rng=jax.random.fold_in(rng, i), spec=stages.spec)
         traj, seconds = rollout_in_sub_batches(generate, batch, cfg.rollout_batch_prompts)
     # -- rewards ----------------------------------------------------------------------------
-    answers = [a for a in batch["answers"] for _ in range(n)]
-    prompts = [p for p in batch["prompts"] for _ in range(n)]
-    metas = [m for m in batch["metas"] for _ in range(n)]
+    samples = batch.per_sample(n)       # the rollout's rows: group_size per prompt
+    answers, prompts, metas = samples.answers, samples.prompts, samples.metas
     with timer("reward"):
         texts = scoring.decode_responses(stages.tokenizer, traj)
         report = scoring.score(stages.rewards, texts, answers, prompts, metas)
@@ -93,7 +92,7 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
     # Every process's counts (the decision to stop is the same on all of them).
     counts = multihost.all_rows(np.asarray([[report.timeouts, report.errors, len(texts),
                                              report.crashed]]))
-    check_rewards(plan, stages, step, report, counts.sum(axis=0), batch, texts, answers)
+    check_rewards(plan, stages, step, report, counts.sum(axis=0), batch.ids, texts, answers)
     # -- learner: dense logprobs + alpha, GRPO update ----------------------------------------
     with timer("learner"):
         # The learner works on the batch's longest sequence rounded up to a bucket.
@@ -170,7 +169,8 @@ def tail_metrics(plan: RunPlan, sched, alpha, logp_dense, traj: Trajectories
 
 
 def check_rewards(plan: RunPlan, stages: Stages, step: int, report: RewardReport,
-                  totals: np.ndarray, batch: dict, texts: list[str], answers: list[str]) -> None:
+                  totals: np.ndarray, prompt_ids: Sequence[Any], texts: Sequence[str],
+                  answers: Sequence[str]) -> None:
     """Stops the run (RunError, before the update: nothing of this step is saved) when
     - reward workers died while the run was stopping (SIGTERM/Ctrl-C reached them): the step's
       rewards would be zeros that no completion earned;
@@ -195,7 +195,7 @@ def check_rewards(plan: RunPlan, stages: Stages, step: int, report: RewardReport
     where = ""
     if report.first_error_index is not None:
         i = report.first_error_index
-        prompt_id = batch["ids"][i // cfg.group_size]
+        prompt_id = prompt_ids[i // cfg.group_size]
         where = (f" First failure: row {i} (prompt id {prompt_id!r}, answer {answers[i]!r:.80}, "
                  f"completion {texts[i]!r:.160}):\n{report.first_traceback.rstrip()}")
     raise faults.RunError(

@@ -265,7 +265,7 @@ class Trainer:
             # Long generations make this minutes of silence otherwise (4.5K tokens: ~10 min on CPU).
             t0 = time.perf_counter()
             log.info("held-out evaluation at step %d: %s decoding of %d prompts, up to %d new "
-                     "tokens%s", self.step, mode, int(np.sum(self.eval_batch["valid"])),
+                     "tokens%s", self.step, mode, int(np.sum(self.eval_batch.valid)),
                      rc.max_new_tokens, ", then the teacher-forced references"
                      if self.reference is not None and mode in ("dense", "sparse") else "")
             r = evaluation.evaluate(model, self.tokenizer, self.pool, self.eval_batch, cfg=rc,
