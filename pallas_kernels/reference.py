@@ -16,7 +16,8 @@ Query head h attends with KV head h // (Hq // Hkv).
 
 Paged form (the rollout engine's cache): K/V live in page pools [G, Hkv, N, bs, D] (a page = one
 selection block); row b reads pool b // (B // G) through its page table [B, P] (logical block ->
-physical page). The contiguous form above is the paged one with G = B and page i = block i.
+physical page). The contiguous form above is the paged one with G = B and page i = block i
+(``contiguous_as_pages``; ``dispatch.contiguous_view`` runs any backend's paged kernel on it).
 """
 
 from __future__ import annotations
@@ -307,28 +308,6 @@ def contiguous_as_pages(k: jax.Array, block_size: int) -> jax.Array:
     ids equal the logical block ids (a reshape: no copy)."""
     b, hkv, s, d = k.shape
     return k.reshape(b, hkv, s // block_size, block_size, d)
-
-
-def block_sparse_decode_xla(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
-    *,
-    block_size: int = 16,
-    scale: float | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Block-sparse decode over a contiguous cache (shapes as in the module docstring): the
-    paged kernel on the cache viewed as one page pool per row."""
-    check_decode_inputs(q, k, v, lengths, block_size=block_size, block_indices=block_indices,
-                        num_blocks=num_blocks)
-    nb = k.shape[2] // block_size
-    ids = jnp.clip(block_indices.astype(jnp.int32), 0, nb - 1)
-    return paged_block_sparse_decode_xla(
-        q, contiguous_as_pages(k, block_size), contiguous_as_pages(v, block_size), ids, ids,
-        num_blocks, lengths, scale=scale)
 
 
 def dense_decode_xla(
