@@ -3,9 +3,10 @@
 "auto" maps the platform to its best backend (cpu -> xla, tpu -> pallas_tpu, gpu -> pallas_triton)
 and logs that choice once. On GPU it checks that this jax still lowers Pallas to Triton (jax 0.11
 deprecates that backend: it still lowers, and the log says so); where a jax removed it, "auto"
-takes jax_triton when jax-triton imports, else XLA, and logs why. An explicitly requested backend that cannot run here raises
-``BackendUnavailableError`` naming backend and platform: never a silent fallback, because a
-silently slower (or differently rounded) path would corrupt benchmarks and mismatch statistics.
+takes jax_triton when jax-triton imports, else XLA, and logs why. An explicitly requested backend
+that cannot run here raises ``BackendUnavailableError`` naming backend and platform: never a
+silent fallback, because a silently slower (or differently rounded) path would corrupt
+benchmarks and mismatch statistics.
 
 Every backend has one kernel, the paged one (`paged_block_sparse_decode_<backend>`, which takes
 composed physical page ids). The three entry points are views of it, each written once here for
@@ -171,16 +172,8 @@ DENSE_TILING = {"pallas_tpu": _tpu.dense_tiling, "pallas_triton": _triton.dense_
 # -- the entry points -----------------------------------------------------------------------------
 
 def block_sparse_decode(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
-    *,
-    block_size: int = 16,
-    scale: float | None = None,
-    backend: str = "auto",
+    q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array, num_blocks: jax.Array,
+    lengths: jax.Array, *, block_size: int = 16, scale: float | None = None, backend: str = "auto",
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Exact softmax attention of one decode token over the selected KV blocks.
@@ -206,17 +199,9 @@ def block_sparse_decode(
 
 
 def paged_block_sparse_decode(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-    interpret: bool = False,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array, *,
+    scale: float | None = None, backend: str = "auto", interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Exact softmax attention of one decode token over selected pages of a paged KV cache.
 
@@ -240,14 +225,8 @@ def paged_block_sparse_decode(
 
 
 def dense_decode(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-    interpret: bool = False,
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float | None = None,
+    backend: str = "auto", interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Dense decode attention over all tokens < length (the baseline); same interface and
     conventions as ``block_sparse_decode``. q [B, Hq, D], k/v [B, Hkv, S, D], lengths [B]."""

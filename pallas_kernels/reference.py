@@ -34,14 +34,8 @@ NEG_INF = -1e30
 
 
 def check_decode_inputs(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    block_size: int,
-    block_indices: jax.Array | None = None,
-    num_blocks: jax.Array | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, block_size: int,
+    block_indices: jax.Array | None = None, num_blocks: jax.Array | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """Validates shapes/dtypes of decode inputs; returns (B, Hq, Hkv, S, D, G).
 
@@ -171,13 +165,8 @@ def _chunk_count(total: int, bytes_per_unit: int) -> tuple[int, int]:
 
 
 def check_paged_inputs(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array,
 ) -> tuple[int, int, int, int, int, int, int, int]:
     """Validates paged decode inputs; returns (B, Hq, Hkv, G_pools, N_pages, bs, D, rows_per_pool).
 
@@ -204,13 +193,8 @@ def check_paged_inputs(
 
 
 def check_page_ids(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_ids: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ids: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array,
 ) -> tuple[int, int, int, int, int, int, int, int]:
     """``check_paged_inputs`` for the kernels' own form, which takes the composed physical page
     ids [B, Hkv, K] (``physical_pages``) instead of the page table; same return value."""
@@ -236,14 +220,8 @@ def physical_pages(page_table: jax.Array, block_indices: jax.Array) -> jax.Array
 
 
 def paged_block_sparse_decode_xla(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_ids: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
-    *,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ids: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array, *,
     scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gather-based block-sparse decode over a page pool (inputs validated by the caller).
@@ -311,12 +289,7 @@ def contiguous_as_pages(k: jax.Array, block_size: int) -> jax.Array:
 
 
 def dense_decode_xla(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Dense decode over all tokens < length (the baseline). Shapes as in the module docstring.
 
