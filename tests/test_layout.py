@@ -1,4 +1,6 @@
-"""The package layout: no import circle between modules or between packages (rooms), read with `ast`.
+"""The package layout, read with `ast` (docs/design.md, "Layout rules"): no import circle between
+modules or between packages (rooms), one package per stage, and no module reaching for another
+module's private name. Module size is not a rule.
 
 A room is a package directly under `sparrow_jax/` (`rollout`, `sparsity`, ...), a top-level
 module (`train`, `cli`, ...) or `pallas_kernels`. `from pkg import submodule` counts as an import
@@ -166,7 +168,7 @@ def test_no_loose_top_level_modules():
 # programs, the eval command); each entry goes when that work lands (the test says which are
 # gone).
 PENDING_REACHES = {
-    ("sparrow_jax/dryrun/programs.py", "_join"),               # batching._join: compile_plan counts it by name
+    ("sparrow_jax/dryrun/programs.py", "_join"),    # batching._join: compile_plan counts it by name
     ("sparrow_jax/dryrun/programs.py", "_num_mini"),
     ("sparrow_jax/dryrun/programs.py", "_micro_batching"),
     ("sparrow_jax/evaluation/command.py", "_model_dir"),
@@ -232,8 +234,10 @@ def private_reaches(root: Path = REPO) -> list[tuple[str, int, str, str]]:
                 for a in node.names:
                     local = a.asname or a.name.split(".")[0]
                     target = a.name if a.asname else local
-                    (modules.__setitem__(local, target) if target in files
-                     or target in ("sparrow_jax", "pallas_kernels") else foreign.add(local))
+                    if target in files or target in ("sparrow_jax", "pallas_kernels"):
+                        modules[local] = target
+                    else:
+                        foreign.add(local)
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
