@@ -10,12 +10,12 @@ import argparse
 import importlib
 import logging
 import os
-import re
 import sys
 from typing import Sequence
 
-import gin
 from tqdm import tqdm
+
+from sparrow_jax.runtime import gin_files
 
 # subcommand -> (module, function, help). Each function takes the parsed argparse namespace.
 COMMANDS = {
@@ -26,8 +26,8 @@ COMMANDS = {
     "dryrun": ("sparrow_jax.dryrun.run", "main", "compile one RL step for a TPU slice / GPU node: fits?"),
     "export": ("sparrow_jax.tools.export", "main", "a training checkpoint -> Hugging Face directory"),
     "experiment": ("sparrow_jax.experiment.runner", "main", "training arms side by side -> comparison"),
-    "data": ("sparrow_jax.data.check", "main", "data check FILE --model DIR: rows, reasons, a prompt"),
-    "eval": ("sparrow_jax.evaluation.command", "main", "eval MODEL DATA...: avg@n, pass@k, maj@k on math data"),
+    "data": ("sparrow_jax.tools.data_check", "main", "data check FILE --model DIR: rows, reasons, a prompt"),
+    "eval": ("sparrow_jax.tools.evaluate", "main", "eval MODEL DATA...: avg@n, pass@k, maj@k on math data"),
     "doctor": ("sparrow_jax.tools.doctor", "main", "kernels vs the XLA reference + a rollout, on this device"),
 }
 BENCHES = {
@@ -84,35 +84,25 @@ def setup_logging(level: str = "INFO") -> None:
         logging.getLogger(name).setLevel(quiet)
 
 
+# Every module that declares a gin configurable a command's files may bind (gin knows a
+# configurable only once its module is imported).
+CONFIGURABLE_MODULES = (
+    "sparrow_jax.train.trainer", "sparrow_jax.train.sft", "sparrow_jax.rollout.config",
+    "sparrow_jax.rl.learner", "sparrow_jax.rl.grpo", "sparrow_jax.sparsity.schedule",
+    "sparrow_jax.data.prompts", "sparrow_jax.rewards.registry", "sparrow_jax.rewards.pool",
+    "sparrow_jax.runtime.sharding", "sparrow_jax.model.config",
+    "sparrow_jax.experiment.calibrate",
+    # ExperimentConfig: `sparrow experiment --parallel` runs each arm as `sparrow train` on the
+    # experiment's own gin files
+    "sparrow_jax.experiment.runner")
+
+
 def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
-    """Parses gin files + overrides; a bad file, unknown key or bad value exits with its message."""
-    for f in config_files:
-        if not os.path.exists(f):
-            raise SystemExit(f"sparrow: gin file {f!r} does not exist")
-    # Configurables must be registered before parsing: import every module that declares them.
-    for module in ("sparrow_jax.train.trainer", "sparrow_jax.train.sft", "sparrow_jax.rollout.config",
-                   "sparrow_jax.rl.learner", "sparrow_jax.rl.grpo", "sparrow_jax.sparsity.schedule",
-                   "sparrow_jax.data.prompts", "sparrow_jax.rl.rewards", "sparrow_jax.runtime.sharding",
-                   "sparrow_jax.model.config", "sparrow_jax.experiment.calibrate",
-                   # ExperimentConfig: `sparrow experiment --parallel` runs each arm as `sparrow
-                   # train` on the experiment's own gin files
-                   "sparrow_jax.experiment.runner"):
+    """A command's configuration: every configurable registered (CONFIGURABLE_MODULES), then the
+    gin files + overrides parsed (sparrow_jax.runtime.gin_files.parse_gin)."""
+    for module in CONFIGURABLE_MODULES:
         importlib.import_module(module)
-    gin.clear_config()  # a fresh configuration per command, also when called twice in-process
-    try:
-        gin.parse_config_files_and_bindings(list(config_files), list(params))
-    except (ValueError, KeyError, SyntaxError, TypeError) as e:
-        # Python's literal parser names a bare word only as `<ast.Name object at 0x...>`.
-        text = " ".join(re.sub(r"malformed node or string on line \d+: <ast\.\w+ object at "
-                               r"0x[0-9a-f]+>", "not a value:", str(e)).split())
-        hint = "".join(f"; {b.strip()!r}: a string needs quotes ({k.strip()} = '{v.strip()}')"
-                       for b in params for k, _, v in [b.partition("=")]
-                       if _BARE.fullmatch(v.strip()))
-        raise SystemExit(f"sparrow: bad gin configuration: {text}{hint}") from None
-
-
-# A binding's value that is a bare word or path (an unquoted string), not a gin literal.
-_BARE = re.compile(r"(?!(True|False|None)$)[A-Za-z_./~][\w./~:-]*")
+    gin_files.parse_gin(config_files, params)
 
 
 def _add_gin_args(p: argparse.ArgumentParser) -> None:

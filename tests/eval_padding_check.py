@@ -28,7 +28,10 @@ from sparrow_jax.evaluation import heldout as evaluation
 from sparrow_jax.data import synthetic  # noqa: E402
 from sparrow_jax.data.prompts import PromptDataset  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
-from sparrow_jax.rl.rewards import RewardPool, register_reward  # noqa: E402
+from sparrow_jax.rollout.api import generate_timed  # noqa: E402
+from sparrow_jax.rewards import scoring  # noqa: E402
+from sparrow_jax.rewards.pool import RewardPool  # noqa: E402
+from sparrow_jax.rewards.registry import register_reward  # noqa: E402
 from sparrow_jax.train import Trainer, TrainConfig  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,10 +90,10 @@ def main(out: str) -> None:
                                   budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
                                   rng=jax.random.key(trainer.cfg.seed + 1))
         # What the mean would be if the padding rows (copies of prompt 0) were counted.
-        traj, _ = evaluation.timed_generate(model, plain, cfg=rc, budgets=np.asarray(sched.budgets),
-                                            bin_size=sched.bin_size, group_size=1,
-                                            rng=jax.random.key(trainer.cfg.seed + 1))
-        texts = evaluation.decode_responses(trainer.tokenizer, traj)
+        traj, _ = generate_timed(model, plain["prompt_ids"], plain["prompt_lengths"], cfg=rc,
+                                 budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
+                                 group_size=1, rng=jax.random.key(trainer.cfg.seed + 1))
+        texts = scoring.decode_responses(trainer.tokenizer, traj)
         per_row = [chars_reward(t, "") for t in texts]
         with_padding = float(np.mean(per_row + [per_row[0]] * (row["rows"] - len(per_row))))
         row[mode] = {"sharded_reward": sharded[f"eval_{mode}/reward"], "reward": ref["reward"],

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from sparrow_jax.data.synthetic import synthetic_exact_reward
-from sparrow_jax.rl.rewards import register_reward
+from sparrow_jax.rewards.registry import register_reward
 
 
 @register_reward("slow_exact")

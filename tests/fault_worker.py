@@ -66,7 +66,7 @@ if __name__ == "fault_worker":
     import multiprocessing
     if _START_ERROR and multiprocessing.parent_process() is not None:
         raise ImportError(_START_ERROR)
-    from sparrow_jax.rl.rewards import register_reward
+    from sparrow_jax.rewards.registry import register_reward
     register_reward("varied")(varied)
     register_reward("hostile")(hostile)
     register_reward("wrong_signature")(wrong_signature)

@@ -140,13 +140,13 @@ def learner_update(out_dir: str) -> dict:
         traj = generate(model, toks, lens, spec=spec if mesh_or_none else None, **kw)
         learner = Learner(model, LearnerConfig(learning_rate=1e-2, micro_batch_size=2),
                           group_size=2)
-        batch = LearnerBatch(traj=traj, logp_old=learner.analyze(traj)["logp_old"],
+        batch = LearnerBatch(traj=traj, logp_old=learner.analyze(traj).logp_old,
                              advantages=learner.advantages(rewards))
         grads[name] = jax.tree.leaves(learner.grads(batch)[0])
         if mesh_or_none is not None:
             # Each micro-batch takes one row from each data shard (split_micro_batches'
             # row_shards=2); the contiguous layout (row_shards=1) must give the same gradient.
-            layout["spread"] = learner._micro_batching(traj.tokens)
+            layout["spread"] = learner.micro_batch_layout(traj.tokens)
             layout["contiguous"] = {**layout["spread"], "row_shards": 1}
             grads["spread"] = grads.pop(name)
             grads[name] = jax.tree.leaves(learner_programs.grads_program(

@@ -55,3 +55,32 @@ def test_bench_rollout_refuses_caches_that_cannot_fit_before_prefill(monkeypatch
     monkeypatch.setattr(kv_cache, "device_memory_limit", lambda: int(1.5 * one / 0.9))
     with pytest.raises(SystemExit, match="two KV caches"):
         bench.main(argv)
+
+
+def test_bench_exact_does_not_count_a_rows_cut_off_last_round_as_a_full_round():
+    """`sparrow bench rollout --workload exact` stops every row at new_tokens, mid-round as a
+    rule: the cut round's tokens are fewer than a full round gives and must not lower the mean
+    tokens per verify pass (issue 56)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from sparrow_jax.bench.exact import pass_stats
+
+    # Token 0 came from the prefill; gamma 2, so a full round gives 1 to 3 tokens (accepted
+    # drafts, then the token the verify sampled). Row 0 (8 tokens): rounds of 2 and 3 tokens,
+    # then one cut after two accepted drafts. Row 1 (9 tokens): rounds of 3, 1 and 3 tokens,
+    # then one cut after one accepted draft.
+    acc = np.array([[0, 1, 0, 1, 1, 0, 1, 1, 0],
+                    [0, 1, 1, 0, 0, 1, 1, 0, 1]], bool)
+    mask = np.ones_like(acc)
+    mask[0, 8] = False
+    traj = SimpleNamespace(accepted=acc & mask, alpha=np.where(mask, 0.9, np.nan), mask=mask,
+                           cached_lengths=np.broadcast_to(np.arange(100, 109), acc.shape))
+    stats = pass_stats(traj, gamma=2)
+    # Full rounds only: row 0 (2, 3), row 1 (3, 1, 3) -> 12 tokens in 5 rounds.
+    assert stats["rounds"] == 5 and stats["tokens_per_pass"] == 12 / 5
+    # Counting the cut rounds (2 and 1 tokens) as full rounds would give 15 / 7.
+    from sparrow_jax.rollout import exact
+    counted = exact.acceptance_by_bin(traj, gamma=2, bin_size=1 << 30)[0]
+    assert counted["rounds"] == 7 and counted["tokens_per_pass"] == 15 / 7

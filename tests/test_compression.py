@@ -163,9 +163,9 @@ def test_learner_analysis_replays_compressed_rollout(tiny):
     replay = SparseReplay(bin_size=2000, max_selected=1, mode="compress")
     out = learner.analyze(traj, None, replay)
     mask = np.asarray(traj.mask)
-    np.testing.assert_allclose(np.asarray(out["logp_sparse_replay"])[mask],
+    np.testing.assert_allclose(np.asarray(out.logp_sparse_replay)[mask],
                                np.asarray(traj.logprobs)[mask], atol=1e-5)
-    alpha = np.asarray(out["alpha"])[mask]
+    alpha = np.asarray(out.alpha)[mask]
     assert (alpha <= 1 + 1e-6).all() and alpha.min() < 0.999     # evictions cost some alpha
 
 

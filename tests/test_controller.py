@@ -92,19 +92,21 @@ def test_lowers_only_after_replay_passes_and_returns_to_last_pass():
 
 
 def test_lowering_bar_is_stricter_than_holding():
-    """A probe whose replay rate sits between lower_margin * q and q neither lowers the bin nor
-    counts as failed (it keeps pooling); a clean replay lowers it."""
+    """With lower_margin < 1 (the default is 1, the certified rule; 0.5 here, the default until
+    issue 56): a probe whose replay rate sits between lower_margin * q and q neither lowers the
+    bin nor counts as failed (it keeps pooling); a clean replay lowers it."""
+    cfg = dataclasses.replace(CFG, lower_margin=0.5)
     rng = np.random.default_rng(7)
     state = ControllerState.initial(Schedule.constant(512, num_bins=1, bin_size=4096))
-    state, _ = controller_update(state, *counts(rng, [0.0]), CFG)
+    state, _ = controller_update(state, *counts(rng, [0.0]), cfg)
     for step in range(6):        # 0.7 q in 2048 tokens a step: passes q, never 0.5 q
         ph, pt = counts(rng, [0.7 * Q])
-        state, info = controller_update(state, *counts(rng, [0.0]), CFG,
+        state, info = controller_update(state, *counts(rng, [0.0]), cfg,
                                         probe_hits=ph, probe_tokens=pt)
         assert state.schedule.budgets == (512,) and not info["probe_failed"][0], step
     for step in range(6):        # clean replays: the pooled bound falls below 0.5 q
         ph, pt = counts(rng, [0.0])
-        state, info = controller_update(state, *counts(rng, [0.0]), CFG,
+        state, info = controller_update(state, *counts(rng, [0.0]), cfg,
                                         probe_hits=ph, probe_tokens=pt)
         if info["lowered"][0]:
             break

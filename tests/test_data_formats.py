@@ -16,8 +16,8 @@ import pytest
 from sparrow_jax.data.prompts import PromptDataset, PromptFormat, load_prompt_records
 from sparrow_jax.data.rows import expand_paths
 from sparrow_jax.data.tokenizer import build_word_level_tokenizer
-from sparrow_jax.rl.answers import extract_answer
-from sparrow_jax.rl.rewards import get_reward
+from sparrow_jax.rewards.answers import extract_answer
+from sparrow_jax.rewards.registry import get_reward
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("what is one plus two three solve x find the answer last line form Answer: be brief "

@@ -105,13 +105,13 @@ def test_dense_side_never_sees_the_adapter(ckpt_dir):
     mask = np.asarray(traj.mask)
     plain = learner.analyze(traj, BUDGETS, REPLAY)
     with_actor = learner.analyze(traj, BUDGETS, REPLAY, sparse_model=actor)
-    np.testing.assert_array_equal(np.asarray(plain["logp_old"]), np.asarray(with_actor["logp_old"]))
-    assert not np.allclose(np.asarray(plain["alpha"])[mask], np.asarray(with_actor["alpha"])[mask])
+    np.testing.assert_array_equal(np.asarray(plain.logp_old), np.asarray(with_actor.logp_old))
+    assert not np.allclose(np.asarray(plain.alpha)[mask], np.asarray(with_actor.alpha)[mask])
     # The replay of the merged actor reproduces the rollout's own logprobs.
-    np.testing.assert_allclose(np.asarray(with_actor["logp_sparse_replay"])[mask],
+    np.testing.assert_allclose(np.asarray(with_actor.logp_sparse_replay)[mask],
                                np.asarray(traj.logprobs)[mask], atol=2e-5)
     # Fused gradient program (pi_old from the gradient forward) and the two-pass one.
-    for logp_old in (None, plain["logp_old"]):
+    for logp_old in (None, plain.logp_old):
         batch = LearnerBatch(traj=traj, logp_old=logp_old, advantages=adv)
         g0, m0, l0, t0 = learner._grads(batch, BUDGETS, REPLAY, 0, 1)
         g1, m1, l1, t1 = learner._grads(batch, BUDGETS, REPLAY, 0, 1, sparse_model=actor)
@@ -119,8 +119,8 @@ def test_dense_side_never_sees_the_adapter(ckpt_dir):
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         if logp_old is None:
-            np.testing.assert_array_equal(np.asarray(t0["logp_old"]), np.asarray(t1["logp_old"]))
-            np.testing.assert_allclose(np.asarray(t1["logp_sparse_replay"])[mask],
+            np.testing.assert_array_equal(np.asarray(t0.logp_old), np.asarray(t1.logp_old))
+            np.testing.assert_allclose(np.asarray(t1.logp_sparse_replay)[mask],
                                        np.asarray(traj.logprobs)[mask], atol=2e-5)
 
 
@@ -144,7 +144,7 @@ def _kl_batch(ckpt_dir, learner_cfg):
     base = load_hf(ckpt_dir, dtype=jnp.float32)
     traj = _rollout(base, seed=5, prompt=96, new=32)    # 4-8 blocks, 3 kept: sparse
     learner = Learner(base, learner_cfg, group_size=2)
-    dense = learner.analyze(traj)["logp_old"]
+    dense = learner.analyze(traj).logp_old
     return learner, traj, LearnerBatch(traj=traj, logp_old=dense,
                                        advantages=learner.advantages(REWARDS))
 

@@ -174,7 +174,7 @@ def test_run_directory_with_its_schedule(tmp_path, capsys):
     assert settings["step"] == 2
     # The fingerprint covers the step's parameters, not only the base model's files.
     from sparrow_jax.evaluation.results import model_fingerprint
-    from sparrow_jax.evaluation.command import _step_checksums
+    from sparrow_jax.tools.evaluate import _step_checksums
     assert settings["model_fingerprint"] != model_fingerprint(root / "model")
     assert len(_step_checksums(str(root / "run"), 2)) > 100     # real checksums, not "null"
     assert json.loads(settings["schedule"])["budgets"] == [48] * 20
@@ -190,7 +190,7 @@ def test_training_evaluation_agrees_with_sparrow_eval(tiny, tmp_path, capsys):
     from sparrow_jax.data.prompts import load_prompt_records
     from sparrow_jax.evaluation.heldout import batch_records, evaluate
     from sparrow_jax.model import load_hf, load_tokenizer
-    from sparrow_jax.rl.rewards import RewardPool
+    from sparrow_jax.rewards.pool import RewardPool
     from sparrow_jax.rollout.config import RolloutConfig
 
     rc, _ = run_eval([tiny / "model", tiny / "data.parquet", "--n", "4", "--k", "1,2,4",
@@ -219,7 +219,7 @@ def test_data_sources_and_sampling_defaults(tiny, tmp_path):
 
     import gin
 
-    from sparrow_jax.evaluation import command
+    from sparrow_jax.tools import evaluate as command
     from sparrow_jax.model import load_tokenizer
     from sparrow_jax.rollout import config  # noqa: F401 - registers RolloutConfig with gin
 

@@ -14,8 +14,9 @@ import time
 
 
 from sparrow_jax.evaluation import scorers
-from sparrow_jax.rl.answers import dapo_score, normalize_dapo
-from sparrow_jax.rl.rewards import RewardPool, get_reward
+from sparrow_jax.rewards.answers import dapo_score, normalize_dapo
+from sparrow_jax.rewards.pool import RewardPool
+from sparrow_jax.rewards.registry import get_reward
 
 PAD300 = "x" * 300
 CODE = "```python\nprint('Answer: 41')\n```\n"
@@ -168,9 +169,9 @@ def test_math_verify_hostile_input_times_out():
     and scores 0, and the next item is scored normally."""
     items = [("\\boxed{9^{9^{9^{9^{9}}}}}", "1"), ("\\boxed{42}", "42")]
     with RewardPool("math_verify_boxed", processes=1, timeout_s=2.0) as pool:
-        rewards, info = pool.score(items)
-    assert info["timeouts"] == 1 and info["timed_out"] == [0]
-    assert rewards.tolist() == [0.0, 1.0]
+        report = pool.score(items)
+    assert report.timeouts == 1 and report.timed_out == (0,)
+    assert report.rewards.tolist() == [0.0, 1.0]
 
 
 def test_scorer_choice_and_vote_answers():

@@ -116,6 +116,11 @@ def test_report_shared_start_and_alpha_columns():
         in text
     assert "\\* no step-0 evaluation in these runs" in text and "`dense@0`'s" in text
     assert "t-interval over seeds" in text and "over prompts" in text
+    # Shared sampling keys couple the runs of a pair: the report must not say that its interval
+    # carries the variance of training runs (issue 56: exact sparse, identical in distribution,
+    # landed -0.050 and +0.045 from dense, ~25x outside the demo's +-0.002 interval).
+    assert "does not carry the variance of training runs" in text
+    assert "carries the training-run variance" not in text
     # Every run evaluated at step 0: no footnote, its own start.
     own = paired_markdown({"dense@0": _run_rows(0.2, start=0.1),
                            "controller@0": _run_rows(0.3, start=0.1)})

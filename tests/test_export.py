@@ -18,9 +18,10 @@ from flax import nnx
 from hf_fixtures import make_tiny_synthetic_model
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
-from sparrow_jax.tools.export import ExportError, export, gin_binding
+from sparrow_jax.runtime.gin_files import gin_binding
+from sparrow_jax.tools.export import ExportError, export
 from sparrow_jax.model import Qwen3ForCausalLM, load_hf, read_config
-from sparrow_jax.rl.rewards import register_reward
+from sparrow_jax.rewards.registry import register_reward
 from sparrow_jax.runtime import checkpoint as ckpt
 
 

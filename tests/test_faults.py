@@ -496,13 +496,13 @@ def test_metrics_truncate_after_drops_later_and_torn_lines(tmp_path):
 
 
 def test_reward_results_must_be_numbers():
-    from sparrow_jax.rl.rewards import RewardPool
+    from sparrow_jax.rewards.pool import RewardPool
 
     values = iter([1, True, np.float32(0.5), "1", None, float("nan"), [1.0]])
     with RewardPool(lambda *a, **k: next(values), processes=0) as pool:
-        rewards, info = pool.score([("x", "y")] * 7)
-    assert rewards.tolist() == [1.0, 1.0, 0.5, 0, 0, 0, 0]
-    assert info["errors"] == 4 and info["failed"] == [3, 4, 5, 6]
+        report = pool.score([("x", "y")] * 7)
+    assert report.rewards.tolist() == [1.0, 1.0, 0.5, 0, 0, 0, 0]
+    assert report.errors == 4 and report.failed == (3, 4, 5, 6)
 
 
 def test_config_check_types():

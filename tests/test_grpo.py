@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 
 import gin
 import jax
@@ -266,8 +267,8 @@ def test_microbatch_accumulation_is_exact(aggregation, options):
             logp_rollout,
             adv,
             mask,
+            grpo.LossConfig(**kw),
             tis_mean=tis_mean,
-            **kw,
         )
         return s, (d, m)
 
@@ -336,11 +337,35 @@ def test_loss_config_gin_and_validation():
     cfg = grpo.LossConfig()
     gin.clear_config()
     assert cfg.aggregation == "seq-mean-token-sum" and cfg.token_rejection == (0.5, 1.5)
+    assert cfg.aggregation is grpo.Aggregation.SEQ_MEAN_TOKEN_SUM
     hash(cfg)  # usable as a static jit argument
-    logp, logp_old, logp_rollout, adv, mask = random_inputs(9)
-    loss, _ = grpo.policy_loss(logp, logp_old, logp_rollout, adv, mask, **cfg.loss_kwargs())
-    assert np.isfinite(loss)
-    with pytest.raises(ValueError, match="aggregation"):
+    assert hash(grpo.LossConfig(aggregation="token-mean")) == hash(grpo.LossConfig())
+    allowed = "('token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum')"
+    with pytest.raises(ValueError, match=re.escape(
+            f"LossConfig.aggregation must be one of {allowed}, got 'sum'")):
         grpo.LossConfig(aggregation="sum")
+    with pytest.raises(ValueError, match=re.escape(f"aggregation must be one of {allowed}")):
+        grpo.policy_loss(*random_inputs(9), aggregation="sum")
     with pytest.raises(ValueError, match="dual_clip"):
         grpo.LossConfig(dual_clip=0.5)
+
+
+@pytest.mark.parametrize("options", OPTION_SETS + [{"aggregation": "seq-mean-token-mean"}])
+def test_loss_config_path_equals_policy_loss_keywords(options):
+    """The learner's path (`policy_loss_terms` with a LossConfig, under jit as a static argument)
+    gives bit-identical loss and metrics to the public keywords of `policy_loss`."""
+    inputs = random_inputs(11)
+    loss, metrics = jax.jit(lambda *a: grpo.policy_loss(*a, **options))(*inputs)
+    cfg = grpo.LossConfig(**options)
+
+    @functools.partial(jax.jit, static_argnames="cfg")
+    def via_config(*a, cfg):
+        loss_sum, denominator, sums = grpo.policy_loss_terms(*a, cfg)
+        loss = jnp.where(denominator > 0, loss_sum / jnp.maximum(denominator, 1e-12), 0.0)
+        return loss, grpo.finalize_metrics(sums)
+
+    cfg_loss, cfg_metrics = via_config(*inputs, cfg=cfg)
+    assert float(cfg_loss) == float(loss)
+    assert cfg_metrics.keys() == metrics.keys()
+    for name, value in metrics.items():
+        np.testing.assert_array_equal(cfg_metrics[name], value, err_msg=name)

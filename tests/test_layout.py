@@ -1,26 +1,90 @@
 """The package layout, read with `ast` (docs/design.md, "Layout rules"): no import circle between
-modules or between packages (rooms), one package per stage, and no module reaching for another
-module's private name. Module size is not a rule.
+modules or between packages (rooms), a room graph at most MAX_FLOORS floors tall, one package
+per stage, and no module reaching for another module's private name. Module size is not a rule.
 
 A room is a package directly under `sparrow_jax/` (`rollout`, `sparsity`, ...), a top-level
-module (`train`, `cli`, ...) or `pallas_kernels`. `from pkg import submodule` counts as an import
-of the submodule, not of the package's `__init__` (which only hands names on).
+module (`cli`) or `pallas_kernels`. `from pkg import submodule` counts as an import of the
+submodule, not of the package's `__init__` (which only hands names on). Imports by module name
+count too: `importlib.import_module("sparrow_jax.x.y")` / `__import__(...)` with a literal or an
+f-string built from literals, `__name__` and module-level tables (a package `__init__` that maps
+names to its submodules lazily); and a module that imports a name it computes (a command table,
+a list of modules to load) is taken to import every project module it names in a string.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
+import itertools
 import textwrap
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Floors of the room graph (bottom up): 1 runtime, pallas_kernels; 2 model, sparsity, rewards;
+# 3 rollout, data; 4 rl, evaluation; 5 train; 6 experiment, dryrun, bench, tools; 7 cli.
+MAX_FLOORS = 7
+_IMPORT_BY_NAME = ("import_module", "__import__")
+
+
+def _module_tables(tree: ast.Module) -> dict[str, set[str]]:
+    """Module-level names bound to a string or a literal table of them -> those strings (a
+    dict's values, a tuple's or list's items)."""
+    tables: dict[str, set[str]] = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)):
+            continue
+        value = node.value
+        items = (value.values if isinstance(value, ast.Dict) else value.elts
+                 if isinstance(value, (ast.Tuple, ast.List)) else [value])
+        strings = {i.value for i in items
+                   if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+        if strings:
+            tables[node.targets[0].id] = strings
+    return tables
+
+
+def _strings(node: ast.AST, module: str, tables: dict[str, set[str]]) -> set[str]:
+    """Every string `node` can evaluate to when it is built from literals, `__name__` and
+    module-level tables (`_NAMES[name]`: any of its values); empty when it is anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.Name):
+        return {module} if node.id == "__name__" else tables.get(node.id, set())
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        return tables.get(node.value.id, set())
+    if isinstance(node, ast.JoinedStr):
+        parts = [_strings(p.value if isinstance(p, ast.FormattedValue) else p, module, tables)
+                 for p in node.values]
+        return {"".join(c) for c in itertools.product(*parts)} if all(parts) else set()
+    return set()
+
+
+def _imports_by_name(tree: ast.Module, module: str, files: dict[str, Path]) -> set[str]:
+    """The project modules `tree` imports by name (see the module docstring)."""
+    tables = _module_tables(tree)
+    found, computed = set(), False
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name not in _IMPORT_BY_NAME:
+            continue
+        names = _strings(node.args[0], module, tables)
+        found |= names
+        computed |= not names
+    if computed:    # the name is computed: every module named in a string may be it
+        found |= {n.value.split(":")[0] for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return {f for f in found if f in files and f != module}
 
 
 def module_graph(root: Path = REPO) -> dict[str, set[str]]:
-    """module name -> the project modules it imports (anywhere in the file, lazy imports too)."""
+    """module name -> the project modules it imports (anywhere in the file, lazy imports and
+    imports by name too)."""
     files = {}
     for p in [*root.glob("sparrow_jax/**/*.py"), *root.glob("pallas_kernels/**/*.py")]:
         name = ".".join(p.relative_to(root).with_suffix("").parts)
@@ -28,7 +92,9 @@ def module_graph(root: Path = REPO) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = collections.defaultdict(set)
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        graph[name].update(_imports_by_name(tree, name, files))
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -94,6 +160,40 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """room -> the other rooms its modules import."""
+    rooms: dict[str, set[str]] = collections.defaultdict(set)
+    for a, targets in graph.items():
+        rooms[room(a)].update(room(b) for b in targets if room(b) != room(a))
+        rooms.setdefault(room(a), set())
+    return dict(rooms)
+
+
+def floors(rooms: dict[str, set[str]]) -> dict[str, int]:
+    """room -> its floor in a circle-free room graph: 1 for a room that imports no other, else
+    one above the highest room it imports (the longest import chain down from it, in rooms)."""
+    floor: dict[str, int] = {}
+
+    def visit(r: str) -> int:
+        if r not in floor:
+            floor[r] = 0        # on the path: a circle would read as floor 0, never loop
+            floor[r] = 1 + max((visit(t) for t in rooms.get(r, ())), default=0)
+        return floor[r]
+
+    for r in sorted(rooms):
+        visit(r)
+    return floor
+
+
+def longest_chain(rooms: dict[str, set[str]]) -> list[str]:
+    """The rooms of a longest import chain, top first."""
+    floor = floors(rooms)
+    chain = [max(sorted(floor), key=floor.get)]
+    while floor[chain[-1]] > 1:
+        chain.append(max(sorted(rooms[chain[-1]]), key=floor.get))
+    return chain
+
+
 def test_cycle_finder_finds_a_planted_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]
@@ -105,11 +205,58 @@ def test_no_module_import_circle():
 
 
 def test_no_room_import_circle():
-    rooms: dict[str, set[str]] = collections.defaultdict(set)
-    for a, targets in module_graph().items():
-        rooms[room(a)].update(room(b) for b in targets if room(b) != room(a))
-        rooms.setdefault(room(a), set())
-    assert cycles(rooms) == [], "packages that import each other"
+    assert cycles(room_graph(module_graph())) == [], "packages that import each other"
+
+
+def test_floor_counter_on_a_planted_graph():
+    rooms = {"cli": {"tools", "runtime"}, "tools": {"train"}, "train": {"rewards", "runtime"},
+             "rewards": {"runtime"}, "runtime": set(), "kernels": set()}
+    assert floors(rooms) == {"cli": 5, "tools": 4, "train": 3, "rewards": 2, "runtime": 1,
+                             "kernels": 1}
+    assert longest_chain(rooms) == ["cli", "tools", "train", "rewards", "runtime"]
+    rooms["runtime"] = {"kernels"}      # one more floor under everything
+    assert max(floors(rooms).values()) == 6
+
+
+def test_rooms_stand_on_at_most_max_floors():
+    """Dependencies point downward through few floors: a room on floor n imports only rooms on
+    floors below n, and the tallest chain (cli -> ... -> runtime) has MAX_FLOORS rooms."""
+    rooms = room_graph(module_graph())
+    chain = longest_chain(rooms)
+    assert len(chain) <= MAX_FLOORS, f"{len(chain)} floors: {' -> '.join(chain)}"
+
+
+def test_imports_by_name_are_seen(tmp_path):
+    """A registry that loads its users by module name is a circle the import statements hide:
+    the graph sees literal names, f-strings over `__name__` and a lazy `__init__` table, and
+    every module named in a module that computes the name it imports."""
+    files = {
+        "sparrow_jax/__init__.py": "",
+        "sparrow_jax/low/__init__.py": "",
+        "sparrow_jax/low/registry.py": (
+            "import importlib\n"
+            "def load():\n    importlib.import_module('sparrow_jax.high.user')\n"),
+        "sparrow_jax/high/__init__.py": (
+            "import importlib\n_NAMES = {'User': 'user'}\n"
+            "def __getattr__(name):\n"
+            "    return getattr(importlib.import_module(f'{__name__}.{_NAMES[name]}'), name)\n"),
+        "sparrow_jax/high/user.py": "from sparrow_jax.low import registry\n",
+        "sparrow_jax/table.py": (
+            "from importlib import import_module\n"
+            "COMMANDS = {'x': ('sparrow_jax.high.user', 'f')}\n"
+            "def run(name):\n    return import_module(COMMANDS[name][0])\n"),
+        "sparrow_jax/dunder.py": "__import__('sparrow_jax.low.registry')\n",
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    graph = module_graph(tmp_path)
+    assert graph["sparrow_jax.low.registry"] == {"sparrow_jax.high.user"}
+    assert graph["sparrow_jax.high"] == {"sparrow_jax.high.user"}
+    assert graph["sparrow_jax.table"] == {"sparrow_jax.high.user"}
+    assert graph["sparrow_jax.dunder"] == {"sparrow_jax.low.registry"}
+    assert cycles(graph) == [["sparrow_jax.high.user", "sparrow_jax.low.registry"]]
+    assert cycles(room_graph(graph)) == [["sparrow_jax.high", "sparrow_jax.low"]]
 
 
 @pytest.mark.parametrize("engine_module", ["engine", "scheduler", "paged", "compress"])
@@ -123,12 +270,34 @@ def test_rollout_engines_do_not_import_each_other(engine_module):
     assert "sparrow_jax.rollout.api" not in graph[mine]
 
 
+# The stages one RL step calls, bottom up; `runtime` (what every run stands on) is not a stage.
+RL_STEP_MODULE = "sparrow_jax.train.step"
+MAX_RL_STEP_PACKAGES = 5
+
+
+def step_packages(graph: dict[str, set[str]], module: str = RL_STEP_MODULE) -> set[str]:
+    """The packages an RL step's module crosses: its own and those it imports (not runtime)."""
+    return {room(t) for t in graph[module] | {module}} - {"sparrow_jax.runtime"}
+
+
+def test_the_rl_step_crosses_few_packages_and_no_evaluation():
+    """train/step.py reads prompts, rolls out, scores, learns and controls the schedule through
+    the stage packages only: never through evaluation/, at most 5 packages with its own."""
+    crossed = step_packages(module_graph())
+    assert "sparrow_jax.evaluation" not in crossed, crossed
+    assert len(crossed) <= MAX_RL_STEP_PACKAGES, sorted(crossed)
+    planted = {"sparrow_jax.train.step": {"sparrow_jax.evaluation.heldout",
+                                          "sparrow_jax.runtime.faults"}}
+    assert step_packages(planted) == {"sparrow_jax.train", "sparrow_jax.evaluation"}
+
+
 def test_kernels_and_benches_point_down():
     graph = module_graph()
     for name, targets in graph.items():
         if name.startswith("pallas_kernels"):
             assert not any(t.startswith("sparrow_jax") for t in targets), (name, targets)
-        if not name.startswith("sparrow_jax.bench"):
+        # Only the command line (`sparrow bench ...`) dispatches to the benches.
+        if not name.startswith("sparrow_jax.bench") and name != "sparrow_jax.cli":
             assert not any(t.startswith("sparrow_jax.bench") for t in targets), (name, targets)
 
 
@@ -164,18 +333,11 @@ def test_no_loose_top_level_modules():
 # modules (`gin.config._REGISTRY` is gin's business, not this rule's). (c) cannot tell two
 # classes that both define `_x` apart: a file that defines `_x` itself may use any `obj._x`.
 
-# Reaches into files that other issue-54 work is rewriting now (rl/ learner privates, dryrun's
-# programs, the eval command); each entry goes when that work lands (the test says which are
-# gone).
+# Reaches into files that other issue-54 work is rewriting now (rl/ privates its tests use,
+# dryrun's programs and the compile plan, the eval command's tests); each entry goes when that
+# work lands (the test says which are gone).
 PENDING_REACHES = {
     ("sparrow_jax/dryrun/programs.py", "_join"),    # batching._join: compile_plan counts it by name
-    ("sparrow_jax/dryrun/programs.py", "_num_mini"),
-    ("sparrow_jax/dryrun/programs.py", "_micro_batching"),
-    ("sparrow_jax/evaluation/command.py", "_model_dir"),
-    ("sparrow_jax/evaluation/command.py", "_operative_config"),
-    ("sparrow_jax/rl/distill.py", "_empty_metric_sums"),
-    ("sparrow_jax/rl/distill.py", "_micro_batching"),
-    ("tests/rollout_sharded_check.py", "_micro_batching"),
     ("tests/test_distill.py", "_grads"),
     ("tests/test_minibatch.py", "_grads"),
     ("tests/test_precision.py", "_loss_terms"),

@@ -1,5 +1,9 @@
 """Learner: exact gradient accumulation, loss decreases, mismatch analysis vs rollout records."""
 
+import dataclasses
+import re
+
+import gin
 import numpy as np
 import pytest
 import jax
@@ -7,7 +11,9 @@ import jax.numpy as jnp
 
 from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import load_hf
-from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig, SparseReplay
+from sparrow_jax.model.qwen3 import REMAT_MODES
+from sparrow_jax.rl.learner import (AlphaMode, Learner, LearnerBatch, LearnerConfig, RematMode,
+                                    SparseReplay)
 from sparrow_jax.rollout import RolloutConfig, generate
 
 
@@ -28,7 +34,7 @@ def _rollout(model, mode="dense", budget=4096, new=24, group=2, seed=0):
 
 
 def _batch(learner, traj, rewards):
-    logp_old = learner.analyze(traj)["logp_old"]
+    logp_old = learner.analyze(traj).logp_old
     return LearnerBatch(traj=traj, logp_old=logp_old, advantages=learner.advantages(rewards))
 
 
@@ -42,7 +48,7 @@ def test_micro_batch_accumulation_equals_full_batch(ckpt):
     g_full, m_full, loss_full = full.grads(batch)
     micro = Learner(model, LearnerConfig(learning_rate=1e-3, micro_batch_size=2), group_size=2)
     g_micro, m_micro, loss_micro = micro.grads(batch)
-    np.testing.assert_allclose(np.asarray(micro.analyze(traj)["logp_old"]),
+    np.testing.assert_allclose(np.asarray(micro.analyze(traj).logp_old),
                                np.asarray(batch.logp_old), atol=1e-6)
     np.testing.assert_allclose(float(loss_micro), float(loss_full), rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_micro)):
@@ -63,8 +69,30 @@ def test_micro_batch_must_hold_whole_groups(ckpt):
     model = load_hf(ckpt, dtype=jnp.float32)
     with pytest.raises(ValueError, match="multiple of the group size"):
         Learner(model, LearnerConfig(micro_batch_size=3), group_size=2)
-    with pytest.raises(ValueError, match="alpha_mode"):
-        LearnerConfig(alpha_mode="mean")
+
+
+def test_modes_are_checked_at_config_time():
+    """Mode settings are enums: a wrong string fails when the config is made, naming the setting
+    and the allowed values; gin's strings still work and still compare equal."""
+    msg = "LearnerConfig.alpha_mode must be one of ('full', 'topk', 'none'), got 'fulll'"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        LearnerConfig(alpha_mode="fulll")
+    with pytest.raises(ValueError, match=re.escape("LearnerConfig.remat must be one of ('none', "
+                                                   "'full', 'dots'), got 'some'")):
+        LearnerConfig(remat="some")
+    assert tuple(RematMode) == REMAT_MODES       # the model's remat modes, same order
+    gin.clear_config()
+    try:
+        gin.parse_config("LearnerConfig.alpha_mode = 'topk'\nLearnerConfig.remat = 'dots'")
+        cfg = LearnerConfig()
+    finally:
+        gin.clear_config()
+    assert cfg.alpha_mode is AlphaMode.TOPK and cfg.alpha_mode == "topk"
+    assert cfg.remat is RematMode.DOTS and cfg.remat == "dots"
+    assert dataclasses.replace(cfg, alpha_mode="none").alpha_mode is AlphaMode.NONE
+    assert hash(LearnerConfig(alpha_mode="full")) == hash(LearnerConfig())
+    # Written back as gin writes strings (the operative config of a run, `repr`).
+    assert repr(AlphaMode.FULL) == "'full'" and "alpha_mode='topk'" in repr(cfg)
 
 
 def test_analyze_dense_rollout_has_alpha_one_and_matching_logprobs(ckpt):
@@ -73,10 +101,10 @@ def test_analyze_dense_rollout_has_alpha_one_and_matching_logprobs(ckpt):
     learner = Learner(model, LearnerConfig(alpha_mode="topk"), group_size=2)
     out = learner.analyze(traj)
     mask = np.asarray(traj.mask)
-    np.testing.assert_allclose(np.asarray(out["logp_old"])[mask], np.asarray(traj.logprobs)[mask],
+    np.testing.assert_allclose(np.asarray(out.logp_old)[mask], np.asarray(traj.logprobs)[mask],
                                atol=1e-5)
     # Identical distributions: the top-k lower bound is exactly the top-k probability mass.
-    alpha = np.asarray(out["alpha"])[mask]
+    alpha = np.asarray(out.alpha)[mask]
     topk_mass = np.exp(np.asarray(traj.topk_logprobs)).sum(-1)[mask]
     np.testing.assert_allclose(alpha, topk_mass, atol=1e-5)
 
@@ -90,17 +118,17 @@ def test_analyze_sparse_full_alpha_and_topk_bound(ckpt):
                                                                                  replay)
     topk = Learner(model, LearnerConfig(alpha_mode="topk"), group_size=2).analyze(traj)
     mask = np.asarray(traj.mask)
-    np.testing.assert_allclose(np.asarray(full["logp_sparse_replay"])[mask],
+    np.testing.assert_allclose(np.asarray(full.logp_sparse_replay)[mask],
                                np.asarray(traj.logprobs)[mask], atol=1e-5)
-    a_full, a_topk = np.asarray(full["alpha"])[mask], np.asarray(topk["alpha"])[mask]
+    a_full, a_topk = np.asarray(full.alpha)[mask], np.asarray(topk.alpha)[mask]
     assert (a_topk <= a_full + 1e-5).all()
     assert a_full.min() < 0.999  # the 3-block budget really changes the distribution
     # Query-chunked replay (long sequences; 13 does not divide the sequence) selects the same.
     chunked = Learner(model, LearnerConfig(alpha_mode="full", attention_chunk=13),
                       group_size=2).analyze(traj, budgets, replay)
     for key in ("logp_old", "logp_sparse_replay", "alpha"):
-        np.testing.assert_allclose(np.asarray(chunked[key])[mask], np.asarray(full[key])[mask],
-                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(getattr(chunked, key))[mask],
+                                   np.asarray(getattr(full, key))[mask], atol=1e-5)
 
 
 def test_chunked_attention_learner_equals_one_shot(ckpt):
@@ -113,7 +141,8 @@ def test_chunked_attention_learner_equals_one_shot(ckpt):
     batch = _batch(one_shot, traj, rewards)
     a_one, a_chunk = one_shot.analyze(traj), chunked.analyze(traj)
     for key in ("logp_old", "alpha"):
-        np.testing.assert_allclose(np.asarray(a_chunk[key]), np.asarray(a_one[key]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(getattr(a_chunk, key)),
+                                   np.asarray(getattr(a_one, key)), atol=1e-5)
     g_one, _, loss_one = one_shot.grads(batch)
     g_chunk, _, loss_chunk = chunked.grads(batch)
     np.testing.assert_allclose(float(loss_chunk), float(loss_one), rtol=1e-5, atol=1e-7)

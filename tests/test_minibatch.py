@@ -51,7 +51,7 @@ def test_second_mini_batch_sees_a_moved_policy(ckpt):
     assert max(abs(steps[1]["loss/ratio_max"] - 1), abs(steps[1]["loss/ratio_min"] - 1)) > 1e-3
     for key in ("loss/clipfrac_high", "loss/clipfrac_low", "loss/dual_clipfrac"):
         assert key in metrics and all(key in s for s in steps)
-    assert "logp_old" in analysis
+    assert analysis.logp_old.shape == traj.tokens.shape
     # Epochs: 2 passes over 2 mini-batches = 4 optimizer steps.
     again = Learner(model, LearnerConfig(learning_rate=1e-3, ppo_mini_batch_size=4, ppo_epochs=2),
                     group_size=2)
@@ -83,7 +83,7 @@ def test_fused_step_equals_analysis_then_update(ckpt, micro, monkeypatch):
     sep = Learner(load_hf(ckpt, dtype=jnp.float32), cfg, group_size=2)
     adv = sep.advantages(REWARDS)
     ref_analysis = sep.analyze(traj, budgets, replay)
-    ref_batch = LearnerBatch(traj=traj, logp_old=ref_analysis["logp_old"], advantages=adv)
+    ref_batch = LearnerBatch(traj=traj, logp_old=ref_analysis.logp_old, advantages=adv)
     ref_grads, _, ref_loss = sep.grads(ref_batch)
     fused = Learner(base, cfg, group_size=2)
     assert fused.fused(8)
@@ -100,8 +100,9 @@ def test_fused_step_equals_analysis_then_update(ckpt, micro, monkeypatch):
     assert metrics["learner/optimizer_steps"] == 1
     mask = np.asarray(traj.mask)
     for key in ("logp_old", "alpha", "logp_sparse_replay"):
-        np.testing.assert_allclose(np.asarray(analysis[key])[mask],
-                                   np.asarray(ref_analysis[key])[mask], atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(np.asarray(getattr(analysis, key))[mask],
+                                   np.asarray(getattr(ref_analysis, key))[mask], atol=1e-5,
+                                   err_msg=key)
 
 
 def test_bucket_helpers():

@@ -16,7 +16,7 @@ from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import compute_copy, load_hf
 from sparrow_jax.rl import learner_programs as lp
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig
-from sparrow_jax.rl.rewards import register_reward
+from sparrow_jax.rewards.registry import register_reward
 from sparrow_jax.rollout import RolloutConfig, generate
 
 VOCAB = 96
@@ -73,7 +73,7 @@ def test_f32_master_update_equals_numpy_adamw(ckpt):
     learner = Learner(model, LearnerConfig(learning_rate=lr, weight_decay=wd, grad_clip=clip),
                       group_size=2, sampling=cfg.sampling)
     adv = learner.advantages(np.array([1.0, 0.0, 1.0, 0.0]))
-    batch = LearnerBatch(traj=traj, logp_old=learner.analyze(traj)["logp_old"], advantages=adv)
+    batch = LearnerBatch(traj=traj, logp_old=learner.analyze(traj).logp_old, advantages=adv)
     grads = [np.asarray(g, np.float64) for g in jax.tree.leaves(learner.grads(batch)[0])]
     before = _params(model)
     learner.update(batch)
@@ -115,10 +115,10 @@ def test_learner_scores_the_rollouts_sampling_distribution(ckpt, settings):
     traj, cfg = _rollout(model, **settings)
     mask = np.asarray(traj.mask)
     same = Learner(model, LearnerConfig(alpha_mode="topk"), group_size=2, sampling=cfg.sampling)
-    logp_old = np.asarray(same.analyze(traj)["logp_old"])
+    logp_old = np.asarray(same.analyze(traj).logp_old)
     np.testing.assert_allclose(logp_old[mask], np.asarray(traj.logprobs)[mask], atol=1e-5)
     other = Learner(model, LearnerConfig(alpha_mode="topk"), group_size=2)   # T = 1, untruncated
-    assert np.abs(np.asarray(other.analyze(traj)["logp_old"])[mask]
+    assert np.abs(np.asarray(other.analyze(traj).logp_old)[mask]
                   - np.asarray(traj.logprobs)[mask]).max() > 1e-2
     # Truncation must not make gradients NaN (tokens outside the kept set have logp = -inf).
     batch = LearnerBatch(traj=traj, logp_old=jnp.asarray(logp_old),

@@ -40,11 +40,13 @@ def test_spearman_matches_scipy():
 
 
 def _rows(final, fails, alpha, kv, seconds=10.0):
+    """A run's metrics.jsonl rows; fails None: no controller record (dense, a fixed table)."""
+    tail = {} if fails is None else {"schedule/bins_below_target": fails}
     return [{"step": 0, "eval_dense/ref_p_exact": 0.08},
-            {"step": 1, "schedule/bins_below_target": fails, "alpha/alpha_mean": alpha,
-             "kv/read_model": kv, "time/rollout": seconds},
-            {"step": 2, "schedule/bins_below_target": fails, "alpha/alpha_mean": alpha,
-             "kv/read_model": kv, "time/rollout": seconds, "eval_dense/ref_p_exact": final}]
+            {"step": 1, **tail, "alpha/alpha_mean": alpha, "kv/read_model": kv,
+             "time/rollout": seconds},
+            {"step": 2, **tail, "alpha/alpha_mean": alpha, "kv/read_model": kv,
+             "time/rollout": seconds, "eval_dense/ref_p_exact": final}]
 
 
 def test_analyse_reads_the_registered_seeds_only():
@@ -72,6 +74,72 @@ def test_analyse_reads_the_registered_seeds_only():
     assert prereg.analyse(results, cfg)["missing"] == ["M@14"]
     with pytest.raises(ValueError, match="margin"):
         prereg.PreregConfig(margin=0.0)
+
+
+def test_fixed_table_arms_make_the_predictor_test_invalid_not_a_winner():
+    """Issue 41's M was a fixed table: it logs no tail failures, so its 0 is by construction
+    (calibration showed it failing in 5 bins). The report names no predictor winner then."""
+    cfg = prereg.PreregConfig(margin=0.02, seeds=(11, 12, 13, 14))
+    rng = np.random.default_rng(1)
+    results = {}
+    for s in (11, 12, 13, 14):
+        base = 0.13 + 0.01 * rng.standard_normal()
+        results[f"dense@{s}"] = _rows(base, None, 0.99, 1.0)
+        results[f"controller@{s}"] = _rows(base - 0.01 * rng.random(), 2 * rng.random(),
+                                           0.9995, 0.75)
+        results[f"M@{s}"] = _rows(base - 0.04 * rng.random(), None, 0.998, 0.61)   # fixed
+    res = prereg.analyse(results, cfg)
+    p = res["predictor"]
+    assert p["invalid"] == prereg.PREDICTOR_INVALID and p["tail_better"] is None
+    assert p["unlogged"] == [f"M@{s}" for s in (11, 12, 13, 14)]
+    assert "rho_tail" not in p
+    assert np.isnan(res["arms"]["M"]["tail_failures"])        # not logged, not "0 failures"
+    text = prereg.prereg_markdown(res)
+    assert "invalid: fixed-table arms log no tail failures" in text
+    assert "predicts better" not in text and "**the tail**" not in text
+    assert "| M | 0.610 | 20.0 | 0.9980 | not logged |" in text
+    # Only runs with a controller record: the comparison is computed and a winner named.
+    only = {k: v for k, v in results.items() if not k.startswith("M@")}
+    valid = prereg.analyse(only, cfg)["predictor"]
+    assert "invalid" not in valid and valid["tail_better"] in (True, False)
+
+
+def test_tost_power_is_exact_against_simulation_and_sizes_the_registered_test():
+    sd, margin = 0.0404, 0.02          # the registered run's spread of controller - dense
+    # The registered 4-seed test had ~2% power; the exact integral matches simulation.
+    assert prereg.tost_power(4, sd, margin) == pytest.approx(0.0176, abs=0.001)
+    rng = np.random.default_rng(0)
+    for n, true in ((4, 0.0), (12, 0.0), (12, 0.01)):
+        d = rng.normal(true, sd, (200_000, n))
+        m, se = d.mean(1), d.std(1, ddof=1) / np.sqrt(n)
+        t = stats.t.ppf(0.95, n - 1)
+        shown = np.mean((m - t * se > -margin) & (m + t * se < margin))
+        assert prereg.tost_power(n, sd, margin, true_diff=true) == pytest.approx(shown, abs=0.003)
+    n = prereg.seeds_needed(sd, margin, 0.05, 0.8)
+    assert prereg.tost_power(n, sd, margin) >= 0.8 > prereg.tost_power(n - 1, sd, margin)
+    assert n == 37
+    assert prereg.seeds_needed(0.001, margin) == 2
+
+
+def test_the_report_says_how_many_more_seeds_and_the_pooled_estimate():
+    cfg = prereg.PreregConfig(margin=0.02, seeds=(11, 12, 13, 14), planned_sd=0.0404)
+    assert cfg.planned_seeds() == 37
+    d = {"11": 0.0098, "12": -0.0335, "13": -0.0054, "14": -0.0822}    # the registered run
+    results = {}
+    for s, x in d.items():
+        results[f"dense@{s}"] = _rows(0.13, None, 0.99, 1.0)
+        results[f"controller@{s}"] = _rows(0.13 + x, 1.0, 0.9995, 0.75)
+    res = prereg.analyse(results, cfg)
+    w = res["power"]
+    assert w["needed"] == 37 and w["seeds"] == 4 and w["more_needed"] == 33
+    assert w["observed_sd"] == pytest.approx(np.std(list(d.values()), ddof=1))
+    assert w["power_now"] == pytest.approx(0.0176, abs=0.001)
+    text = prereg.prereg_markdown(res)
+    assert "**37 seeds needed**" in text and "**33 more needed**" in text
+    assert "Pooled estimate: -0.0278, 90% CI [-0.0754, +0.0198] over 4 seeds" in text
+    assert prereg.analyse(results, prereg.PreregConfig(seeds=(11, 12)))["power"] is None
+    with pytest.raises(ValueError, match="planned_sd"):
+        prereg.PreregConfig(planned_sd=0.0)
 
 
 def test_the_experiment_runner_writes_the_registered_report(tmp_path):
@@ -106,6 +174,8 @@ def test_the_registered_config_parses_every_arm():
         cli.parse_gin(files, [])
         cfg, pre = runner.ExperimentConfig(), prereg.PreregConfig()
         assert pre.seeds == ("11", "12", "13", "14") and pre.margin == 0.02
+        # The power analysis registered after the first run (issue 56): seeds for 80% power.
+        assert pre.planned_sd == 0.0404 and pre.power == 0.8 and pre.planned_seeds() == 37
         assert {n.split("@")[0] for n in cfg.arms} == {"dense", "controller", "M"}
         assert {n.split("@")[1] for n in cfg.arms} == set(pre.seeds)
         for name in cfg.arms:

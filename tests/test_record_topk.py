@@ -65,7 +65,7 @@ def test_learner_full_alpha_on_width_zero_and_topk_refuses(tiny):
     learner = Learner(tiny, LearnerConfig(alpha_mode="full"), group_size=2)
     a, b = learner.analyze(full, BUDGETS, replay), learner.analyze(lean, BUDGETS, replay)
     for key in ("logp_old", "alpha", "logp_sparse_replay"):
-        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+        np.testing.assert_array_equal(np.asarray(getattr(a, key)), np.asarray(getattr(b, key)))
     with pytest.raises(ValueError, match="recorded none"):
         Learner(tiny, LearnerConfig(alpha_mode="topk"), group_size=2).analyze(lean)
 

@@ -14,8 +14,11 @@ import gin
 import numpy as np
 import pytest
 
-from sparrow_jax.rl import rewards
-from sparrow_jax.rl.rewards import RewardPool, extract_last_boxed, get_reward, register_reward
+from sparrow_jax.data import synthetic  # noqa: F401 - registers the synthetic task's rewards
+from sparrow_jax.rewards import registry
+from sparrow_jax.rewards.answers import extract_last_boxed
+from sparrow_jax.rewards.pool import RewardPool
+from sparrow_jax.rewards.registry import get_reward, register_reward
 
 
 @register_reward("test_slow")
@@ -70,7 +73,7 @@ def test_math_verify_reward(completion, truth, expected):
 
 def test_registry():
     assert get_reward("test_slow") is slow_reward
-    assert {"math_verify", "synthetic_exact", "synthetic_answer"} <= set(rewards.reward_names())
+    assert {"math_verify", "synthetic_exact", "synthetic_answer"} <= set(registry.reward_names())
     with pytest.raises(KeyError, match="unknown reward 'nope'.*math_verify"):
         get_reward("nope")
     with pytest.raises(ValueError, match="already registered"):
@@ -78,38 +81,43 @@ def test_registry():
     assert get_reward("sparrow_jax.data.synthetic:synthetic_answer")("= 3", "3") == 1.0
     gin.clear_config()
     gin.parse_config("make_reward_fn.name = 'test_slow'")
-    assert rewards.make_reward_fn() is slow_reward
+    assert registry.make_reward_fn() is slow_reward
     gin.clear_config()
 
 
 def test_inprocess_pool_counts_errors():
     with RewardPool("test_slow", processes=0) as pool:
-        r, info = pool.score([("a", "a"), ("raise", "a"), ("b", "a", "prompt", {"k": 1})])
-    np.testing.assert_array_equal(r, [1, 0, 0])
-    assert info["errors"] == 1 and info["failed"] == [1] and "bad reward" in info["first_error"]
+        report = pool.score([("a", "a"), ("raise", "a"), ("b", "a", "prompt", {"k": 1})])
+    np.testing.assert_array_equal(report.rewards, [1, 0, 0])
+    assert report.rewards.dtype == np.float32
+    assert report.errors == 1 and report.failed == (1,) and "bad reward" in report.first_error
+    assert report.first_error_index == 1 and "RuntimeError" in report.first_traceback
+    assert report.timeouts == report.crashed == 0 and report.first_error.startswith("RuntimeError")
+    with pytest.raises(AttributeError):     # a frozen value, handed on as it is
+        report.errors = 0
 
 
 def test_pool_timeout_crash_and_recovery():
     items = [("a", "a"), ("hang", "a"), ("b", "a"), ("crash", "a"), ("raise", "a"), ("c", "c")]
     with RewardPool("test_slow", processes=2, timeout_s=3.0) as pool:
         t0 = time.monotonic()
-        r, info = pool.score(items)
+        report = pool.score(items)
         assert time.monotonic() - t0 < 30  # the hung item did not wait its 60 s
-        np.testing.assert_array_equal(r, [1, 0, 0, 0, 0, 1])
-        assert info["timeouts"] == 1 and info["timed_out"] == [1]
-        assert info["errors"] == 2 and sorted(info["failed"]) == [3, 4]
-        assert info["restarts"] == 2  # the hung and the crashed worker were replaced
+        np.testing.assert_array_equal(report.rewards, [1, 0, 0, 0, 0, 1])
+        assert report.timeouts == 1 and report.timed_out == (1,)
+        assert report.errors == 2 and sorted(report.failed) == [3, 4]
+        assert report.restarts == 2 and report.crashed == 1  # the hung and the crashed worker
         # The pool keeps working after the replacements.
-        r2, info2 = pool.score([("x", "x"), ("y", "z")] * 3)
-        np.testing.assert_array_equal(r2, [1, 0] * 3)
-        assert info2["timeouts"] == info2["errors"] == 0
+        again = pool.score([("x", "x"), ("y", "z")] * 3)
+        np.testing.assert_array_equal(again.rewards, [1, 0] * 3)
+        assert again.timeouts == again.errors == 0 and again.first_error is None
         assert pool.total["timeouts"] == 1
 
 
 def test_pool_math_verify_and_huge_answer():
     huge = "\\boxed{" + "9" * 200_000 + "}"
     with RewardPool("math_verify", processes=1, timeout_s=20) as pool:
-        r, info = pool.score([("\\boxed{\\frac{1}{2}}", "0.5"), (huge, "1"), ("\\boxed{2}", "2")])
+        r = pool.score([("\\boxed{\\frac{1}{2}}", "0.5"), (huge, "1"), ("\\boxed{2}", "2")]).rewards
     assert r[0] == 1.0 and r[1] == 0.0 and r[2] == 1.0
 
 
@@ -122,7 +130,7 @@ def test_pool_rejects_fork():
 # workers' environment lacks), or whose import kills the worker outright.
 _WORKER_ONLY_FAILURE = '''
 import multiprocessing, os
-from sparrow_jax.rl.rewards import register_reward
+from sparrow_jax.rewards.registry import register_reward
 if multiprocessing.parent_process() is not None:
     {failure}
 
@@ -174,7 +182,7 @@ def test_a_busy_worker_does_not_outlive_its_trainer(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(   # spawned workers import this script too: hence the __main__ guard
         "import os, time\n"
-        "from sparrow_jax.rl.rewards import RewardPool\n"
+        "from sparrow_jax.rewards.pool import RewardPool\n"
         "import test_rewards  # registers test_slow\n"
         "if __name__ == '__main__':\n"
         "    pool = RewardPool('test_slow', processes=1, timeout_s=60)\n"

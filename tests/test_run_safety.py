@@ -726,7 +726,7 @@ def test_user_reward_module_in_the_current_directory(tmp_path, monkeypatch):
     from sparrow_jax.train import preflight
 
     (tmp_path / "cwd_rewards_28.py").write_text(
-        "from sparrow_jax.rl.rewards import register_reward\n"
+        "from sparrow_jax.rewards.registry import register_reward\n"
         "@register_reward('cwd_len_28')\n"
         "def f(completion_text, ground_truth, *, prompt='', meta=None):\n"
         "    return 1.0\n")
@@ -773,7 +773,7 @@ def test_sft_crop_longer_than_the_sequences_is_a_clear_error(tmp_path):
 
 
 def test_math_verify_timeout_log_is_cut_short(caplog):
-    from sparrow_jax.rl.rewards import math_verify_reward
+    from sparrow_jax.rewards.math_rewards import math_verify_reward
 
     assert math_verify_reward("\\boxed{2}", "2") == 1.0       # loads math-verify
     with caplog.at_level(logging.WARNING):

@@ -18,6 +18,7 @@ from sparrow_jax.evaluation import heldout as evaluation
 from sparrow_jax.data import synthetic
 from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
+from sparrow_jax.rewards import scoring
 from sparrow_jax.rollout import RolloutConfig, generate
 from sparrow_jax.runtime.metrics import read_jsonl
 
@@ -89,13 +90,13 @@ def setup(tmp_path_factory):
 def test_train_stops_on_generation_config_ids(setup, monkeypatch):
     root, stop, expected, unstopped = setup
     seen = []  # (tokens, lengths) of every rollout the run decodes: training and evaluation
-    decode = evaluation.decode_responses
+    decode = scoring.decode_responses
 
     def spy(tokenizer, traj):
         seen.append((np.asarray(traj.tokens), np.asarray(traj.response_lengths)))
         return decode(tokenizer, traj)
 
-    monkeypatch.setattr(evaluation, "decode_responses", spy)
+    monkeypatch.setattr(scoring, "decode_responses", spy)
     argv = ["train",
             "--gin_param", f"TrainConfig.run_dir = '{root / 'run'}'",
             "--gin_param", f"TrainConfig.model_path = '{root / 'model'}'",

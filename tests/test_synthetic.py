@@ -13,7 +13,8 @@ from sparrow_jax.data.tokenizer import (
     load_tokenizer,
     save_synthetic_tokenizer,
 )
-from sparrow_jax.rl.rewards import RewardPool, get_reward
+from sparrow_jax.rewards.pool import RewardPool
+from sparrow_jax.rewards.registry import get_reward
 
 
 def brute_force(digits, k):
@@ -113,8 +114,8 @@ def test_rewards_in_pool_inprocess():
     items = [(p["solution"], p["answer"], p["prompt"]) for p in problems]
     items.append((problems[0]["solution"], problems[1]["answer"], problems[1]["prompt"]))
     with RewardPool("synthetic_exact", processes=0) as pool:
-        r, info = pool.score(items)
-    np.testing.assert_array_equal(r, [1, 1, 1, 1, 0])
+        report = pool.score(items)
+    np.testing.assert_array_equal(report.rewards, [1, 1, 1, 1, 0])
 
 
 def test_tokenizer_round_trip(tmp_path):

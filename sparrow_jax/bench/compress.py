@@ -32,11 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparrow_jax.data import synthetic  # noqa: F401 - registers synthetic_exact
 from sparrow_jax.data.prompts import PromptDataset
-from sparrow_jax.evaluation.heldout import batch_records, decode_responses, score
+from sparrow_jax.evaluation.heldout import batch_records
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.model.attention import chunked_causal_attention
-from sparrow_jax.rl.rewards import RewardPool
+from sparrow_jax.rewards.pool import RewardPool
+from sparrow_jax.rewards.scoring import decode_responses, score
 from sparrow_jax.rollout import RolloutConfig, decode, start
 from sparrow_jax.rollout import compress, engine
 from sparrow_jax.rollout.teacher_forced import sparse_attention_fn, trajectory_hidden
@@ -138,7 +140,7 @@ def run_arm(model, batch, arm: Arm, base: RolloutConfig, tokenizer, pool, bin_si
     traj = jax.block_until_ready(decode(model, state, cfg=cfg, budgets=budgets))
     seconds = time.perf_counter() - t0
     texts = decode_responses(tokenizer, traj)
-    rewards, _ = score(pool, texts, batch["answers"], batch["prompts"], batch["metas"])
+    rewards = score(pool, texts, batch["answers"], batch["prompts"], batch["metas"]).rewards
     resp = np.asarray(traj.response_lengths)
     graphdef, state = nnx.split(model)
     alpha = _alpha(graphdef, state, traj, jnp.asarray(budgets), mode=cfg.mode,

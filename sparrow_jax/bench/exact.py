@@ -12,8 +12,9 @@ exact for each gamma), median of --repeats. Stop tokens are off: every row decod
 new_tokens tokens; the exact loop runs until the slowest row is done (its idle rows included).
 
 Reported per run: decode tokens/s (batch x (new_tokens - 1) / median seconds) and the ratio to
-dense; for exact runs the measured tokens per verify pass, mean alpha, verify rounds (loop
-iterations) and a cost breakdown per round, measured: one more run of the exact program under
+dense; for exact runs the measured tokens per verify pass (each row's last round left out: the
+loop cuts it at new_tokens, `pass_stats`), mean alpha, verify rounds (loop iterations) and a
+cost breakdown per round, measured: one more run of the exact program under
 the JAX profiler (bench/xplane.py) gives each phase's share of its op time - draft (the gamma
 sparse steps), verify (the dense pass), accept (the acceptance rule, records, rollback), other
 (the loop's own ops) - scaled to the measured ms per round. `verify_alone_ms` is a verify pass
@@ -61,6 +62,18 @@ def kv_bytes_per_token(mcfg, context: int, *, budget: int | None, dense_layers, 
     n_dense = sum(1 for i in range(n) if i in dense_layers)
     centroids = (context // block_size) * mcfg.num_key_value_heads * mcfg.head_dim * itemsize
     return float(n_dense * per_tok * context + (n - n_dense) * (per_tok * budget + centroids))
+
+
+def pass_stats(traj, gamma: int) -> dict[str, Any]:
+    """Pooled over an exact run's rows: ``tokens_per_pass``, its ``predicted`` value from the
+    ``mean_alpha`` and the ``rounds`` counted (``exact.acceptance_by_bin`` in one bin).
+
+    Each row's last round is left out: the bench stops every row at new_tokens, as a rule in
+    the middle of a round, and a cut round counted as a full one lowers the mean (1-3% at 63
+    decoded tokens per row, docs/benchmarks.md). ``rounds`` here are the rows' rounds counted,
+    not the loop's iterations."""
+    from sparrow_jax.rollout import exact
+    return exact.acceptance_by_bin(traj, gamma=gamma, bin_size=1 << 30, drop_last_round=True)[0]
 
 
 def _layer_sets(specs, default) -> list[tuple[int, ...]]:
@@ -168,7 +181,7 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
         else:
             traj, carry = outputs[name]
             rounds = int(carry[1]) - 1                  # loop iterations (step starts at 1)
-            stats = exact.acceptance_by_bin(traj, gamma=cfg.gamma, bin_size=1 << 30)[0]
+            stats = pass_stats(traj, cfg.gamma)
             per_pass = stats["tokens_per_pass"]
             sparse_ms = 1e3 * med[f"sparse:{','.join(map(str, layers)) or 'none'}"] / (
                 args.new_tokens - 1)

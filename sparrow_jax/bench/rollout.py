@@ -201,19 +201,25 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     dense_cfg = dataclasses.replace(base_cfg, mode="dense", max_new_tokens=args.new_tokens)
     progs["dense"] = (dense_cfg, np.full(20, 1 << 20, np.int32), 2000)  # budgets unused
     for v in variants:
-        # Static selection width = the largest budget this context reaches: a wider width would
-        # gather (and attend over) padding blocks every step.
-        reach = int(v.budgets[: min(context // v.bin_size, len(v.budgets) - 1) + 1].max())
-        cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=reach,
-                                  max_new_tokens=args.new_tokens, dense_layers=v.dense_layers,
-                                  selection="xla" if v.xla_selection else base_cfg.selection)
+        # Static selection width = the largest budget this context reaches (the trainer's rule,
+        # RolloutConfig.fit_selection_width): a wider one gathers padding blocks every step.
+        last_bin = min(context // v.bin_size, len(v.budgets) - 1)
+        reachable = v.budgets[: last_bin + 1]
+        # Bins beyond reach are never looked up: they take the last reachable bin's budget.
+        budgets = np.concatenate([reachable, np.repeat(reachable[-1:], len(v.budgets) - last_bin
+                                                       - 1)]).astype(np.int32)
+        cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=max(
+            base_cfg.max_budget, padded_length(int(reachable.max()), base_cfg.block_size)),
+            max_new_tokens=args.new_tokens, dense_layers=v.dense_layers,
+            selection="xla" if v.xla_selection else base_cfg.selection)
+        cfg, _ = cfg.fit_selection_width(reachable)
         if v.before:   # a distinct static config: its own compiled program, traced swapped
             if cfg.record_topk == BEFORE_TOPK:
                 raise SystemExit("sparrow bench rollout: --before compares against a top-20 "
                                  "record; this configuration records it already (alpha_mode "
                                  "'topk')")
             cfg = dataclasses.replace(cfg, record_topk=BEFORE_TOPK)
-        progs[v.key] = (cfg, np.minimum(v.budgets, reach), v.bin_size)
+        progs[v.key] = (cfg, budgets, v.bin_size)
 
     # One prefill for every mode; its time includes compiling the prefill program.
     t0 = time.perf_counter()
@@ -308,8 +314,9 @@ def main(argv: Sequence[str]) -> int:
         spec = processes.join()          # before anything touches the devices
     if args.new_tokens is None:
         args.new_tokens = 1024 if args.workload == "longtail" else 64
-    from sparrow_jax.cli import parse_gin
     from sparrow_jax.runtime import compile_cache
+    from sparrow_jax.runtime.gin_files import parse_gin
+    from sparrow_jax.train import trainer  # noqa: F401 - the configurables a run's files bind
     parse_gin(args.gin_files, args.gin_param)
     compile_cache.log_compiles()       # each compile's seconds (>= 1 s at INFO; device_check)
 

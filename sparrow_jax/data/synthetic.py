@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from sparrow_jax.data.tokenizer import EOS, PAD
-from sparrow_jax.rl.rewards import register_reward
+from sparrow_jax.rewards.registry import register_reward
 
 MAX_LETTERS = 26
 _PROMPT_RE = re.compile(r"((?:[a-z] \d )+)\| (\d) (\d) >")

@@ -171,9 +171,10 @@ def format_report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparrow_jax.cli import parse_gin
     from sparrow_jax.dryrun import programs  # noqa: F401 - its gin configurables, before parsing
     from sparrow_jax.model.config import qwen3_preset
+    from sparrow_jax.runtime.gin_files import parse_gin
+    from sparrow_jax.train import trainer  # noqa: F401 - the configurables a run's files bind
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("gin_files", nargs="*")
     ap.add_argument("--gin_param", action="append", default=[])

@@ -19,7 +19,7 @@ import math
 import re
 import resource
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import gin
 import jax
@@ -37,7 +37,9 @@ from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.runtime.sharding import ShardingSpec, state_shardings
-from sparrow_jax.sparsity.schedule import make_schedule
+
+if TYPE_CHECKING:
+    from sparrow_jax.train.plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -65,24 +67,15 @@ class StepShape:
     replay: learner.SparseReplay
     num_bins: int
     bin_size: int
+    plan: RunPlan                      # the run plan it was read from (train/plan.py)
 
 
 def step_shape(model: Qwen3Config, target: Target) -> StepShape:
-    """Reads TrainConfig / RolloutConfig / LearnerConfig / the schedule as `Trainer` does."""
-    from sparrow_jax.sparsity.controller import ControllerConfig
-    from sparrow_jax.train.config import TrainConfig
-    tc = TrainConfig()
-    sched, ctrl = make_schedule(), ControllerConfig()
-    rc = dataclasses.replace(RolloutConfig(), mode=tc.rollout_mode)
-    if rc.mode in ("sparse", "exact_sparse"):   # the trainer narrows the gather width to the
-        # largest reachable budget
-        top = max(max(sched.budgets), ctrl.max_budget if tc.adapt_schedule else 0)
-        rc = dataclasses.replace(rc, max_budget=min(rc.max_budget,
-                                                    -(-top // rc.block_size) * rc.block_size))
-    lc = learner.LearnerConfig()
-    if rc.mode in ("dense", "exact_sparse") and lc.alpha_mode == "full":
-        lc = dataclasses.replace(lc, alpha_mode="none")
-    rc = rc.for_alpha_mode(lc.alpha_mode)     # the vocabulary top-k only where the learner reads it
+    """The step of the parsed gin configuration's run plan (`train.plan.from_gin`, what
+    `sparrow train` resolves) on `target`."""
+    from sparrow_jax.train.plan import from_gin
+    run = from_gin()
+    tc, rc = run.train, run.rollout
     hosts = target.num_hosts           # prompts_per_step is per process, one process per host
     per_call = tc.rollout_batch_prompts or tc.prompts_per_step
     return StepShape(
@@ -90,10 +83,9 @@ def step_shape(model: Qwen3Config, target: Target) -> StepShape:
         master_dtype=jnp.dtype(tc.param_dtype), mesh_model=tc.mesh_model,
         group_size=tc.group_size, hosts=hosts, rows_step=tc.prompts_per_step * tc.group_size * hosts,
         rows_call=per_call * tc.group_size * hosts,
-        prompt_len=rc.prompt_width(DryrunConfig().prompt_length), rollout=rc, learner=lc,
-        replay=learner.SparseReplay(sched.bin_size, rc.max_budget // rc.block_size,
-                                    rc.block_size, tuple(rc.dense_layers)),
-        num_bins=sched.num_bins, bin_size=sched.bin_size)
+        prompt_len=rc.prompt_width(DryrunConfig().prompt_length), rollout=rc, learner=run.learner,
+        replay=run.replay, num_bins=run.schedule.num_bins, bin_size=run.schedule.bin_size,
+        plan=run)
 
 
 # -- abstract inputs of each program: the one place that knows the programs' signatures -----------
@@ -244,25 +236,25 @@ def learner_programs(shape: StepShape, spec: ShardingSpec, micro: int) -> list[P
     model, state, params, rest = abstract_policy(shape, spec)
     lc = dataclasses.replace(shape.learner, micro_batch_size=micro)
     # The placed model: the learner reads its mesh off the parameters (sequence-parallel residuals).
-    lrn = learner.Learner(nnx.merge(nnx.graphdef(model), state), lc, group_size=shape.group_size,
-                          sampling=shape.rollout.sampling)
+    lrn = learner.Learner(nnx.merge(nnx.graphdef(model), state), lc, shape.plan.loss,
+                          group_size=shape.group_size, sampling=shape.rollout.sampling)
     traj = abstract_trajectories(shape, shape.rows_step, spec)
     rows, t = shape.rows_step, shape.rollout.max_new_tokens
     budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))
     replay = shape.replay if lc.alpha_mode == "full" else None
-    fused, num_mini = lrn.fused(rows), lrn._num_mini(rows)
+    fused, num_mini = lrn.fused(rows), lrn.num_mini_batches(rows)
     batch = learner.LearnerBatch(traj=traj, advantages=sds((rows,), jnp.float32, spec),
                                  logp_old=None if fused else sds((rows, t), jnp.float32, spec))
     progs = [] if fused else [Program(
         "learner.analyze", learner_programs_mod.analyze_program,
         (nnx.graphdef(model), state, traj, budgets), ("static", "state", "step", "local"),
-        dict(replay=replay, opts=lrn.opts, **lrn._micro_batching(traj.tokens, 1)), "all")]
+        dict(replay=replay, opts=lrn.opts, **lrn.micro_batch_layout(traj.tokens, 1)), "all")]
     index = sds((), jnp.int32, spec, ())
     progs.append(Program(
         "learner.grads" + ("[fused analysis]" if fused else ""), learner_programs_mod.grads_program,
         (params, rest, batch, budgets, index), ("state", "state", "step", "local", "local"),
         dict(graphdef=lrn.graphdef, opts=lrn.opts, loss_cfg=lrn.loss_cfg, replay=replay,
-             num_mini=num_mini, **lrn._micro_batching(traj.tokens, num_mini)),
+             num_mini=num_mini, **lrn.micro_batch_layout(traj.tokens, num_mini)),
         -device_bytes(params) if fused else 0))      # fused: every output but the grads
     opt_state = place(jax.eval_shape(lrn.tx.init, params),
                        learner_programs_mod.opt_state_shardings(lrn.tx, params))

@@ -1,32 +1,21 @@
-"""Held-out evaluation under dense and sparse decoding, and response decoding/scoring shared with
-the train loop."""
+"""Held-out evaluation under dense and sparse decoding (responses decoded and scored by
+sparrow_jax.rewards.scoring, as in the train loop)."""
 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from sparrow_jax.evaluation import metrics
-from sparrow_jax.rl.rewards import RewardPool
-from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
+from sparrow_jax.rewards import scoring
+from sparrow_jax.rewards.pool import RewardPool
+from sparrow_jax.rollout import RolloutConfig
+from sparrow_jax.rollout.api import generate_timed
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.sharding import ShardingSpec
-
-
-def decode_responses(tokenizer, traj: Trajectories) -> list[str]:
-    """Texts of this process's rows (all rows with one process)."""
-    tokens, lens = multihost.local_rows(traj.tokens), multihost.local_rows(traj.response_lengths)
-    return [tokenizer.decode(tokens[i, :lens[i]].tolist(), skip_special_tokens=True)
-            for i in range(tokens.shape[0])]
-
-
-def score(pool: RewardPool, texts: Sequence[str], answers: Sequence[str],
-          prompts: Sequence[str], metas: Sequence[dict | None]) -> tuple[np.ndarray, dict]:
-    return pool.score(list(zip(texts, answers, prompts, metas)))
 
 
 def batch_records(records: Sequence[dict[str, Any]], pad_id: int, *, rows: int | None = None,
@@ -80,16 +69,6 @@ def shard_eval_batch(records: Sequence[dict[str, Any]], pad_id: int,
     return batch_records(mine, pad_id, rows=total // n_proc, filler=records[0])
 
 
-def timed_generate(model, batch, *, cfg: RolloutConfig, budgets, bin_size: int, group_size: int,
-                   rng, spec=None) -> tuple[Trajectories, float]:
-    """generate() + wall time in seconds (blocked until the result is on the host)."""
-    start = time.perf_counter()
-    traj = generate(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg, budgets=budgets,
-                    bin_size=bin_size, group_size=group_size, rng=rng, spec=spec)
-    traj = jax.block_until_ready(traj)
-    return traj, time.perf_counter() - start
-
-
 def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: RolloutConfig,
              budgets, bin_size: int, rng, spec=None, diagnostics: dict[str, RewardPool] | None = None,
              samples: int = 1) -> dict[str, float]:
@@ -103,9 +82,10 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     The program is compiled by a first call, so callers that compare speeds should evaluate
     each mode once before timing (the train loop's evaluations after the first do that).
     """
-    traj, seconds = timed_generate(model, batch, cfg=cfg, budgets=budgets, bin_size=bin_size,
-                                   group_size=samples, rng=rng, spec=spec)
-    texts = decode_responses(tokenizer, traj)
+    traj, seconds = generate_timed(model, batch["prompt_ids"], batch["prompt_lengths"], cfg=cfg,
+                                   budgets=budgets, bin_size=bin_size, group_size=samples,
+                                   rng=rng, spec=spec)
+    texts = scoring.decode_responses(tokenizer, traj)
     if samples > 1:     # rows are prompt-major groups: repeat the per-prompt fields
         batch = {**{k: [x for x in batch[k] for _ in range(samples)]
                     for k in ("answers", "prompts", "metas")},
@@ -118,10 +98,10 @@ def evaluate(model, tokenizer, pool: RewardPool, batch: dict[str, Any], *, cfg: 
     def scored(reward_pool: RewardPool) -> np.ndarray:
         out = np.zeros(len(texts), np.float32)  # same shape on every process, for all_rows
         if keep.size:
-            out[keep] = score(reward_pool, [texts[i] for i in keep],
-                              [batch["answers"][i] for i in keep],
-                              [batch["prompts"][i] for i in keep],
-                              [batch["metas"][i] for i in keep])[0]
+            out[keep] = scoring.score(reward_pool, [texts[i] for i in keep],
+                                      [batch["answers"][i] for i in keep],
+                                      [batch["prompts"][i] for i in keep],
+                                      [batch["metas"][i] for i in keep]).rewards
         return multihost.all_rows(out)
 
     # Means over every process's real prompts.

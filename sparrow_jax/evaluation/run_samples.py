@@ -24,8 +24,12 @@ log = logging.getLogger(__name__)
 
 
 def _config(args, schedule, stop_ids, pad_id: int, width: int, sampling: dict[str, Any]):
-    from sparrow_jax.tools.generate import rollout_config
-    cfg, budgets = rollout_config(args, schedule, stop_ids, pad_id, width)
+    from sparrow_jax.rollout.config import rollout_config
+    try:
+        cfg, budgets = rollout_config(schedule, stop_ids, pad_id, width,
+                                      max_new_tokens=args.max_new_tokens, mode=args.mode)
+    except ValueError as e:
+        raise SystemExit(f"sparrow eval: {e}") from None
     overrides = {k: v for k, v in sampling.items() if v is not None}
     try:
         cfg = dataclasses.replace(cfg, engine=args.engine, record_topk=0, **overrides)
@@ -37,7 +41,8 @@ def _config(args, schedule, stop_ids, pad_id: int, width: int, sampling: dict[st
 def _score(records: Sequence[dict], texts: list[list[str]], processes: int, timeout_s: float
            ) -> list[list[float]]:
     """Rewards [problems][n]; one RewardPool per reward name (timeouts score 0)."""
-    from sparrow_jax.rl.rewards import RewardPool
+    from sparrow_jax.data import synthetic  # noqa: F401 - registers synthetic_exact (scorers)
+    from sparrow_jax.rewards.pool import RewardPool
     out = [[0.0] * len(t) for t in texts]
     for name in sorted({r["scorer"] for r in records}):
         idx = [(p, j) for p, r in enumerate(records) if r["scorer"] == name
@@ -45,12 +50,12 @@ def _score(records: Sequence[dict], texts: list[list[str]], processes: int, time
         items = [(texts[p][j], records[p]["answer"], records[p]["prompt"], records[p]["meta"])
                  for p, j in idx]
         with RewardPool(name, processes=processes, timeout_s=timeout_s) as pool:
-            rewards, info = pool.score(items)
-        if info["timeouts"] or info["errors"]:
-            log.warning("scorer %s: %d timeouts, %d errors (scored 0)%s", name, info["timeouts"],
-                        info["errors"], f"; first error: {info['first_error']}"
-                        if "first_error" in info else "")
-        for (p, j), value in zip(idx, rewards):
+            report = pool.score(items)
+        if report.timeouts or report.errors:
+            log.warning("scorer %s: %d timeouts, %d errors (scored 0)%s", name, report.timeouts,
+                        report.errors, "" if report.first_error is None
+                        else f"; first error: {report.first_error}")
+        for (p, j), value in zip(idx, report.rewards):
             out[p][j] = float(value)
     return out
 
@@ -61,10 +66,13 @@ def run(args, weights_dir: Path, tokenizer, records: list[dict], sampling: dict[
     import pallas_kernels
     from sparrow_jax.model import load_hf, stop_token_ids
     from sparrow_jax.rollout import generate
-    from sparrow_jax.tools.generate import resolve_schedule
+    from sparrow_jax.sparsity.schedule import resolve_schedule
 
     args.max_new_tokens = max_new
-    schedule = resolve_schedule(args.schedule)
+    try:
+        schedule = resolve_schedule(args.schedule)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"sparrow eval: bad --schedule: {e}") from None
     if args.mode is None:   # dense unless --schedule names a sparse one (never a gin default)
         args.mode = "sparse" if args.schedule and not schedule.is_dense else "dense"
     stop_ids = stop_token_ids(tokenizer, weights_dir)

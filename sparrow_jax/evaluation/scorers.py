@@ -5,7 +5,7 @@
                the last `Answer:` (any case, spaces allowed around the colon, to the end of
                that line); prediction and ground truth go through the same Minerva-style
                normalization (`normalize_dapo`) and must match as strings. Reward +1 / -1.
-  math_verify  math-verify on the last `\\boxed{}` (`sparrow_jax.rl.rewards.math_verify_boxed`):
+  math_verify  math-verify on the last `\\boxed{}` (`sparrow_jax.rewards.math_rewards`):
                symbolic/numeric equivalence, reward 1 / 0.
 
 A response is *correct* when its reward is > 0 (so +1/-1 and 1/0 rewards count alike).
@@ -18,7 +18,7 @@ majority vote counts.
 from __future__ import annotations
 
 
-from sparrow_jax.rl.answers import dapo_prediction, extract_answer, normalize_dapo
+from sparrow_jax.rewards.answers import dapo_prediction, extract_answer, normalize_dapo
 
 SYNTHETIC_SOURCES = ("sparrow_synthetic", "synthetic")
 

@@ -195,10 +195,11 @@ def _measure(model, learner: Learner, batches, rcfg: RolloutConfig, cfg: Calibra
             part = jax.tree.map(lambda x: x[r:r + step], traj)
             out = learner.analyze(part, None if replay is None else table, replay)
             parts.append({
-                "alpha": np.asarray(out["alpha"]), "positions": np.asarray(part.cached_lengths),
+                "alpha": np.asarray(out.alpha), "positions": np.asarray(part.cached_lengths),
                 "mask": np.asarray(part.mask), "logp_rollout": np.asarray(part.logprobs),
-                "logp_dense": np.asarray(out["logp_old"]),
-                "logp_replay": np.asarray(out.get("logp_sparse_replay", part.logprobs)),
+                "logp_dense": np.asarray(out.logp_old),
+                "logp_replay": np.asarray(part.logprobs if out.logp_sparse_replay is None
+                                          else out.logp_sparse_replay),
                 "lengths": np.stack([np.asarray(part.prompt_lengths),
                                      np.asarray(part.response_lengths)], axis=1)})
         t_ana += time.time() - start

@@ -327,9 +327,10 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
                    parallel: int | None = None, log_level: str | None = None) -> dict[str, Any]:
     """Runs (or resumes) each arm, then writes the comparison. Returns paths and final values.
     `parallel` overrides ExperimentConfig.parallel; `log_level` is passed to the arms' commands."""
-    from sparrow_jax import cli
     from sparrow_jax import train
+    from sparrow_jax.runtime.gin_files import parse_gin
     from sparrow_jax.runtime.metrics import read_jsonl
+    from sparrow_jax.train import trainer  # noqa: F401 - the configurables the arms' files bind
 
     try:
         cfg = ExperimentConfig()
@@ -362,14 +363,14 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
             log.info("arm %d/%d: %s (%s)", i + 1, len(names), name,
                      "; ".join(cfg.arms[name]) or "base configuration")
             # A fresh gin configuration per arm: base files + overrides + the arm's bindings.
-            cli.parse_gin(gin_files, [*gin_params, *arm_bindings(cfg, name)])
+            parse_gin(gin_files, [*gin_params, *arm_bindings(cfg, name)])
             try:
                 train.train()
             except RunStopped as e:      # the arm saved and stopped on a signal: so do we
                 print(f"sparrow experiment: arm {name}: {e}; the report was not written "
                       f"(exit status {e.exit_code})", file=sys.stderr, flush=True)
                 raise SystemExit(e.exit_code) from None
-        cli.parse_gin(gin_files, gin_params)          # leave the base configuration bound
+        parse_gin(gin_files, gin_params)          # leave the base configuration bound
     done = [n for n in names if n not in failed]
     results = {name: read_jsonl(out / name) for name in done if (out / name).exists()}
     missing = [n for n in done if n not in results]

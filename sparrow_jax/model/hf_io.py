@@ -124,6 +124,9 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | None = N
                                                        remat=remat))
     graphdef, state = nnx.split(abstract)
 
+    # Each parameter's sharding from the axes it declares (an undeclared one is an error here).
+    shardings = {} if mesh is None else dict(jax.tree_util.tree_leaves_with_path(
+        shd.state_shardings(state, mesh, rules)))
     expected: dict[str, tuple[tuple, bool, jax.ShapeDtypeStruct]] = {}
     for p, leaf in jax.tree_util.tree_leaves_with_path(state):
         hf, transposed = _hf_name(shd.param_path_names(p))
@@ -147,10 +150,7 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | None = N
                                  f"expected {torch_shape} for this config.json")
             value = np.asarray(value, dtype=leaf.dtype)
             if mesh is not None:
-                names = shd.param_path_names(p)
-                sharding = shd.named_sharding(shd.param_logical_axes(names, value.ndim),
-                                              value.shape, mesh, rules)
-                loaded[name] = jax.device_put(value, sharding)
+                loaded[name] = jax.device_put(value, shardings[p])
             else:
                 loaded[name] = jnp.asarray(value)
     if unexpected:

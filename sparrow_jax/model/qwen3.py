@@ -3,6 +3,9 @@
 Dense training forwards, teacher-forced sparse forwards and the rollout engine's cached decode all
 run the same layers; they differ only in the `attend` callback each layer calls with its
 post-RoPE q/k/v, so the block-sparse path can never drift from the dense model.
+
+Every weight declares the logical axes of its dims where it is created (`declare_axes`);
+`runtime/sharding.py`'s rules map them to mesh axes (`state_shardings`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from flax import nnx
 from sparrow_jax.model.attention import (FullAttentionFn, dense_causal_attention,
                                          layer_splits_of)
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.runtime.sharding import RESIDUAL_AXES, ShardingSpec
+from sparrow_jax.runtime.sharding import RESIDUAL_AXES, ShardingSpec, declare_axes
 
 Array = jax.Array
 # attend(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]
@@ -53,8 +56,9 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype=param_dtype))
+    def __init__(self, dim: int, eps: float, axis: str, *, param_dtype=jnp.float32):
+        """axis: the logical axis of the normalised dim ("embed", or "head_dim" per head)."""
+        self.weight = nnx.Param(jnp.ones((dim,), dtype=param_dtype), **declare_axes(axis))
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:
@@ -64,21 +68,24 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
-def _linear(rngs: nnx.Rngs, din: int, dout: int, *, bias: bool, dtype, param_dtype) -> nnx.Linear:
+def _linear(rngs: nnx.Rngs, din: int, dout: int, axes: tuple[str, str], *, bias: bool, dtype,
+            param_dtype) -> nnx.Linear:
+    """y = x @ kernel [din, dout] (+ bias [dout]); axes: the logical axes of (din, dout)."""
     return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
-                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
+                      kernel_metadata=declare_axes(*axes), bias_metadata=declare_axes(axes[1]))
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: Qwen3Config, *, dtype, param_dtype, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
         kw = dict(bias=cfg.attention_bias, dtype=dtype, param_dtype=param_dtype)
-        self.q_proj = _linear(rngs, h, cfg.num_attention_heads * d, **kw)
-        self.k_proj = _linear(rngs, h, cfg.num_key_value_heads * d, **kw)
-        self.v_proj = _linear(rngs, h, cfg.num_key_value_heads * d, **kw)
-        self.o_proj = _linear(rngs, cfg.num_attention_heads * d, h, **kw)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.q_proj = _linear(rngs, h, cfg.num_attention_heads * d, ("embed", "q_heads"), **kw)
+        self.k_proj = _linear(rngs, h, cfg.num_key_value_heads * d, ("embed", "kv_heads"), **kw)
+        self.v_proj = _linear(rngs, h, cfg.num_key_value_heads * d, ("embed", "kv_heads"), **kw)
+        self.o_proj = _linear(rngs, cfg.num_attention_heads * d, h, ("q_heads", "embed"), **kw)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d)
 
@@ -98,9 +105,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: Qwen3Config, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(bias=False, dtype=dtype, param_dtype=param_dtype)
-        self.gate_proj = _linear(rngs, cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.up_proj = _linear(rngs, cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_proj = _linear(rngs, cfg.intermediate_size, cfg.hidden_size, **kw)
+        h, m = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(rngs, h, m, ("embed", "mlp"), **kw)
+        self.up_proj = _linear(rngs, h, m, ("embed", "mlp"), **kw)
+        self.down_proj = _linear(rngs, m, h, ("mlp", "embed"), **kw)
 
     def __call__(self, x: Array) -> Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -108,9 +116,10 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: Qwen3Config, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed",
+                                       param_dtype=param_dtype)
         self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed",
                                                 param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -138,13 +147,15 @@ class Qwen3ForCausalLM(nnx.Module):
         self.remat = remat
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype,
-                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+                                      embedding_metadata=declare_axes("vocab", "embed"))
         self.layers = nnx.List([DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                 for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "embed",
+                            param_dtype=param_dtype)
         self.lm_head = None if config.tie_word_embeddings else _linear(
-            rngs, config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
-            param_dtype=param_dtype)
+            rngs, config.hidden_size, config.vocab_size, ("embed", "vocab"), bias=False,
+            dtype=dtype, param_dtype=param_dtype)
 
     # -- building blocks shared by every forward --------------------------------------------------
     def embed(self, tokens: Array) -> Array:

@@ -14,7 +14,7 @@ NNX model:
                  loss = pg_coef x PPO(logp_sparse vs the rollout's logprobs, the base's
                  advantages) + kl_coef x k3 KL(sparse || dense logprobs from before the update)
 
-Layout of the adapter pytree (plain nested dicts, f32, replicated):
+Layout of the adapter pytree (plain nested dicts, f32, replicated: `ADAPTER_AXES`):
 `lora["layers"]["<i>"]["<q|k|v|o|gate|up|down>_proj"] = {"a": [in, r], "b": [r, out]}`. NNX
 kernels are stored [in, out] (y = x @ W), so the adapted kernel is `W + a @ b x alpha / rank`
 (the torch form W + B @ A x alpha / r with W [out, in], A = a^T, B = b^T). `a` starts small
@@ -37,21 +37,24 @@ from flax import nnx
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, compute_copy
 from sparrow_jax.rl import grpo
 from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, SparseReplay,
-                                             _empty_metric_sums, opt_state_shardings,
-                                             split_micro_batches)
+                                             opt_state_shardings, split_micro_batches)
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
                                                 trajectory_hidden)
 from sparrow_jax.runtime.checkpoint import tree_path_names
+from sparrow_jax.runtime.sharding import LogicalAxes, tree_shardings
 from sparrow_jax.runtime.shapes import COMPILES
 
 # The adapted linear layers: name -> the sub-module of a decoder layer holding it.
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Logical axes of the adapter's factors, a [in, r] and b [r, out]: replicated - rank-r factors
+# are small next to the weights they adapt, and a replica spares the merge any communication.
+ADAPTER_AXES: dict[str, LogicalAxes] = {"a": (None, None), "b": (None, None)}
 _K3_CLAMP = 10.0
 LoRA = dict[str, Any]
 
-__all__ = ["DistillConfig", "Distiller", "TARGETS", "init_lora", "merge_lora", "merge_lora_model",
-           "distill_program"]
+__all__ = ["ADAPTER_AXES", "DistillConfig", "Distiller", "TARGETS", "adapter_axes", "init_lora",
+           "merge_lora", "merge_lora_model", "distill_program"]
 
 
 @gin.configurable
@@ -94,17 +97,26 @@ def _kernel_paths(params) -> dict[tuple[str, str], tuple[tuple[Any, ...], Any]]:
     return out
 
 
+def adapter_axes(path: tuple[Any, ...], leaf: Any) -> LogicalAxes:
+    """The declared logical axes (`ADAPTER_AXES`) of the adapter leaf at jax tree `path`; an
+    error naming the path for a leaf that is no adapter factor."""
+    names = tree_path_names(path)
+    if not names or names[-1] not in ADAPTER_AXES:
+        raise ValueError(f"adapter leaf {'/'.join(names)!r} declares no logical axes (the "
+                         f"adapter holds only {sorted(ADAPTER_AXES)} factors)")
+    return ADAPTER_AXES[names[-1]]
+
+
 def init_lora(params, rank: int, *, key: jax.Array, std: float = 0.0) -> LoRA:
-    """A fresh adapter for `params`: a ~ N(0, std^2) (std 0 = 1 / rank), b = 0, f32, replicated
-    over the parameters' mesh (the adapter is small)."""
+    """A fresh adapter for `params`: a ~ N(0, std^2) (std 0 = 1 / rank), b = 0, f32, placed per
+    `ADAPTER_AXES` (replicated) on the parameters' mesh."""
     kernels = _kernel_paths(params)
     if not kernels:
         raise ValueError("no q/k/v/o/gate/up/down_proj kernels found in the parameters")
     lora = _init_from_shapes({k: leaf.shape for k, (_, leaf) in kernels.items()}, rank, key, std)
     sharding = getattr(next(iter(kernels.values()))[1], "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
-        lora = jax.device_put(lora, jax.sharding.NamedSharding(sharding.mesh,
-                                                               jax.sharding.PartitionSpec()))
+        lora = jax.device_put(lora, tree_shardings(lora, adapter_axes, sharding.mesh))
     return lora
 
 
@@ -198,6 +210,13 @@ def sparse_logprobs(model: Qwen3ForCausalLM, traj, budgets, selection: SparseRep
     return map_time_chunks(chunk, opts.logit_chunk, hidden, traj.tokens)
 
 
+def _adapter_ppo_config(loss_cfg: grpo.LossConfig) -> grpo.LossConfig:
+    """The adapter's PPO loss: the base's clipping and aggregation, none of the rollout
+    corrections (no TIS, rejection, veto or renormalisation: its anchor is the rollout itself)."""
+    return dataclasses.replace(loss_cfg, tis_cap=None, kl_coef=0.0, token_rejection=None,
+                               sequence_veto=None, tis_renormalize=False)
+
+
 def _adapter_loss(lora, params, rest, graphdef, batch: LearnerBatch, budgets, denominator,
                   num_tokens, opts: ProgramOptions, dopts: DistillOptions,
                   loss_cfg: grpo.LossConfig):
@@ -208,10 +227,9 @@ def _adapter_loss(lora, params, rest, graphdef, batch: LearnerBatch, budgets, de
     logp = sparse_logprobs(model, traj, budgets, dopts.selection, opts)
     # PPO against the rollout's own logprobs (the sparse actor that sampled): ratio = pi_s /
     # pi_rollout, so logp_old = logp_rollout and the TIS weight is 1.
-    pg_sum, _, sums = grpo.policy_loss_terms(
-        logp, traj.logprobs, traj.logprobs, batch.advantages, traj.mask,
-        clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
-        tis_cap=None, aggregation=loss_cfg.aggregation, kl_coef=0.0)
+    pg_sum, _, sums = grpo.policy_loss_terms(logp, traj.logprobs, traj.logprobs,
+                                             batch.advantages, traj.mask,
+                                             _adapter_ppo_config(loss_cfg))
     valid = traj.mask > 0
     # k3 estimator of KL(sparse || dense) from tokens the sparse actor sampled.
     log_r = jnp.where(valid, batch.logp_old, 0.0) - jnp.where(valid, logp, 0.0)
@@ -265,7 +283,7 @@ def distill_program(lora, opt_state, params, rest, batch: LearnerBatch, budgets,
 
         shapes = jax.eval_shape(micro, jax.tree.map(lambda x: x[0], parts))
         zero = jnp.zeros((), jnp.float32)
-        init = (jax.tree.map(jnp.zeros_like, lora), _empty_metric_sums(shapes[1]), zero, zero)
+        init = (jax.tree.map(jnp.zeros_like, lora), grpo.empty_metric_sums(shapes[1]), zero, zero)
         (grads, sums, loss, pg), _ = jax.lax.scan(step, init, parts)
     gnorm = optax.tree.norm(grads)
     updates, new_state = tx.update(grads, opt_state, lora)
@@ -337,7 +355,7 @@ class Distiller:
         if batch.logp_old is None:
             raise ValueError("the adapter's KL needs the dense logprobs (batch.logp_old)")
         learner = self.learner
-        layout = learner._micro_batching(batch.traj.tokens, num_mini)
+        layout = learner.micro_batch_layout(batch.traj.tokens, num_mini)
         COMPILES.note("distill/update", rows=batch.traj.tokens.shape[0],
                       prompt_width=batch.traj.prompt_tokens.shape[1],
                       response=batch.traj.tokens.shape[1], num_mini=num_mini, **layout)

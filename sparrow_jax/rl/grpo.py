@@ -1,7 +1,8 @@
 """GRPO objective: group advantages and the clipped, importance-corrected policy loss.
 
 Everything here is a pure function of arrays (jittable; option arguments are static Python
-values). Shapes: B sequences, T generated positions, per-token inputs `[B, T]`, advantages `[B]`.
+values: the loss's options are one `LossConfig`, hashable, a static jit argument). Shapes: B
+sequences, T generated positions, per-token inputs `[B, T]`, advantages `[B]`.
 
 Gradient accumulation. `policy_loss_terms` returns `(loss_sum, denominator, metric_sums)`
 instead of a mean, so a learner can split a batch into micro-batches and still reproduce the
@@ -12,7 +13,8 @@ full-batch loss and gradient exactly:
 The denominator depends only on the mask and on quantities fixed at rollout time (logp_old,
 logp_rollout), never on the parameters, so `grad(sum_i loss_sum_i) / D` is the exact gradient.
 Metrics are returned as `(sum, count)` pairs for the same reason; `merge_metric_sums` adds two
-micro-batches and `finalize_metrics` turns the pairs into masked means.
+micro-batches (`empty_metric_sums` is its identity) and `finalize_metrics` turns the pairs into
+masked means.
 """
 
 from __future__ import annotations
@@ -25,10 +27,20 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from sparrow_jax.runtime.choices import Choice
+
 Array = jax.Array
 MetricSums = dict[str, tuple[Array, Array]]
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+class Aggregation(Choice):
+    """How per-token losses reduce to the batch loss (`LossConfig.aggregation`)."""
+    TOKEN_MEAN = "token-mean"                    # mean over every contributing token
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # per-sequence token mean, then mean over seqs
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"    # per-sequence token sum, then mean over seqs
+
+
+AGGREGATIONS = Aggregation.values()
 # Log-ratios are clamped before exp (as verl does): a stale or garbage logp must not produce
 # inf/NaN that poisons the whole batch; beyond +-20 the clipped objective is flat anyway.
 _LOG_RATIO_CLAMP = 20.0
@@ -119,9 +131,9 @@ def loss_denominator(effective: Array, aggregation: str = "token-mean") -> Array
     one contributing token (fully masked/vetoed sequences drop out instead of averaging in 0).
     Sum it over micro-batches to get the global denominator.
     """
-    _check_aggregation(aggregation)
+    aggregation = Aggregation.parse(aggregation, "aggregation")
     eff = effective > 0
-    if aggregation == "token-mean":
+    if aggregation == Aggregation.TOKEN_MEAN:
         return jnp.sum(eff, dtype=jnp.float32)
     return jnp.sum(jnp.any(eff, axis=1), dtype=jnp.float32)
 
@@ -154,13 +166,57 @@ def _tis_weight(log_rr: Array, tis_cap: float | None) -> Array:
     return jnp.minimum(jnp.exp(log_rr), tis_cap)
 
 
-def _check_aggregation(aggregation: str) -> None:
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
-
-
 def _masked_sum(x: Array, m: Array) -> Array:
     return jnp.sum(jnp.where(m, x, 0.0))
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """GRPO loss options (defaults = the paper's recipe: asymmetric clip, dual-clip 3, TIS).
+
+    clip_low, clip_high: the PPO ratio's clip range [1 - clip_low, 1 + clip_high].
+    dual_clip: cap (> 1) of the loss of a negative-advantage token, x |A|; None = off.
+    tis_cap: truncation of the TIS weight exp(logp_old - logp_rollout); None = no TIS.
+    aggregation: an `Aggregation` (gin writes its string value).
+    kl_coef: weight of the k3 KL to a reference policy (only where `logp_ref` is given).
+    token_rejection: (lo, hi) bounds on exp(logp_old - logp_rollout), e.g. (0.5, 1.5), or None.
+    sequence_veto: e.g. 1e-4 (drop a sequence if any token's rollout ratio is below), or None.
+    tis_renormalize: divide the TIS weights by their mean over the effective tokens.
+    normalize_std: GRPO advantages (True) or Dr.GRPO mean-centring only (False).
+    advantage_eps: added to the group std (`group_advantages`).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 3.0
+    tis_cap: float | None = 2.0
+    aggregation: Aggregation = Aggregation.TOKEN_MEAN
+    kl_coef: float = 0.0
+    token_rejection: tuple[float, float] | None = None
+    sequence_veto: float | None = None
+    tis_renormalize: bool = False
+    normalize_std: bool = True
+    advantage_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        # gin gives the string; a member still equals (and hashes like) it.
+        object.__setattr__(self, "aggregation",
+                           Aggregation.parse(self.aggregation, "LossConfig.aggregation"))
+        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
+            raise ValueError(f"bad clip range: low={self.clip_low}, high={self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (got {self.dual_clip})")
+        if self.tis_cap is not None and self.tis_cap <= 0.0:
+            raise ValueError(f"tis_cap must be positive (got {self.tis_cap})")
+        if self.token_rejection is not None:
+            lo, hi = self.token_rejection
+            if not 0.0 < lo < hi:
+                raise ValueError(f"token_rejection needs 0 < lo < hi (got {self.token_rejection})")
+            # gin gives lists; a tuple keeps the dataclass hashable (static jit argument).
+            object.__setattr__(self, "token_rejection", (float(lo), float(hi)))
+        if self.sequence_veto is not None and self.sequence_veto <= 0.0:
+            raise ValueError(f"sequence_veto must be positive (got {self.sequence_veto})")
 
 
 def policy_loss_terms(
@@ -169,17 +225,9 @@ def policy_loss_terms(
     logp_rollout: Array | None,
     advantages: Array,
     mask: Array,
+    cfg: LossConfig,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip: float | None = 3.0,
-    tis_cap: float | None = 2.0,
-    aggregation: str = "token-mean",
     logp_ref: Array | None = None,
-    kl_coef: float = 0.0,
-    token_rejection: tuple[float, float] | None = None,
-    sequence_veto: float | None = None,
-    tis_renormalize: bool = False,
     tis_mean: Array | None = None,
 ) -> tuple[Array, Array, MetricSums]:
     """Un-normalised GRPO loss of one (micro-)batch: `(loss_sum, denominator, metric_sums)`.
@@ -187,20 +235,17 @@ def policy_loss_terms(
     logp `[B, T]`: current policy (differentiated); logp_old `[B, T]`: dense policy that
     produced the behaviour logps at rollout time (the PPO anchor); logp_rollout `[B, T]`: the
     (sparse) actor's sampling logps, or None when rollout == old; advantages `[B]`;
-    mask `[B, T]` (1 = generated token). loss = loss_sum / denominator.
+    mask `[B, T]` (1 = generated token); cfg: the options (static). loss = loss_sum / denominator.
 
     Per token: ratio r = exp(logp - logp_old);
       pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))        (PPO, asymmetric clip)
       pg = min(pg, dual_clip * |A|)  where A < 0                     (dual-clip, as in verl)
       pg *= w,  w = stop_grad(min(exp(logp_old - logp_rollout), tis_cap))   (truncated IS)
-      pg += kl_coef * k3(logp_ref || logp)                            (optional, off by default)
+      pg += kl_coef * k3(logp_ref || logp)            (only with logp_ref `[B, T]`; kl_coef 0 = off)
     Sparse-RL options: token_rejection=(lo, hi) masks tokens with rollout ratio outside [lo, hi];
     sequence_veto=eps drops a sequence if any token's rollout ratio < eps; tis_renormalize
     divides w by its mean over the effective tokens (`tis_mean` if given, else this batch's).
     """
-    _check_aggregation(aggregation)
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (got {dual_clip})")
     valid = mask > 0
     # Padding may hold -inf/NaN logps. Zero them before any arithmetic (the "double where"
     # trick): masking only the final loss would still give NaN * 0 = NaN gradients. Work in f32
@@ -210,7 +255,7 @@ def policy_loss_terms(
     if logp_rollout is not None:
         logp_rollout = jnp.where(valid, logp_rollout, 0.0).astype(jnp.float32)
     log_rr = _rollout_log_ratio(logp_old, logp_rollout, valid)
-    eff, rejected, vetoed = _corrections(log_rr, valid, token_rejection, sequence_veto)
+    eff, rejected, vetoed = _corrections(log_rr, valid, cfg.token_rejection, cfg.sequence_veto)
 
     adv = jnp.asarray(advantages, jnp.float32)[:, None]
     log_ratio = jnp.clip(
@@ -218,43 +263,43 @@ def policy_loss_terms(
     )
     ratio = jnp.exp(log_ratio)
     loss_unclipped = -adv * ratio
-    loss_clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_clipped = -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = jnp.maximum(loss_unclipped, loss_clipped)
     # The clipped branch is active exactly when it is the larger (gradient-free) one.
-    clip_high_hit = (adv > 0) & (ratio > 1.0 + clip_high)
-    clip_low_hit = (adv < 0) & (ratio < 1.0 - clip_low)
+    clip_high_hit = (adv > 0) & (ratio > 1.0 + cfg.clip_high)
+    clip_low_hit = (adv < 0) & (ratio < 1.0 - cfg.clip_low)
     dual_hit = jnp.zeros(pg.shape, bool)
-    if dual_clip is not None:
+    if cfg.dual_clip is not None:
         # For A < 0 an exploding ratio makes -A r unbounded; cap it at dual_clip * |A|.
-        cap = -adv * dual_clip
+        cap = -adv * cfg.dual_clip
         dual_hit = (adv < 0) & (pg > cap)
         pg = jnp.where(adv < 0, jnp.minimum(pg, cap), pg)
 
-    w_trunc = jax.lax.stop_gradient(_tis_weight(log_rr, tis_cap))
+    w_trunc = jax.lax.stop_gradient(_tis_weight(log_rr, cfg.tis_cap))
     w = w_trunc
-    if tis_renormalize:
+    if cfg.tis_renormalize:
         if tis_mean is None:
             tis_mean = _masked_sum(w_trunc, eff) / jnp.maximum(jnp.sum(eff), 1)
         w = w_trunc / jax.lax.stop_gradient(tis_mean)
     per_token = w * pg
-    capped = jnp.zeros(valid.shape, bool) if tis_cap is None else jnp.exp(log_rr) > tis_cap
+    capped = jnp.zeros(valid.shape, bool) if cfg.tis_cap is None else jnp.exp(log_rr) > cfg.tis_cap
 
     metric_sums: MetricSums = {}
-    if logp_ref is not None and kl_coef != 0.0:
+    if logp_ref is not None and cfg.kl_coef != 0.0:
         # k3 "low-variance" estimator of KL(pi || pi_ref) with samples from pi; not IS-weighted
         # (verl adds its KL loss separately from the policy-gradient term).
         kl = jnp.where(valid, logp_ref, 0.0) - logp
         k3 = jnp.clip(jnp.exp(kl) - kl - 1.0, -_K3_CLAMP, _K3_CLAMP)
-        per_token = per_token + kl_coef * k3
+        per_token = per_token + cfg.kl_coef * k3
         metric_sums["kl_ref"] = (_masked_sum(k3, eff), jnp.sum(eff, dtype=jnp.float32))
 
     n_eff = jnp.sum(eff, dtype=jnp.float32)
-    denominator = loss_denominator(eff, aggregation)
-    if aggregation == "token-mean":
+    denominator = loss_denominator(eff, cfg.aggregation)
+    if cfg.aggregation == Aggregation.TOKEN_MEAN:
         loss_sum = _masked_sum(per_token, eff)
     else:
         seq_sum = jnp.sum(jnp.where(eff, per_token, 0.0), axis=1)
-        if aggregation == "seq-mean-token-mean":
+        if cfg.aggregation == Aggregation.SEQ_MEAN_TOKEN_MEAN:
             seq_sum = seq_sum / jnp.maximum(jnp.sum(eff, axis=1), 1)
         loss_sum = jnp.sum(seq_sum)
 
@@ -298,6 +343,15 @@ def merge_metric_sums(a: MetricSums, b: MetricSums) -> MetricSums:
     return out
 
 
+def empty_metric_sums(like: MetricSums) -> MetricSums:
+    """The identity of `merge_metric_sums` for metric sums shaped like `like` (-inf for *_max,
+    +inf for *_min, 0 otherwise; counts 0): the initial carry of an accumulation."""
+    def fill(name, v):
+        value = -jnp.inf if name.endswith("_max") else jnp.inf if name.endswith("_min") else 0
+        return jnp.full(v.shape, value, v.dtype)
+    return {name: (fill(name, v), jnp.zeros(c.shape, c.dtype)) for name, (v, c) in like.items()}
+
+
 def finalize_metrics(metric_sums: Mapping[str, tuple[Array, Array]]) -> dict[str, Array]:
     """(sum, count) pairs -> masked means (max/min pass through); NaN where count is 0."""
     out = {}
@@ -325,80 +379,15 @@ def policy_loss(
     sequence_veto: float | None = None,
     tis_renormalize: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
-    """Full-batch GRPO loss `(scalar, metrics)`; the options are those of `policy_loss_terms`.
+    """Full-batch GRPO loss `(scalar, metrics)`; the options are `LossConfig`'s fields (checked
+    as there) and `logp_ref` `[B, T]` that of `policy_loss_terms`.
 
     Uses this batch's own denominator and TIS mean; a batch with no effective token has loss 0.
     """
-    loss_sum, denominator, sums = policy_loss_terms(
-        logp,
-        logp_old,
-        logp_rollout,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        tis_cap=tis_cap,
-        aggregation=aggregation,
-        logp_ref=logp_ref,
-        kl_coef=kl_coef,
-        token_rejection=token_rejection,
-        sequence_veto=sequence_veto,
-        tis_renormalize=tis_renormalize,
-    )
+    cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap,
+                     aggregation=aggregation, kl_coef=kl_coef, token_rejection=token_rejection,
+                     sequence_veto=sequence_veto, tis_renormalize=tis_renormalize)
+    loss_sum, denominator, sums = policy_loss_terms(logp, logp_old, logp_rollout, advantages,
+                                                    mask, cfg, logp_ref=logp_ref)
     loss = jnp.where(denominator > 0, loss_sum / jnp.maximum(denominator, 1e-12), 0.0)
     return loss, finalize_metrics(sums)
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """GRPO loss options (defaults = the paper's recipe: asymmetric clip, dual-clip 3, TIS).
-
-    token_rejection: (lo, hi) bounds on exp(logp_old - logp_rollout), e.g. (0.5, 1.5), or None.
-    sequence_veto: e.g. 1e-4 (drop a sequence if any token's rollout ratio is below), or None.
-    normalize_std: GRPO advantages (True) or Dr.GRPO mean-centring only (False).
-    """
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 3.0
-    tis_cap: float | None = 2.0
-    aggregation: str = "token-mean"
-    kl_coef: float = 0.0
-    token_rejection: tuple[float, float] | None = None
-    sequence_veto: float | None = None
-    tis_renormalize: bool = False
-    normalize_std: bool = True
-    advantage_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        _check_aggregation(self.aggregation)
-        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
-            raise ValueError(f"bad clip range: low={self.clip_low}, high={self.clip_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (got {self.dual_clip})")
-        if self.tis_cap is not None and self.tis_cap <= 0.0:
-            raise ValueError(f"tis_cap must be positive (got {self.tis_cap})")
-        if self.token_rejection is not None:
-            lo, hi = self.token_rejection
-            if not 0.0 < lo < hi:
-                raise ValueError(f"token_rejection needs 0 < lo < hi (got {self.token_rejection})")
-            # gin gives lists; a tuple keeps the dataclass hashable (static jit argument).
-            object.__setattr__(self, "token_rejection", (float(lo), float(hi)))
-        if self.sequence_veto is not None and self.sequence_veto <= 0.0:
-            raise ValueError(f"sequence_veto must be positive (got {self.sequence_veto})")
-
-    def loss_kwargs(self) -> dict:
-        """Keyword arguments for `policy_loss` / `policy_loss_terms`."""
-        return {
-            "clip_low": self.clip_low,
-            "clip_high": self.clip_high,
-            "dual_clip": self.dual_clip,
-            "tis_cap": self.tis_cap,
-            "aggregation": self.aggregation,
-            "kl_coef": self.kl_coef,
-            "token_rejection": self.token_rejection,
-            "sequence_veto": self.sequence_veto,
-            "tis_renormalize": self.tis_renormalize,
-        }

@@ -1,8 +1,9 @@
 """GRPO learner: dense old-policy logprobs + mismatch, then PPO mini-batch AdamW updates.
 
 One RL step's learner work (`Learner.step`):
-  analysis  -> logp_old [B, T] (dense policy pi_old), alpha [B, T] (acceptance rate vs the sparse
-               actor, for the schedule controller through mismatch.tail_by_bin)
+  analysis  -> a TokenAnalysis: logp_old [B, T] (dense policy pi_old), alpha [B, T] (acceptance
+               rate vs the sparse actor, for the schedule controller through
+               mismatch.tail_by_bin)
   updates   -> `ppo_epochs` passes over `B / ppo_mini_batch_size` mini-batches, one AdamW step
                each; inside a mini-batch, micro-batches whose (loss_sum, grads) are summed against
                the mini-batch's global denominator, so each step equals the full mini-batch step.
@@ -25,24 +26,24 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparrow_jax.model.qwen3 import REMAT_MODES, Qwen3ForCausalLM
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rl import grpo
-from sparrow_jax.rl.learner_programs import (LearnerBatch, ProgramOptions, SparseReplay,
-                                             analyze_program, apply_program, check_model,
-                                             data_row_shards, fusable, grads_program,
-                                             merge_micro_batches, opt_state_shardings,
-                                             split_micro_batches)
+from sparrow_jax.rl.learner_programs import (AlphaMode, LearnerBatch, ProgramOptions, RematMode,
+                                             SparseReplay, TokenAnalysis, analyze_program,
+                                             apply_program, check_model, data_row_shards,
+                                             fusable, grads_program, merge_micro_batches,
+                                             opt_state_shardings, split_micro_batches)
 from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec, residual_spec
 
 log = logging.getLogger(__name__)
-ALPHA_MODES = ("full", "topk", "none")
 # after_step(batch with logp_old, mini_index, num_mini) -> metrics; see Learner.update.
 AfterStep = Callable[["LearnerBatch", int, int], dict[str, float]]
-__all__ = ["LearnerConfig", "Learner", "LearnerBatch", "SparseReplay", "make_optimizer",
-           "split_micro_batches", "merge_micro_batches", "data_row_shards"]
+__all__ = ["LearnerConfig", "Learner", "analysis_fused", "LearnerBatch", "SparseReplay",
+           "TokenAnalysis", "AlphaMode", "RematMode", "make_optimizer", "split_micro_batches",
+           "merge_micro_batches", "data_row_shards"]
 
 
 @gin.configurable
@@ -61,23 +62,22 @@ class LearnerConfig:
     logit_chunk: int = 256         # time steps per [B, chunk, V] logits slice
     attention_chunk: int = 0       # queries per [B, H, chunk, <=T] score block, causal groups,
                                    # rematerialised in backward (long sequences); 0 = one-shot
-    remat: str = "none"            # per-layer remat of the gradient forward: none | full | dots
+    remat: RematMode = RematMode.NONE   # per-layer remat of the gradient forward: none|full|dots
     length_buckets: tuple[int, ...] = ()   # response lengths the learner pads a batch to (the
                                    # longest response rounded up); () = two per octave up to
                                    # RolloutConfig.max_new_tokens (sparrow_jax.runtime.shapes)
-    alpha_mode: str = "full"       # "full": exact full-vocabulary alpha via a sparse replay
-                                   # "topk": the paper's top-k lower bound (no extra forward)
-                                   # "none": skip the mismatch statistic
+    alpha_mode: AlphaMode = AlphaMode.FULL   # "full": exact full-vocabulary alpha via a
+                                   # sparse replay; "topk": the paper's top-k lower bound (no
+                                   # extra forward); "none": skip the mismatch statistic
 
     def __post_init__(self):
-        if self.alpha_mode not in ALPHA_MODES:
-            raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
+        # gin gives strings; the members still equal (and hash like) them.
+        for name, mode in (("alpha_mode", AlphaMode), ("remat", RematMode)):
+            object.__setattr__(self, name,
+                               mode.parse(getattr(self, name), f"LearnerConfig.{name}"))
         if self.attention_chunk < 0:
             raise ValueError(f"LearnerConfig.attention_chunk must be >= 0 (0 = one-shot), got "
                              f"{self.attention_chunk}")
-        if self.remat not in REMAT_MODES:
-            raise ValueError(f"LearnerConfig.remat must be one of {REMAT_MODES}, got "
-                             f"{self.remat!r}")
         if self.ppo_epochs < 1 or self.ppo_mini_batch_size < 0:
             raise ValueError(f"LearnerConfig: ppo_epochs must be >= 1 and ppo_mini_batch_size "
                              f">= 0, got {self.ppo_epochs} and {self.ppo_mini_batch_size}")
@@ -120,6 +120,14 @@ def _residual_spec(model: Qwen3ForCausalLM) -> ShardingSpec | None:
     """Sequence-parallel residuals over the parameters' mesh (None when they have no mesh)."""
     shardings = _param_shardings(model)
     return None if shardings is None else residual_spec(shardings[0].mesh)
+
+
+def analysis_fused(cfg: LearnerConfig, loss_cfg: grpo.LossConfig, rows: int) -> bool:
+    """Whether a step of `rows` rollouts runs the analysis inside its gradient program: one
+    mini-batch, one epoch and a loss whose normalisation does not need pi_old first, so pi_old's
+    logprobs and alpha come out of the gradient program's own forward."""
+    mini = cfg.ppo_mini_batch_size or rows
+    return rows // mini == 1 and cfg.ppo_epochs == 1 and fusable(loss_cfg)
 
 
 class Learner:
@@ -173,12 +181,11 @@ class Learner:
         return nnx.state(self.model, nnx.Param)
 
     def fused(self, rows: int) -> bool:
-        """One mini-batch, one epoch and a loss whose normalisation does not need pi_old first:
-        pi_old's logprobs and alpha come out of the gradient program's own forward."""
-        return self._num_mini(rows) == 1 and self.cfg.ppo_epochs == 1 and fusable(self.loss_cfg)
+        """`analysis_fused` of this learner's configs."""
+        return analysis_fused(self.cfg, self.loss_cfg, rows)
 
     def analyze(self, traj: Trajectories, budgets=None, replay: SparseReplay | None = None,
-                sparse_model: Qwen3ForCausalLM | None = None) -> dict[str, jax.Array]:
+                sparse_model: Qwen3ForCausalLM | None = None) -> TokenAnalysis:
         """Dense logprobs of the sampled tokens (the PPO anchor) and per-token alpha.
 
         `sparse_model`: the sparse actor that sampled, when its weights differ from the policy's
@@ -186,22 +193,24 @@ class Learner:
         graphdef, state = nnx.split(self.model)
         sparse_state = None if sparse_model is None else nnx.state(sparse_model)
         budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
-        layout = self._micro_batching(traj.tokens, num_mini=1)
+        layout = self.micro_batch_layout(traj.tokens, num_mini=1)
         COMPILES.note("learner/analyze", rows=traj.tokens.shape[0],
                       prompt_width=traj.prompt_tokens.shape[1], response=traj.tokens.shape[1],
                       **layout)
         return analyze_program(graphdef, state, traj, budgets, replay=replay, opts=self.opts,
                                sparse_state=sparse_state, **layout)
 
-    def _num_mini(self, rows: int) -> int:
+    def num_mini_batches(self, rows: int) -> int:
+        """Optimizer steps per epoch over a batch of `rows` rows (`ppo_mini_batch_size` each)."""
         mini = self.cfg.ppo_mini_batch_size or rows
         if rows % mini:
             raise ValueError(f"batch of {rows} rows is not a multiple of "
                              f"ppo_mini_batch_size={mini}")
         return rows // mini
 
-    def _micro_batching(self, x: jax.Array, num_mini: int = 1) -> dict[str, int]:
-        """Static micro-batch layout inside a mini-batch of a batch whose rows are `x`'s rows."""
+    def micro_batch_layout(self, x: jax.Array, num_mini: int = 1) -> dict[str, int]:
+        """Static micro-batch layout inside one of `num_mini` mini-batches of a batch whose rows
+        are `x`'s rows: the programs' keyword arguments {"num_micro", "row_shards"}."""
         rows = x.shape[0] // num_mini
         mb = self.cfg.micro_batch_size or rows
         if rows % mb:
@@ -220,7 +229,7 @@ class Learner:
     def _grads(self, batch: LearnerBatch, budgets, replay, mini_index: int, num_mini: int,
                sparse_model: Qwen3ForCausalLM | None = None):
         budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
-        layout = self._micro_batching(batch.traj.tokens, num_mini)
+        layout = self.micro_batch_layout(batch.traj.tokens, num_mini)
         COMPILES.note("learner/grads", rows=batch.traj.tokens.shape[0],
                       prompt_width=batch.traj.prompt_tokens.shape[1],
                       response=batch.traj.tokens.shape[1], num_mini=num_mini,
@@ -249,28 +258,28 @@ class Learner:
         """`ppo_epochs` passes over the mini-batches, one AdamW step each (in row order).
 
         `batch.logp_old` None (only valid fused, see `fused`) makes the gradient program compute
-        pi_old's logprobs and alpha itself; they are returned under "tokens" in `last_tokens`.
+        pi_old's logprobs and alpha itself; that TokenAnalysis is kept in `last_analysis`.
         `sparse_model`: see `analyze`. `after_step(batch, mini_index, num_mini)` runs after each
         optimizer step with the updated policy and batch.logp_old set (e.g. the DistillSparse
         adapter's step); the metrics it returns join that step's."""
-        num_mini = self._num_mini(batch.traj.tokens.shape[0])
+        num_mini = self.num_mini_batches(batch.traj.tokens.shape[0])
         if batch.logp_old is None and not self.fused(batch.traj.tokens.shape[0]):
             raise ValueError("LearnerBatch.logp_old is needed with several mini-batches, epochs, "
                              "or token rejection / sequence veto / TIS renormalisation")
-        steps, self.last_tokens = [], None
+        steps, self.last_analysis = [], None
         for _ in range(self.cfg.ppo_epochs):
             for j in range(num_mini):
-                grads, metrics, loss, tokens = self._grads(batch, budgets, replay, j, num_mini,
-                                                           sparse_model)
+                grads, metrics, loss, analysis = self._grads(batch, budgets, replay, j, num_mini,
+                                                             sparse_model)
                 gnorm, applied = self._apply(grads, loss)
-                if tokens:
-                    self.last_tokens = tokens
+                if analysis is not None:
+                    self.last_analysis = analysis
                 out = {f"loss/{k}": float(v) for k, v in metrics.items()}
                 out.update({"loss/policy": float(loss), "loss/grad_norm": float(gnorm),
                             "learner/skipped_updates": float(not applied)})
                 if after_step is not None:
                     anchored = batch if batch.logp_old is not None else dataclasses.replace(
-                        batch, logp_old=tokens["logp_old"])   # fused: one mini-batch
+                        batch, logp_old=analysis.logp_old)   # fused: one mini-batch
                     out.update(after_step(anchored, j, num_mini))
                 steps.append(out)
         self.last_step_metrics = steps
@@ -281,7 +290,7 @@ class Learner:
              replay: SparseReplay | None = None, *,
              sparse_model: Qwen3ForCausalLM | None = None,
              after_step: AfterStep | None = None,
-             ) -> tuple[dict[str, jax.Array], dict[str, float]]:
+             ) -> tuple[TokenAnalysis, dict[str, float]]:
         """One RL step's learner work: (per-token analysis, update metrics).
 
         Analysis = logp_old [B, T] (pi_old), and alpha / logp_sparse_replay [B, T] per alpha_mode.
@@ -291,9 +300,9 @@ class Learner:
             metrics = self.update(LearnerBatch(traj=traj, logp_old=None, advantages=advantages),
                                   budgets, replay, sparse_model=sparse_model,
                                   after_step=after_step)
-            return self.last_tokens, metrics
+            return self.last_analysis, metrics
         analysis = self.analyze(traj, budgets, replay, sparse_model)
-        metrics = self.update(LearnerBatch(traj=traj, logp_old=analysis["logp_old"],
+        metrics = self.update(LearnerBatch(traj=traj, logp_old=analysis.logp_old,
                                            advantages=advantages), budgets, replay,
                               sparse_model=sparse_model, after_step=after_step)
         return analysis, metrics

@@ -6,6 +6,9 @@ dispatch costs latency anyway). Row layout: a batch `[B, ...]` whose rows may be
 over the data axis is split into mini-batches (one optimizer step each) and those into
 micro-batches (gradient accumulation) by `split_micro_batches`, which takes an equal run of
 whole groups from every data shard, so slicing never moves rows between devices.
+
+The analysis the programs hand back is a `TokenAnalysis` (a pytree of per-token arrays); the
+learner's modes are `AlphaMode` and `RematMode` (strings in gin files, checked at config time).
 """
 
 from __future__ import annotations
@@ -27,8 +30,40 @@ from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
                                                 trajectory_hidden)
+from sparrow_jax.runtime.choices import Choice
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import mismatch
+
+
+class AlphaMode(Choice):
+    """How the learner measures alpha, the sparse actor's per-token acceptance rate."""
+    FULL = "full"    # exact, full-vocabulary: a teacher-forced replay of the sparse actor
+    TOPK = "topk"    # the paper's lower bound from the rollout's recorded top-k (no extra forward)
+    NONE = "none"    # no mismatch statistic
+
+
+class RematMode(Choice):
+    """Per-layer rematerialisation of the gradient forward (`model.qwen3.REMAT_MODES`)."""
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenAnalysis:
+    """The learner's per-token analysis of a batch; each field [B, T] float32, 0 at padding.
+
+    logp_old: log pi_old of the sampled tokens (the dense policy before the update; the PPO
+        anchor), under the rollout's sampling distribution.
+    alpha: the sparse actor's acceptance rate per token (`AlphaMode.FULL`: exact, from the
+        replay; `TOPK`: the top-k lower bound); None with `NONE`, or "full" without a replay.
+    logp_sparse_replay: log-prob of the sampled tokens under the teacher-forced replay of the
+        sparse actor (`FULL` with a replay only), else None.
+    """
+    logp_old: jax.Array
+    alpha: jax.Array | None = None
+    logp_sparse_replay: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -56,8 +91,8 @@ class ProgramOptions:
     """The static settings the programs need (hashable: a jit static argument)."""
     logit_chunk: int
     attention_chunk: int
-    remat: str
-    alpha_mode: str
+    remat: RematMode
+    alpha_mode: AlphaMode
     sampling: SamplingParams
     # The gradient forward's residual stream [B, T, H] between layers (sequence parallelism over
     # the model axis, `sharding.residual_spec`); None = XLA's choice.
@@ -86,7 +121,7 @@ def _dense_attention(opts: ProgramOptions):
 def _sparse_hidden(model, traj: Trajectories, budgets, replay: SparseReplay | None,
                    opts: ProgramOptions):
     """The teacher-forced replay of the sparse actor, [B, T, H], or None (no alpha replay)."""
-    if opts.alpha_mode != "full" or replay is None:
+    if opts.alpha_mode != AlphaMode.FULL or replay is None:
         return None
     if replay.mode == "compress":
         from sparrow_jax.rollout.compress import replay_attention_fn
@@ -100,13 +135,14 @@ def _sparse_hidden(model, traj: Trajectories, budgets, replay: SparseReplay | No
 
 
 def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hidden_s=None,
-                   model_s=None):
+                   model_s=None) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Per-token outputs from hidden states, `logit_chunk` steps at a time (each chunk
-    rematerialised, see map_time_chunks): logp [B, T] of the sampled tokens under the dense
-    policy (differentiable), and, from the same logits, alpha [B, T] and the replay's logp
-    (the replay's logits from `model_s`, the sparse actor's weights; default `model`)."""
+    rematerialised, see map_time_chunks): (logp, alpha, logp_sparse_replay), each [B, T] or None.
+    logp: the sampled tokens under the dense policy (differentiable); from the same logits,
+    alpha per `opts.alpha_mode`, and the replay's logp (the replay's logits from `model_s`, the
+    sparse actor's weights; default `model`) when `hidden_s` is given."""
     k = traj.topk_ids.shape[-1]
-    if opts.alpha_mode == "topk" and k == 0:
+    if opts.alpha_mode == AlphaMode.TOPK and k == 0:
         raise ValueError("alpha_mode='topk' reads the rollout's recorded top-k, but these "
                          "trajectories recorded none (RolloutConfig.record_topk = 0, see "
                          "RolloutConfig.for_alpha_mode)")
@@ -115,20 +151,21 @@ def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hi
     def chunk(h_d, tokens, top_v, top_i, h_s=None):
         logits_d = model.logits(h_d)
         lp_d = opts.sampling.logprobs(logits_d)
-        out = {"logp": jnp.take_along_axis(lp_d, tokens[..., None], -1)[..., 0]}
+        logp = jnp.take_along_axis(lp_d, tokens[..., None], -1)[..., 0]
         lp_d = jax.lax.stop_gradient(lp_d)
-        if opts.alpha_mode == "topk":
+        alpha = logp_replay = None
+        if opts.alpha_mode == AlphaMode.TOPK:
             # The paper's lower bound compares the untruncated top-k on both sides (the rollout
             # records its top-k at the sampling temperature, untruncated).
             t = opts.sampling.temperature or 1.0
             dv, di = jax.lax.top_k(jax.nn.log_softmax(
                 jax.lax.stop_gradient(logits_d) / t, axis=-1), k)
-            out["alpha"] = mismatch.acceptance_rate_topk(top_v, top_i, dv, di)
+            alpha = mismatch.acceptance_rate_topk(top_v, top_i, dv, di)
         if h_s is not None:
             lp_s = opts.sampling.logprobs(model_s.logits(h_s))
-            out["alpha"] = mismatch.acceptance_rate_from_logprobs(lp_s, lp_d)
-            out["logp_sparse_replay"] = jnp.take_along_axis(lp_s, tokens[..., None], -1)[..., 0]
-        return out
+            alpha = mismatch.acceptance_rate_from_logprobs(lp_s, lp_d)
+            logp_replay = jnp.take_along_axis(lp_s, tokens[..., None], -1)[..., 0]
+        return logp, alpha, logp_replay
 
     arrays = [hidden_d, traj.tokens, traj.topk_logprobs, traj.topk_ids]
     if hidden_s is not None:
@@ -136,15 +173,21 @@ def _token_outputs(model, opts: ProgramOptions, hidden_d, traj: Trajectories, hi
     return map_time_chunks(chunk, opts.logit_chunk, *arrays)
 
 
-def _analyze(model, traj: Trajectories, budgets, replay, opts: ProgramOptions, model_s=None):
+def _token_analysis(logp_old, alpha, logp_sparse_replay, mask) -> TokenAnalysis:
+    """The outputs as a TokenAnalysis, padding zeroed (`mask` [B, T])."""
+    return jax.tree.map(lambda x: jnp.where(mask, x, 0.0),
+                        TokenAnalysis(logp_old, alpha, logp_sparse_replay))
+
+
+def _analyze(model, traj: Trajectories, budgets, replay, opts: ProgramOptions,
+             model_s=None) -> TokenAnalysis:
     """model: the dense policy; model_s: the sparse actor's weights for the replay (default
     `model`; e.g. base + a DistillSparse adapter, sparrow_jax.rl.distill)."""
     model_s = model if model_s is None else model_s
     hidden_d = trajectory_hidden(model, traj, attention_fn=_dense_attention(opts))
-    out = _token_outputs(model, opts, hidden_d, traj,
-                         _sparse_hidden(model_s, traj, budgets, replay, opts), model_s)
-    out["logp_old"] = out.pop("logp")
-    return jax.tree.map(lambda x: jnp.where(traj.mask, x, 0.0), out)
+    outputs = _token_outputs(model, opts, hidden_d, traj,
+                             _sparse_hidden(model_s, traj, budgets, replay, opts), model_s)
+    return _token_analysis(*outputs, traj.mask)
 
 
 def split_micro_batches(tree, num_micro: int, row_shards: int = 1):
@@ -188,7 +231,7 @@ def data_row_shards(x: jax.Array, num_parts: int) -> int:
 @functools.partial(jax.jit, static_argnames=("graphdef", "replay", "opts", "num_micro",
                                              "row_shards"))
 def analyze_program(graphdef, state, traj, budgets, *, replay, opts: ProgramOptions,
-                    num_micro: int, row_shards: int, sparse_state=None):
+                    num_micro: int, row_shards: int, sparse_state=None) -> TokenAnalysis:
     """All micro-batches of `_analyze` in one program (`lax.map`), rows back in batch order.
     `sparse_state` (a state for `graphdef`, e.g. the merged rollout copy): the weights of the
     sparse actor the alpha replay runs; None = `state`'s."""
@@ -204,7 +247,8 @@ def analyze_program(graphdef, state, traj, budgets, *, replay, opts: ProgramOpti
 def _loss_terms(params, rest, graphdef, batch: LearnerBatch, budgets, denominator, tis_mean,
                 opts: ProgramOptions, loss_cfg: grpo.LossConfig, replay: SparseReplay | None,
                 sparse_params=None):
-    """(loss_sum / denominator, (metric sums, per-token outputs)) of one micro-batch.
+    """(loss_sum / denominator, (metric sums, analysis)) of one micro-batch; the analysis (a
+    TokenAnalysis) only when fused (`batch.logp_old` None), else None.
     `sparse_params` (not differentiated): the sparse actor's weights for the fused alpha replay;
     None = `params`."""
     model = nnx.merge(graphdef, params, rest)
@@ -214,30 +258,16 @@ def _loss_terms(params, rest, graphdef, batch: LearnerBatch, budgets, denominato
                                remat=opts.remat, residual_spec=opts.residual_spec)
     fused = batch.logp_old is None
     hidden_s = _sparse_hidden(model_s, traj, budgets, replay, opts) if fused else None
-    out = _token_outputs(model, opts, hidden, traj, hidden_s, model_s)
-    logp = out.pop("logp")
+    logp, alpha, logp_sparse_replay = _token_outputs(model, opts, hidden, traj, hidden_s, model_s)
     # Fused (one mini-batch, one epoch): the parameters are still pi_old's, so pi_old's logprobs
     # are this forward's, not a second forward's.
     logp_old = jax.lax.stop_gradient(logp) if fused else batch.logp_old
-    loss_sum, _, sums = grpo.policy_loss_terms(
-        logp, logp_old, traj.logprobs, batch.advantages, traj.mask,
-        clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
-        tis_cap=loss_cfg.tis_cap, aggregation=loss_cfg.aggregation, kl_coef=0.0,
-        token_rejection=loss_cfg.token_rejection, sequence_veto=loss_cfg.sequence_veto,
-        tis_renormalize=loss_cfg.tis_renormalize, tis_mean=tis_mean)
-    tokens = {}
-    if fused:
-        tokens = {"logp_old": logp_old, **out}
-        tokens = jax.tree.map(lambda x: jnp.where(traj.mask, x, 0.0), tokens)
-    return loss_sum / denominator, (sums, tokens)
-
-
-def _empty_metric_sums(shapes: grpo.MetricSums) -> grpo.MetricSums:
-    """Identity of `grpo.merge_metric_sums` for metric sums shaped like `shapes`."""
-    def fill(name, v):
-        value = -jnp.inf if name.endswith("_max") else jnp.inf if name.endswith("_min") else 0
-        return jnp.full(v.shape, value, v.dtype)
-    return {name: (fill(name, v), jnp.zeros(c.shape, c.dtype)) for name, (v, c) in shapes.items()}
+    # No reference policy here (logp_ref None): LossConfig.kl_coef adds nothing.
+    loss_sum, _, sums = grpo.policy_loss_terms(logp, logp_old, traj.logprobs, batch.advantages,
+                                               traj.mask, loss_cfg, tis_mean=tis_mean)
+    analysis = (_token_analysis(logp_old, alpha, logp_sparse_replay, traj.mask) if fused
+                else None)
+    return loss_sum / denominator, (sums, analysis)
 
 
 def fusable(loss_cfg: grpo.LossConfig) -> bool:
@@ -255,10 +285,10 @@ def grads_program(params, rest, batch: LearnerBatch, budgets, mini_index, *, gra
                   sparse_params=None):
     """Gradient of mini-batch `mini_index` (traced: one program for all of them) of `batch`.
 
-    Returns (grads, metrics, loss, tokens): the mini-batch's exact gradient, accumulated over
+    Returns (grads, metrics, loss, analysis): the mini-batch's exact gradient, accumulated over
     `num_micro` micro-batches by a `lax.scan` against one global denominator (only one
-    micro-batch's activations alive at a time; the carry is the gradient sum); tokens are the
-    per-token analysis outputs in the mini-batch's row order when `batch.logp_old` is None.
+    micro-batch's activations alive at a time; the carry is the gradient sum); analysis: the
+    mini-batch's TokenAnalysis in its row order when `batch.logp_old` is None, else None.
     `sparse_params`: the sparse actor's Param state for that fused alpha replay (None: `params`).
     """
     if num_mini > 1:
@@ -282,27 +312,27 @@ def grads_program(params, rest, batch: LearnerBatch, budgets, mini_index, *, gra
     grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
 
     def micro(part):
-        (loss, (sums, tokens)), grads = grad_fn(params, rest, graphdef, part, budgets,
-                                                denominator, tis_mean, opts, loss_cfg, replay,
-                                                sparse_params)
-        return _like_params(grads, opts), sums, loss, tokens
+        (loss, (sums, analysis)), grads = grad_fn(params, rest, graphdef, part, budgets,
+                                                  denominator, tis_mean, opts, loss_cfg, replay,
+                                                  sparse_params)
+        return _like_params(grads, opts), sums, loss, analysis
 
     if num_micro == 1:
-        grads, sums, loss, tokens = micro(batch)
-        return grads, grpo.finalize_metrics(sums), loss, tokens
+        grads, sums, loss, analysis = micro(batch)
+        return grads, grpo.finalize_metrics(sums), loss, analysis
     parts = split_micro_batches(batch, num_micro, row_shards)
 
     def step(carry, part):
-        grads, sums, loss, tokens = micro(part)
+        grads, sums, loss, analysis = micro(part)
         acc_grads, acc_sums, acc_loss = carry
         return (jax.tree.map(jnp.add, acc_grads, grads),
-                grpo.merge_metric_sums(acc_sums, sums), acc_loss + loss), tokens
+                grpo.merge_metric_sums(acc_sums, sums), acc_loss + loss), analysis
 
     shapes = jax.eval_shape(micro, jax.tree.map(lambda x: x[0], parts))
-    init = (_like_params(jax.tree.map(jnp.zeros_like, params), opts), _empty_metric_sums(shapes[1]),
-            jnp.zeros((), shapes[2].dtype))
-    (grads, sums, loss), tokens = jax.lax.scan(step, init, parts)
-    return grads, grpo.finalize_metrics(sums), loss, merge_micro_batches(tokens, row_shards)
+    init = (_like_params(jax.tree.map(jnp.zeros_like, params), opts),
+            grpo.empty_metric_sums(shapes[1]), jnp.zeros((), shapes[2].dtype))
+    (grads, sums, loss), analysis = jax.lax.scan(step, init, parts)
+    return grads, grpo.finalize_metrics(sums), loss, merge_micro_batches(analysis, row_shards)
 
 
 @functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))

@@ -11,6 +11,8 @@ The engines share rollout/state.py and never import each other; only this module
 
 from __future__ import annotations
 
+import time
+
 import jax
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
@@ -20,7 +22,7 @@ from sparrow_jax.rollout.engine import start
 from sparrow_jax.rollout.state import DecodeState, Trajectories, check_budgets
 from sparrow_jax.runtime.sharding import ShardingSpec
 
-__all__ = ["decode", "generate", "start"]
+__all__ = ["decode", "generate", "generate_timed", "start"]
 
 
 def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
@@ -61,3 +63,16 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     if cfg.mode == "exact_sparse":
         return exact.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
     return engine.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
+
+
+def generate_timed(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
+                   budgets, bin_size: int = 2000, group_size: int = 1,
+                   rng: jax.Array | None = None, spec: ShardingSpec | None = None
+                   ) -> tuple[Trajectories, float]:
+    """`generate` and its wall time in seconds, blocked until the result is ready (the rollout
+    speed a training step or an evaluation reports)."""
+    start_s = time.perf_counter()
+    traj = generate(model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
+                    bin_size=bin_size, group_size=group_size, rng=rng, spec=spec)
+    traj = jax.block_until_ready(traj)
+    return traj, time.perf_counter() - start_s

@@ -3,15 +3,39 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Sequence
 
 import gin
+import numpy as np
 
 from sparrow_jax.rollout.sampling import SamplingParams
+from sparrow_jax.runtime.choices import Choice
 from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 from sparrow_jax.sparsity.compression import SCORERS
+from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
+
+log = logging.getLogger(__name__)
+
+class RolloutMode(Choice):
+    """How the rollout attends to its KV cache (docs/rollout.md)."""
+    SPARSE = "sparse"                # block top-k under the schedule's per-bin budgets
+    DENSE = "dense"                  # every key
+    COMPRESS = "compress"            # KV eviction (R-KV / SnapKV), rollout/compress.py
+    EXACT_SPARSE = "exact_sparse"    # sparse drafts verified densely: the dense policy's samples
 
 
-MODES = ("sparse", "dense", "compress", "exact_sparse")
+class Engine(Choice):
+    STATIC = "static"                # one cache row per sample (rollout/engine.py)
+    PAGED = "paged"                  # page pools, continuous batching (rollout/scheduler.py)
+
+
+class SelectionBackend(Choice):
+    AUTO = "auto"                    # where the attention kernel runs (a Triton kernel on GPUs)
+    XLA = "xla"                      # the XLA form everywhere (for comparison)
+
+
+MODES = RolloutMode.values()
 
 
 def padded_length(n: int, block_size: int) -> int:
@@ -26,8 +50,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    mode: str = "sparse"                 # "sparse" | "dense" | "compress" (Sparse-RL's KV eviction)
-    #                                      | "exact_sparse" (sparse drafts, dense verify: exact.py)
+    mode: RolloutMode = RolloutMode.SPARSE   # "sparse" | "dense" | "compress" (Sparse-RL's KV
+    #                                      eviction) | "exact_sparse" (sparse drafts, dense verify)
     gamma: int = 4                       # exact_sparse: tokens drafted per dense verify pass
     # exact_sparse, static engine: the draft length per length bin (the bins of the budgets;
     # the last entry holds beyond), 0 = dense decoding in that bin (no draft), e.g. the plan of
@@ -43,7 +67,7 @@ class RolloutConfig:
     backend: str = "auto"                # kernel backend, see pallas_kernels.block_sparse_decode
     # Block selection: "auto" runs it where the attention kernel runs (one Pallas Triton kernel
     # on a GPU, `selection.selection_backend`); "xla" the XLA form everywhere (for comparison).
-    selection: str = "auto"
+    selection: SelectionBackend = SelectionBackend.AUTO
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     scorer: str = "centroid"
@@ -62,7 +86,7 @@ class RolloutConfig:
     # tokens, continuous batching in compiled decode chunks of `chunk_steps` steps, GRPO groups
     # share their prompt's pages, preemption when the pool runs out. "static": one cache row per
     # sample sized for the longest possible row, one while_loop until the slowest row ends.
-    engine: str = "static"
+    engine: Engine = Engine.STATIC
     max_slots: int = 0           # samples decoded at once (0 = all); a multiple of the data axis
     chunk_steps: int = 32
     overlap_chunks: bool = True  # dispatch chunk i+1 before reading chunk i back (scheduler.py)
@@ -89,8 +113,11 @@ class RolloutConfig:
     dense_via_sparse: bool = False
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"RolloutConfig.mode must be one of {MODES}, got {self.mode!r}")
+        # gin binds plain strings: each mode becomes its enum here, or fails naming the choices.
+        for name, choice in (("mode", RolloutMode), ("engine", Engine),
+                             ("selection", SelectionBackend)):
+            object.__setattr__(self, name, choice.parse(getattr(self, name),
+                                                        f"RolloutConfig.{name}"))
         if self.gamma < 1:
             raise ValueError(f"RolloutConfig.gamma (tokens drafted per verify) must be >= 1, "
                              f"got {self.gamma}")
@@ -98,12 +125,6 @@ class RolloutConfig:
             self._check_compress()
         if self.mode == "exact_sparse" and self.gamma_by_bin:
             self._check_gamma_by_bin()
-        if self.selection not in ("auto", "xla"):
-            raise ValueError(f"RolloutConfig.selection must be 'auto' or 'xla', got "
-                             f"{self.selection!r}")
-        if self.engine not in ("static", "paged"):
-            raise ValueError(f"RolloutConfig.engine must be 'static' or 'paged', got "
-                             f"{self.engine!r}")
         if self.engine == "paged" and self.mode == "compress":
             raise ValueError(f"mode={self.mode!r} runs on the static engine only (the paged "
                              "engine does not implement it); set engine='static'")
@@ -196,6 +217,35 @@ class RolloutConfig:
             return self
         return dataclasses.replace(self, record_topk=0)
 
+    def fit_selection_width(self, budgets: Sequence[int], *, also: int = 0
+                            ) -> tuple["RolloutConfig", str | None]:
+        """This config with `max_budget` - the static selection width, the tokens a sparse
+        decode step gathers per KV head whatever the live budget - narrowed to the largest
+        finite budget in `budgets` (and `also`, e.g. the controller's highest finite rung),
+        rounded up to whole blocks and at least 3 (sink + 2 local). A wider width only gathers
+        padding (measured: at 8K context a 1K budget under a 4K width cost more than dense
+        attention). DENSE_BUDGET entries are always reachable: rows whose budget covers their
+        length take the dense path. The one rule of the trainer, the dryrun, `sparrow rollout`
+        and the benches.
+
+        Returns (config, a log line saying what changed, or None). Raises ValueError when a
+        finite budget exceeds `max_budget`; with no finite budget and no `also`, the config is
+        returned as it is (nothing sparse to size)."""
+        finite = [int(b) for b in budgets if b < DENSE_BUDGET]
+        if finite and max(finite) > self.max_budget:
+            raise ValueError(f"schedule budgets reach {max(finite)} tokens but RolloutConfig."
+                             f"max_budget = {self.max_budget} (the selection width): raise "
+                             "max_budget")
+        top = max(finite + [also])
+        if top <= 0:
+            return self, None
+        top = max(padded_length(top, self.block_size), 3 * self.block_size)
+        if top >= self.max_budget:
+            return self, None
+        return (dataclasses.replace(self, max_budget=top),
+                f"selection width: RolloutConfig.max_budget {self.max_budget} -> {top} tokens "
+                "(the largest budget this run can reach)")
+
     @property
     def sampling(self) -> SamplingParams:
         """The sampled distribution; the learner takes it from here (one source of truth)."""
@@ -219,3 +269,54 @@ class RolloutConfig:
     def prompt_width(self, width: int) -> int:
         """The static prompt width (a bucket) for prompts of up to `width` tokens."""
         return bucket_length(width, self.prompt_ladder, multiple=self.block_size)
+
+
+def rollout_config(schedule: Schedule, stop_ids: tuple[int, ...], pad_id: int, prompt_width: int,
+                   *, max_new_tokens: int | None = None, mode: str | None = None
+                   ) -> tuple[RolloutConfig, np.ndarray]:
+    """RolloutConfig (gin + these settings) for generating with `schedule`, and the budgets
+    array [num_bins] int32 handed to the engine (`sparrow rollout`, `sparrow eval`).
+
+    mode None: RolloutConfig.mode, or dense when the schedule is dense. The static selection
+    width is shrunk to the largest budget any sequence of this run can reach (prompt_width +
+    max_new_tokens tokens): the sparse kernels gather `max_budget` tokens per KV head per step
+    whatever the live budget is, so a wider width is pure waste. ValueError on a bad setting.
+    """
+    try:
+        cfg = RolloutConfig()  # gin bindings apply here
+    except ValueError as e:
+        raise ValueError(f"bad RolloutConfig: {e}") from None
+    overrides: dict = {"pad_token_id": pad_id,
+                       "stop_token_ids": tuple(dict.fromkeys(cfg.stop_token_ids + stop_ids))}
+    if max_new_tokens is not None:
+        overrides["max_new_tokens"] = max_new_tokens
+    mode = mode or ("dense" if schedule.is_dense else cfg.mode)
+    if mode == "sparse" and schedule.is_dense:
+        raise ValueError("--mode sparse needs a sparse schedule (--schedule NAME|JSON or gin "
+                         "make_schedule.name); the current schedule is dense")
+    try:
+        cfg = dataclasses.replace(cfg, mode=mode, **overrides)
+    except ValueError as e:
+        raise ValueError(f"bad RolloutConfig: {e}") from None
+    budgets = np.asarray(schedule.budgets, np.int64)
+    max_context = prompt_width + cfg.max_new_tokens
+    if mode == "dense":
+        return cfg, np.minimum(budgets, np.iinfo(np.int32).max).astype(np.int32)
+    if schedule.block_size != cfg.block_size:
+        raise ValueError(f"schedule block_size {schedule.block_size} != RolloutConfig.block_size "
+                         f"{cfg.block_size}")
+    finite = budgets[budgets < DENSE_BUDGET]     # the dense rung is always allowed
+    if finite.size and finite.max() > cfg.max_budget:
+        raise ValueError(
+            f"schedule {schedule.name or ''} budget {int(finite.max())} exceeds "
+            f"RolloutConfig.max_budget={cfg.max_budget} (the static selection width); pass "
+            f"--gin_param 'RolloutConfig.max_budget = {int(finite.max())}' or a smaller schedule")
+    # Bins beyond reach are never looked up: they take the last reachable bin's budget, so the
+    # selection width (the shared rule, RolloutConfig.fit_selection_width) is sized by what
+    # this run's sequences can reach.
+    last_bin = min(max_context // schedule.bin_size, len(budgets) - 1)
+    budgets[last_bin + 1:] = budgets[last_bin]
+    cfg, note = cfg.fit_selection_width(budgets)
+    if note:
+        log.info("%s (within %d tokens)", note, max_context)
+    return cfg, np.minimum(budgets, np.iinfo(np.int32).max).astype(np.int32)

@@ -6,7 +6,8 @@ positions (p_j predicts the token after x_j's prefix). The rule (Leviathan et al
 Chen et al. 2023): accept x_j with probability min(1, p(x_j) / q(x_j)); at the first rejection
 sample from norm(max(0, p - q)); if all gamma are accepted, sample one bonus token from
 p_gamma. The tokens that come out are distributed exactly as sampling from p token by token,
-and the probability of accepting a drafted token is alpha = sum_x min(p(x), q(x)).
+and the probability of accepting a drafted token is alpha = sum_x min(p(x), q(x)) (sampled
+decoding only: under greedy decoding acceptance is whether the two argmaxes agree).
 
 All distributions here are the *sampled* ones (`sampling.sampling_logprobs`: temperature,
 top-k, top-p), so the rule is exact for truncated sampling too. Greedy decoding (temperature 0)

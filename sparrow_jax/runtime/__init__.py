@@ -1,3 +1,3 @@
-"""What every run stands on: checkpoints and run files, metrics, fault handling, sharding,
-multi-process helpers, static-shape bookkeeping, gin config checks.
+"""What every run stands on: checkpoints and run files, a run's base model, metrics, fault
+handling, sharding, multi-process helpers, static-shape bookkeeping, gin files and config checks.
 """

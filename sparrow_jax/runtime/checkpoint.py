@@ -113,6 +113,15 @@ def _quiet_read_only_warning(active: bool):
         logger.removeFilter(flt)
 
 
+def last_checkpoint_phrase(step: Any) -> str:
+    """What a stopped run tells its user about resuming, for the newest saved `step` (None:
+    nothing saved yet)."""
+    if step is None:
+        return ("no checkpoint was saved yet, so re-running the same command starts the run "
+                "from the beginning")
+    return f"the last checkpoint is step {step} (re-run the same command to resume)"
+
+
 class CheckpointManager:
     """Saves/restores ``(params, opt_state, extra, operative_config)`` per step of a run.
 
@@ -222,8 +231,8 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - exiting regardless; the message below counts
                 pass
         sys.stderr.write(f"\nstopped at once by a second Ctrl-C; the step in flight was not "
-                         f"saved; the last checkpoint is step {latest} in {self.directory} "
-                         f"(re-run the same command to resume)\n")
+                         f"saved; {last_checkpoint_phrase(latest)}; run directory "
+                         f"{self.directory}\n")
         sys.stderr.flush()
         os._exit(130)        # no cleanup that could block or half-finish a write
 

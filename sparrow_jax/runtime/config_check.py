@@ -16,6 +16,7 @@ int (`TrainConfig.total_steps = True` is almost surely a mistake).
 from __future__ import annotations
 
 import collections.abc
+import enum
 import inspect
 import types
 import typing
@@ -69,6 +70,8 @@ def _fits(value: Any, tp: Any) -> bool | object:
         return isinstance(value, str)
     if origin is typing.Literal:
         return value in args
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):     # a mode (runtime.choices)
+        return isinstance(value, tp) or value in [m.value for m in tp]
     if origin in (tuple, list, collections.abc.Sequence):
         if not isinstance(value, (tuple, list)):
             return False
@@ -108,6 +111,9 @@ def type_error(selector: str, param: str, value: Any, hints: dict[str, Any]) -> 
     tp = hints[param]
     if _fits(value, tp) is not False:
         return None
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return (f"{selector}.{param} = {value!r:.80}: expected one of "
+                f"{tuple(m.value for m in tp)}")
     return (f"{selector}.{param} = {value!r:.80}: expected {_name(tp)}, got "
             f"{type(value).__name__}")
 

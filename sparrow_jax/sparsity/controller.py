@@ -55,9 +55,12 @@ class ControllerConfig:
       quantile: q, the allowed exceedance rate (the trainer sets it to TrainConfig.tail_quantile).
       confidence: one-sided level of the upper bound on a bin's exceedance rate.
       decay: weight of the previous step's pooled evidence (0 = this step only).
-      min_rows: decayed units (rows or prompts) with tokens in a bin before it is judged.
-      min_tokens: decayed tokens in a bin before it is judged (at least ``certify_tokens``: the
-        tokens the bound needs to pass a clean bin, ~z^2/q; fewer leave the bin undecided).
+      min_rows: decayed units (rows or prompts) with tokens in a bin before it is judged at
+        all, to pass or to fail.
+      min_tokens: decayed tokens in a bin before it can be shown failing (with ``raise_on =
+        "lower"``). Passing - holding a rung under ``raise_on = "upper"``, taking one by a probe,
+        certifying one in calibration - needs ``max(min_tokens, certify_tokens / margin)``: a
+        clean bin with fewer tokens than the bound needs (~z^2/q) is undecided, not failing.
       unit: "row" or "prompt" (a GRPO group's rows summed): the independent unit.
       min_budget, max_budget: bounds of the finite rungs (multiples of the block size, at least
         3 blocks); above them every ladder ends at the dense rung.
@@ -65,15 +68,20 @@ class ControllerConfig:
       ladder: explicit finite rungs (tokens) instead of the geometric ladder.
       fail_memory: steps during which a rung that failed is not probed again.
       probe: replay one rung lower each step (False: budgets only ever rise).
-      lower_margin: a probe passes only when its bound is at most lower_margin * q (holding a
-        rung needs <= q): the bar for lowering is stricter than for staying, so a rung that
-        barely passed one batch's replay is not taken live (hysteresis; 1 = the same bar).
+      lower_margin: a probe passes only when its bound is at most lower_margin * q. 1 (the
+        default, the certified rule): a rung is taken when certified at q. Below 1 the bar for
+        lowering is stricter than the one for holding (an older rule: with ``raise_on =
+        "upper"`` it held ~0.01 q in simulation, docs/mismatch.md).
       raise_on: when a held rung counts as failing (raised live; a probe marked failed):
-        "upper" - its upper bound exceeds q (not certified any more: holds rates well below q);
-        "lower" - its lower bound exceeds q (shown failing at ``confidence``): with
-        lower_margin = 1 a rung is taken when certified at q and left when shown above q, so
-        the rate held is q's order, not a tenth of it (docs/mismatch.md, "What the controller
-        guarantees").
+        "lower" (the default, the certified rule) - its lower bound exceeds q (shown failing at
+        ``confidence``): with lower_margin = 1 a rung is taken when certified at q and left when
+        shown above q, so the rate held is q's order, not a tenth of it; "upper" - its upper
+        bound exceeds q (not certified any more: holds rates well below q). docs/mismatch.md,
+        "What the controller guarantees".
+
+    The defaults are the certified rule (``lower_margin = 1``, ``raise_on = "lower"``; until
+    issue 56 they were 0.5 and "upper"): every config that does not set them gets it, and
+    ``sparrow calibrate`` certifies a starting table by the same rule.
     """
 
     target: float = 0.86
@@ -89,8 +97,8 @@ class ControllerConfig:
     ladder: tuple[int, ...] | None = None
     fail_memory: int = 10
     probe: bool = True
-    lower_margin: float = 0.5
-    raise_on: str = "upper"
+    lower_margin: float = 1.0
+    raise_on: str = "lower"
 
     def __post_init__(self):
         if not 0.0 < self.target <= 1.0:
@@ -259,7 +267,8 @@ def _failing(ev: Evidence, config: ControllerConfig) -> tuple[np.ndarray, np.nda
 
 
 def controller_update(state: ControllerState, hits, tokens, config: ControllerConfig, *,
-                      probe_hits=None, probe_tokens=None) -> tuple[ControllerState, dict[str, Any]]:
+                      probe_hits=None, probe_tokens=None, downstream: bool = True
+                      ) -> tuple[ControllerState, dict[str, Any]]:
     """One controller step (pure; host-side NumPy).
 
     Args:
@@ -269,6 +278,10 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
       config: controller settings.
       probe_hits, probe_tokens: the same from the replay at ``state.replay_budgets()`` (None:
         no replay this step; only bins with a probe budget read them).
+      downstream: the bins are the length bins of one sequence, so a bin's budget acts on the
+        bins after it (a failing replay blocks the probes before it, a witness implicates one,
+        a bin failing at dense raises the bins before it). False: every bin is an independent
+        run of one bin - what ``sparsity.simulation`` runs many of in one call.
     Returns:
       (new state, info): NumPy ``budgets_before``, ``budgets``, ``upper_bound``, ``probe_upper``
       and bool masks ``failing`` (bound above q at the live budget: below target), ``undecided``
@@ -307,11 +320,11 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
     if probe_hits is not None:
         replay_fail = np.where(has_probe, pfail,
                                _failing(Evidence.from_counts(probe_hits, probe_tokens), config)[2])
-    blocked = np.flip(np.logical_or.accumulate(np.flip(replay_fail)))
+    blocked = np.flip(np.logical_or.accumulate(np.flip(replay_fail))) if downstream else replay_fail
     # A witness failing in the replay implicates the probes upstream of it: the nearest one is
     # marked failed, so the next replay tests a different set (one suspect fewer per step).
     implicated = np.zeros(n, bool)
-    for k in np.flatnonzero(replay_fail & ~has_probe):
+    for k in np.flatnonzero(replay_fail & ~has_probe & downstream):
         upstream = np.flatnonzero(has_probe[:k])
         if upstream.size:
             implicated[upstream[-1]] = True
@@ -341,7 +354,7 @@ def controller_update(state: ControllerState, hits, tokens, config: ControllerCo
     # sparse bins upstream of it return to the rung they last passed at (or the next rung up).
     raised_upstream = np.zeros(n, bool)
     dense_fail = failing & (current >= DENSE_BUDGET)
-    if dense_fail.any():
+    if downstream and dense_fail.any():
         for j in range(int(np.flatnonzero(dense_fail)[-1])):
             if budgets[j] >= DENSE_BUDGET or budgets[j] > current[j]:
                 continue            # dense, or already raised by its own failure

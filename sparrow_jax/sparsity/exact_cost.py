@@ -2,7 +2,9 @@
 of gamma and the draft budget per length bin for the best predicted throughput (issue 42).
 
 A verify round of a sequence in a bin drafts ``gamma`` tokens at a budget ``b`` and verifies
-them in one dense pass; at acceptance rate a (alpha of the budget in the bin) it yields
+them in one dense pass; when each draft is accepted with probability a - for sampled decoding
+alpha of the budget in the bin, for greedy decoding the rate at which the draft's and the
+dense argmax agree (alpha is not an acceptance probability there) - it yields
 E = (1 - a^(gamma+1)) / (1 - a) tokens on average and costs
 gamma * c_draft(b) + c_verify(gamma). Dense decoding yields 1 token per c_dense. `choose_per_bin`
 picks per bin the (gamma, budget) with the most tokens per unit cost, dense (gamma 0, no
@@ -118,8 +120,9 @@ def choose_per_bin(budgets: Sequence[int], alpha: Any, draft_cost: Any,
                    verify_cost: Mapping[int, Any], dense_cost: Any) -> ExactPlan:
     """Per bin, the (gamma, budget) with the most expected tokens per unit cost, or dense.
 
-    budgets [K] draft budgets (tokens); alpha [K, bins] measured acceptance rate of a draft at
-    budget k in bin j (NaN: not measured, never chosen); draft_cost [K, bins] (or [K]) cost of
+    budgets [K] draft budgets (tokens); alpha [K, bins] measured acceptance probability of a
+    draft at budget k in bin j (sampled decoding: mean alpha; greedy: the argmax agreement
+    rate; NaN: not measured, never chosen); draft_cost [K, bins] (or [K]) cost of
     one draft step; verify_cost: gamma (>= 1) -> [bins] (or scalar) cost of one verify pass of
     gamma + 1 tokens; dense_cost [bins] (or scalar) cost of one dense decode step, in the same
     unit (ms measured, or eFLOPs modelled). A round of (g, k) yields

@@ -219,3 +219,13 @@ def make_schedule(
     if budgets is not None:
         return Schedule(tuple(budgets), bin_size, block_size, "custom")
     return Schedule.dense(bin_size=bin_size, block_size=block_size)
+
+
+def resolve_schedule(name: str | None) -> Schedule:
+    """A `--schedule` argument: a name, a JSON file, or inline JSON (a budget list or a Schedule
+    dict); None: gin `make_schedule`. ValueError / OSError on a bad one."""
+    if name is None:
+        return make_schedule()
+    if name.lstrip().startswith(("[", "{")):
+        return Schedule.from_json(name)
+    return load_schedule(name)

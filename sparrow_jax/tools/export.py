@@ -43,12 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from gin import config_parser
 
 from sparrow_jax.model import (Qwen3ForCausalLM, load_tokenizer, read_config, save_hf,
                                stop_token_ids)
 from sparrow_jax.runtime import checkpoint as ckpt
 from sparrow_jax.runtime import faults
+from sparrow_jax.runtime.base_model import base_model_dir, operative_config
+from sparrow_jax.runtime.gin_files import gin_binding
 
 log = logging.getLogger(__name__)
 
@@ -91,67 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- reading the run -------------------------------------------------------------------------------
-class _Placeholder(config_parser.ParserDelegate):
-    """Parses any gin file without the configurables being registered: references and macros
-    become inert strings, which is enough to read one literal binding."""
-
-    def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> str:
-        return "@" + scoped_configurable_name + ("()" if evaluate else "")
-
-    def macro(self, macro_name: str) -> str:
-        return "%" + macro_name
-
-
-def gin_binding(config_text: str, selector: str, arg_name: str) -> Any:
-    """The literal value bound to `selector.arg_name` (unscoped) in a gin config, or None.
-
-    gin's own parser (not a regex): operative configs wrap long values onto continuation lines,
-    and a module-qualified selector (`sparrow_jax.train.config.TrainConfig`) names the same binding.
-    """
-    value = None
-    for stmt in config_parser.ConfigParser(config_text, _Placeholder()):
-        if (isinstance(stmt, config_parser.BindingStatement) and not stmt.scope
-                and stmt.arg_name == arg_name
-                and (stmt.selector == selector or stmt.selector.endswith("." + selector))):
-            value = stmt.value  # the last binding wins, as in gin
-    return value
-
-
-def _operative_config(mngr: ckpt.CheckpointManager, step: int) -> str | None:
-    """The gin config saved with the step, else the run directory's operative_config.gin."""
-    text = mngr.read_operative_config(step)
-    if text is None:
-        path = ckpt.epath.Path(mngr.run_dir) / ckpt.OPERATIVE_CONFIG_FILE
-        text = path.read_text() if path.exists() else None
-    return text
-
-
-def _model_dir(mngr: ckpt.CheckpointManager, step: int, override: str | None) -> Path:
-    if override:
-        path, origin = Path(override), "--model_path"
-    else:
-        text = _operative_config(mngr, step)
-        if text is None:
-            raise ExportError(f"{mngr.run_dir} has no operative_config.gin to read "
-                              "TrainConfig.model_path from; pass --model_path DIR")
-        value = gin_binding(text, "TrainConfig", "model_path")
-        if not isinstance(value, str) or not value:
-            raise ExportError("the run's operative config binds no TrainConfig.model_path; "
-                              "pass --model_path DIR")
-        path, origin = Path(value), "TrainConfig.model_path of the run"
-    if not (path / "config.json").is_file():
-        if not path.is_absolute() and not path.exists():
-            # Relative to where `sparrow train` ran, which the run does not record.
-            raise ExportError(f"base model directory {str(path)!r} ({origin}) is a relative "
-                              f"path, not found from the current directory {os.getcwd()}: "
-                              f"run the export from the directory the training ran in, or pass "
-                              f"--model_path DIR")
-        raise ExportError(f"base model directory {str(path)!r} ({origin}) is gone or has no "
-                          "config.json; pass --model_path DIR with the same config.json and "
-                          "tokenizer")
-    return path
-
-
 def _verify_fingerprint(mngr: ckpt.CheckpointManager, step: int, params: Any) -> None:
     """The restored parameters against the fingerprints `sparrow train` saved with the step
     (as a resume checks them): flipped bytes restore silently as other weights."""
@@ -318,7 +258,7 @@ def _generation_config(model_dir: Path, hf_config: dict[str, Any],
 def _merge_adapter(mngr: ckpt.CheckpointManager, step: int, params):
     """`params` with the step's DistillSparse adapter merged in; (merged, {"rank", "alpha"})."""
     from sparrow_jax.rl import distill
-    text = _operative_config(mngr, step) or ""
+    text = operative_config(mngr, step) or ""
     rank = gin_binding(text, "DistillConfig", "rank")
     alpha = gin_binding(text, "DistillConfig", "alpha")
     alpha = 16.0 if alpha is None else float(alpha)   # DistillConfig's default
@@ -359,7 +299,10 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
             step = steps[-1]
         elif step not in steps:
             raise ExportError(f"step {step} is not a checkpoint of {run}; available steps: {steps}")
-        model_dir = _model_dir(mngr, step, str(model_path) if model_path else None)
+        try:
+            model_dir = base_model_dir(mngr, step, str(model_path) if model_path else None)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
         _check_apart(out, "base model directory", model_dir)
         graphdef, abstract, stored_dtype = _abstract_params(mngr, step, model_dir)
         log.info("exporting %s step %d (params stored as %s) with base model %s", run, step,

@@ -12,7 +12,6 @@ response length, finish reason and a summary of the KV budgets used.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -28,8 +27,8 @@ from tqdm import tqdm
 import pallas_kernels
 from sparrow_jax.model import stop_token_ids
 from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
-from sparrow_jax.rollout.config import padded_length
-from sparrow_jax.sparsity.schedule import DENSE_BUDGET
+from sparrow_jax.rollout.config import padded_length, rollout_config
+from sparrow_jax.sparsity.schedule import resolve_schedule
 
 log = logging.getLogger(__name__)
 
@@ -117,66 +116,6 @@ def check_out(out: str, prompts: Any, model: str, overwrite: bool) -> None:
 
 
 # -- setup ---------------------------------------------------------------------------------------
-def resolve_schedule(name: str | None):
-    """--schedule: a name, a JSON file, or inline JSON (a budget list or a Schedule dict)."""
-    from sparrow_jax.sparsity.schedule import Schedule, load_schedule, make_schedule
-    try:
-        if name is None:
-            return make_schedule()
-        if name.lstrip().startswith(("[", "{")):
-            return Schedule.from_json(name)
-        return load_schedule(name)
-    except (ValueError, OSError) as e:
-        raise RolloutError(f"bad --schedule: {e}") from None
-
-
-def rollout_config(args: argparse.Namespace, schedule, stop_ids: tuple[int, ...],
-                   pad_id: int, prompt_width: int) -> tuple[RolloutConfig, np.ndarray]:
-    """RolloutConfig (gin + flags) and the budgets array handed to the engine.
-
-    The static selection width is shrunk to the largest budget any sequence of this run can
-    reach (prompt_width + max_new_tokens tokens): the sparse kernels gather `max_budget` tokens
-    per KV head per step whatever the live budget is, so a wider width is pure waste.
-    """
-    try:
-        cfg = RolloutConfig()  # gin bindings apply here
-        overrides: dict[str, Any] = {"pad_token_id": pad_id,
-                                     "stop_token_ids": tuple(dict.fromkeys(cfg.stop_token_ids
-                                                                           + stop_ids))}
-        if args.max_new_tokens is not None:
-            overrides["max_new_tokens"] = args.max_new_tokens
-        mode = args.mode or ("dense" if schedule.is_dense else cfg.mode)
-        if mode == "sparse" and schedule.is_dense:
-            raise RolloutError("--mode sparse needs a sparse schedule (--schedule NAME|JSON or gin "
-                               "make_schedule.name); the current schedule is dense")
-        overrides["mode"] = mode
-        cfg = dataclasses.replace(cfg, **overrides)
-    except ValueError as e:
-        raise RolloutError(f"bad RolloutConfig: {e}") from None
-    budgets = np.asarray(schedule.budgets, np.int64)
-    max_context = prompt_width + cfg.max_new_tokens
-    if mode == "dense":
-        return cfg, np.minimum(budgets, np.iinfo(np.int32).max).astype(np.int32)
-    if schedule.block_size != cfg.block_size:
-        raise RolloutError(f"schedule block_size {schedule.block_size} != RolloutConfig.block_size "
-                           f"{cfg.block_size}")
-    finite = budgets[budgets < DENSE_BUDGET]     # the dense rung is always allowed
-    if finite.size and finite.max() > cfg.max_budget:
-        raise RolloutError(
-            f"schedule {schedule.name or ''} budget {int(finite.max())} exceeds "
-            f"RolloutConfig.max_budget={cfg.max_budget} (the static selection width); pass "
-            f"--gin_param 'RolloutConfig.max_budget = {int(finite.max())}' or a smaller schedule")
-    last_bin = min(max_context // schedule.bin_size, len(budgets) - 1)
-    reach = int(budgets[: last_bin + 1].max())
-    # Bins beyond reach are never looked up; clipping them keeps the engine's width check exact.
-    budgets = np.minimum(budgets, reach).astype(np.int32)
-    if reach < cfg.max_budget:
-        log.info("selection width %d -> %d tokens (largest budget reachable within %d tokens)",
-                 cfg.max_budget, reach, max_context)
-        cfg = dataclasses.replace(cfg, max_budget=reach)
-    return cfg, budgets
-
-
 def _mesh_spec(mesh_arg: str | None):
     if mesh_arg is None:
         return None, None
@@ -263,7 +202,10 @@ def main(args: argparse.Namespace) -> int:
     if problems:
         raise RolloutError("; ".join(p.replace("TrainConfig.model_path", "--model")
                                      for p in problems))
-    schedule = resolve_schedule(args.schedule)
+    try:
+        schedule = resolve_schedule(args.schedule)
+    except (ValueError, OSError) as e:
+        raise RolloutError(f"bad --schedule: {e}") from None
     try:
         mcfg = read_config(args.model)
         tokenizer = load_tokenizer(args.model)
@@ -280,7 +222,11 @@ def main(args: argparse.Namespace) -> int:
     if not stop_ids:
         log.warning("tokenizer has no eos token: every sample runs to max_new_tokens")
     longest = max(len(r["prompt_ids"]) for r in dataset.records)
-    cfg, budgets = rollout_config(args, schedule, stop_ids, dataset.pad_id, longest)
+    try:
+        cfg, budgets = rollout_config(schedule, stop_ids, dataset.pad_id, longest,
+                                      max_new_tokens=args.max_new_tokens, mode=args.mode)
+    except ValueError as e:
+        raise RolloutError(str(e)) from None
     longest = padded_length(longest, cfg.block_size)
     if longest + cfg.max_new_tokens > mcfg.max_position_embeddings:
         log.warning("prompt + max_new_tokens = %d exceeds max_position_embeddings=%d",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import pages_for
@@ -36,10 +36,14 @@ from sparrow_jax.rollout.schedule_state import (distinct, page_bucket, prefill_w
                                                 slot_bucket)
 from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 
+if TYPE_CHECKING:
+    from sparrow_jax.train.plan import RunPlan
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Planned", "CompilePlan", "distinct", "prompt_widths", "response_lengths",
-           "plan", "for_trainer", "log_plan", "warm_programs", "FUNCTIONS"]
+__all__ = ["Planned", "CompilePlan", "RunShape", "distinct", "prompt_widths", "response_lengths",
+           "plan", "for_run", "for_trainer", "trainer_shape", "warm_for_run", "log_plan",
+           "from_gin", "FUNCTIONS"]
 
 # The jitted function each plan name counts (its compile events read "jit(<function>)").
 FUNCTIONS = {"rollout/prefill": "prefill_program", "rollout/decode": "decode_program",
@@ -291,68 +295,101 @@ def warm_list(rc: RolloutConfig, mcfg, dtype, *, rows: int, group_size: int, dat
     return warmup.distinct_programs(*lists)
 
 
-def warm_programs(trainer) -> list:
-    """`warm_list` of a built `Trainer`: what its `run` compiles up front."""
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """Where a run's programs run, besides its plan: what selects their shapes.
+
+    processes: JAX processes; data_shards / model_shards: the mesh's data axis and the KV heads'
+    split over the model axis (1 when the heads do not divide it); dtype: the rollout's compute
+    dtype (sizes the page pool); eval_rows / eval_width: the held-out batch's rows over all
+    processes and its prompt width bucket (None: no evaluation, or not before step 1);
+    started: False for a fresh run (step 0), whose first evaluation comes before step 1."""
+    processes: int = 1
+    data_shards: int = 1
+    model_shards: int = 1
+    dtype: Any = None
+    eval_rows: int = 0
+    eval_width: int | None = None
+    started: bool = False
+
+
+def warm_for_run(run: RunPlan, mcfg, shape: RunShape, rollout: RolloutConfig | None = None
+                 ) -> list:
+    """`warm_list` of a run: the paged programs `TrainConfig.warmup` compiles before step 1
+    (empty without it)."""
+    cfg, rc = run.train, rollout or run.rollout
+    if not cfg.warmup:
+        return []
+    rows = (cfg.rollout_batch_prompts or cfg.prompts_per_step) * shape.processes * cfg.group_size
+    return warm_list(rc, mcfg, shape.dtype, rows=rows, group_size=cfg.group_size,
+                     data=shape.data_shards, model_shards=shape.model_shards,
+                     eval_rows=shape.eval_rows,
+                     eval_width=shape.eval_width if cfg.eval_at_start and not shape.started
+                     else None, eval_modes=run.eval_modes,
+                     eval_temperature=cfg.eval_temperature, eval_samples=cfg.eval_samples,
+                     train_slots=rc.max_slots or rows)
+
+
+def for_run(run: RunPlan, mcfg, shape: RunShape, rollout: RolloutConfig | None = None,
+            warm: Sequence | None = None) -> CompilePlan:
+    """The compile plan of run plan `run` for a model of config `mcfg` (a `Qwen3Config`)
+    placed as `shape` says: what `sparrow train` logs at start-up, and what tests and docs
+    count for configs shipped for hardware this machine lacks. `rollout`: the run's rollout
+    config when it differs from the plan's in the tokenizer's ids only (the trainer's);
+    `warm`: `warm_for_run`'s list where the caller has it."""
+    from sparrow_jax.rollout.page_pool import page_bytes
+    from sparrow_jax.runtime import faults
+    from sparrow_jax.train.config import gin_value
+
+    cfg, rc = run.train, rollout or run.rollout
+    per_call = (cfg.rollout_batch_prompts or cfg.prompts_per_step) * shape.processes
+    step_rows = cfg.prompts_per_step * cfg.group_size * shape.processes
+    eval_at_start = cfg.eval_at_start and not shape.started
+    pool = None
+    if rc.pool_bytes:                    # pages per pool of a fixed pool (rollout.page_pool)
+        per_device = page_bytes(mcfg, shape.dtype, rc.block_size) // shape.model_shards
+        pool = rc.pool_bytes // per_device
+    if warm is None:
+        warm = warm_for_run(run, mcfg, shape, rollout)
+    return plan(rc, group_size=cfg.group_size, prompts_per_call=per_call,
+                calls_per_step=cfg.prompts_per_step // (cfg.rollout_batch_prompts
+                                                        or cfg.prompts_per_step),
+                longest_prompt=faults.prompt_capacity(
+                    mcfg.max_position_embeddings, rc.max_new_tokens,
+                    gin_value("make_prompt_iterator.max_prompt_len")),
+                length_buckets=run.length_buckets, fused=run.fused(step_rows),
+                probe=run.probes, distill=run.distills, eval_width=shape.eval_width,
+                eval_rows=shape.eval_rows, eval_modes=run.eval_modes,
+                reference=bool(run.reference.data), data_shards=shape.data_shards,
+                micro_rows=run.learner.micro_batch_size, pool_pages=pool,
+                eval_temperature=cfg.eval_temperature, warm=warm, eval_at_start=eval_at_start)
+
+
+def trainer_shape(trainer) -> RunShape:
+    """The `RunShape` of a built `sparrow_jax.train.trainer.Trainer`."""
     import jax
 
     from sparrow_jax.rollout import paged
 
-    cfg, rc, spec, model = trainer.cfg, trainer.rollout_cfg, trainer.spec, trainer.model
+    spec, mcfg = trainer.spec, trainer.model.config
     data = heads = 1
     if spec is not None:
-        data_axis, heads_axis = paged.mesh_axes(spec, model.config.num_key_value_heads)
+        data_axis, heads_axis = paged.mesh_axes(spec, mcfg.num_key_value_heads)
         data = spec.mesh.shape[data_axis] if data_axis else 1
         heads = spec.mesh.shape[heads_axis] if heads_axis else 1
-    per_call = (cfg.rollout_batch_prompts or cfg.prompts_per_step) * jax.process_count()
-    shape = None if trainer.eval_batch is None else trainer.eval_batch["prompt_ids"].shape
-    if not (cfg.eval_at_start and trainer.step == 0):
-        shape = None                 # the first evaluation comes after step 1: not warmed
-    return warm_list(rc, model.config, trainer.rollout_model().dtype,
-                     rows=per_call * cfg.group_size, group_size=cfg.group_size, data=data,
-                     model_shards=heads,
-                     eval_rows=0 if shape is None else int(shape[0]) * jax.process_count(),
-                     eval_width=None if shape is None else rc.prompt_width(int(shape[1])),
-                     eval_modes=trainer.eval_modes, eval_temperature=cfg.eval_temperature,
-                     eval_samples=cfg.eval_samples, train_slots=trainer.train_slots())
+    batch = trainer.eval_batch
+    rows, width = (0, None) if batch is None else batch["prompt_ids"].shape
+    return RunShape(processes=jax.process_count(), data_shards=data, model_shards=heads,
+                    dtype=trainer.rollout_model().dtype, eval_rows=rows * jax.process_count(),
+                    eval_width=None if width is None else trainer.rollout_cfg.prompt_width(
+                        int(width)),
+                    started=trainer.step > 0)
 
 
 def for_trainer(trainer, warm: Sequence | None = None) -> CompilePlan:
-    """The plan of a built `sparrow_jax.train.trainer.Trainer` (its configs, data and learner);
-    `warm`: its `warm_programs` where already listed."""
-    import jax
-
-    from sparrow_jax.runtime import faults
-    from sparrow_jax.train.config import gin_value
-
-    cfg, rc = trainer.cfg, trainer.rollout_cfg
-    longest = faults.prompt_capacity(trainer.model.config.max_position_embeddings,
-                                     rc.max_new_tokens,
-                                     gin_value("make_prompt_iterator.max_prompt_len"))
-    per_call = cfg.rollout_batch_prompts or cfg.prompts_per_step
-    step_rows = cfg.prompts_per_step * cfg.group_size * jax.process_count()
-    data = trainer.spec.mesh.shape["data"] if trainer.spec is not None else 1
-    lc = trainer.learner.cfg
-    eval_shape = None if trainer.eval_batch is None else trainer.eval_batch["prompt_ids"].shape
-    eval_width = None if eval_shape is None else rc.prompt_width(int(eval_shape[1]))
-    pool = None
-    if rc.pool_bytes:                    # pages per pool of a fixed pool (rollout.page_pool)
-        from sparrow_jax.rollout.page_pool import page_bytes
-        heads = trainer.spec.mesh.shape.get("model", 1) if trainer.spec is not None else 1
-        mcfg = trainer.model.config
-        split = heads if mcfg.num_key_value_heads % heads == 0 else 1
-        pool = rc.pool_bytes // (page_bytes(mcfg, trainer.model.dtype, rc.block_size) // split)
-    eval_rows = 0 if eval_shape is None else int(eval_shape[0]) * jax.process_count()
-    return plan(rc, group_size=cfg.group_size, prompts_per_call=per_call * jax.process_count(),
-                calls_per_step=cfg.prompts_per_step // per_call, longest_prompt=longest,
-                length_buckets=trainer.length_buckets, fused=trainer.learner.fused(step_rows),
-                probe=cfg.adapt_schedule and rc.mode == "sparse" and lc.alpha_mode == "full",
-                distill=trainer.distiller is not None, eval_width=eval_width,
-                eval_rows=eval_rows, eval_modes=trainer.eval_modes,
-                reference=trainer.reference is not None, data_shards=data,
-                micro_rows=lc.micro_batch_size, pool_pages=pool,
-                eval_temperature=cfg.eval_temperature,
-                warm=(warm_programs(trainer) if cfg.warmup else ()) if warm is None else warm,
-                eval_at_start=cfg.eval_at_start and trainer.step == 0)
+    """The plan of a built `Trainer`: its run plan at its devices and held-out batch."""
+    return for_run(trainer.plan, trainer.model.config, trainer_shape(trainer),
+                   rollout=trainer.rollout_cfg, warm=warm)
 
 
 def log_plan(p: CompilePlan) -> None:
@@ -362,59 +399,21 @@ def log_plan(p: CompilePlan) -> None:
 
 def from_gin(mcfg, *, data_shards: int, processes: int = 1, model_shards: int = 1,
              eval_prompt_len: int = 256) -> CompilePlan:
-    """The plan of the parsed gin config (TrainConfig, RolloutConfig, LearnerConfig, ...) for
-    a model of shape `mcfg` (a `Qwen3Config`, e.g. `qwen3_preset`) without weights or data, as
-    `for_trainer` would give it: for configs shipped for hardware this machine lacks (tests,
-    docs). `eval_prompt_len`: the held-out prompts' longest (its width bucket selects the
-    evaluation's programs)."""
+    """The plan of the parsed gin config (`train.plan.from_gin`) for a model of shape `mcfg`
+    (e.g. `qwen3_preset`) without weights or data, as `for_trainer` would give it on a mesh of
+    `data_shards` x `model_shards`. `eval_prompt_len`: the held-out prompts' longest (its
+    width bucket selects the evaluation's programs)."""
     import jax.numpy as jnp
 
-    from sparrow_jax.rollout.page_pool import page_bytes
-    from sparrow_jax.evaluation.reference import ReferenceEvalConfig
-    from sparrow_jax.rl.distill import DistillConfig
-    from sparrow_jax.rl.grpo import LossConfig
-    from sparrow_jax.rl.learner import LearnerConfig
-    from sparrow_jax.rl.learner_programs import fusable
-    from sparrow_jax.runtime import faults
-    from sparrow_jax.train.config import TrainConfig, gin_value
+    from sparrow_jax.train import plan as run_plan
 
-    cfg, lc = TrainConfig(), LearnerConfig()
-    rc = dataclasses.replace(RolloutConfig(), mode=cfg.rollout_mode)
-    alpha = ("none" if rc.mode in ("dense", "exact_sparse") and lc.alpha_mode == "full"
-             else lc.alpha_mode)
-    rc = rc.for_alpha_mode(alpha)
-    per_call = cfg.rollout_batch_prompts or cfg.prompts_per_step
-    step_rows = cfg.prompts_per_step * cfg.group_size * processes
-    fused = (step_rows // (lc.ppo_mini_batch_size or step_rows) == 1 and lc.ppo_epochs == 1
-             and fusable(LossConfig()))
+    run = run_plan.from_gin()
+    cfg, rc = run.train, run.rollout
     evaluated = bool(cfg.eval_data) and cfg.eval_prompts > 0
     unit = math.lcm(data_shards, processes)
     split = model_shards if mcfg.num_key_value_heads % model_shards == 0 else 1
     dtype = jnp.dtype("bfloat16" if cfg.dtype == "auto" else cfg.dtype)   # "auto": accelerator
-    per_device = page_bytes(mcfg, dtype, rc.block_size) // split
-    pool = rc.pool_bytes // per_device if rc.pool_bytes else None
-    eval_modes = ("dense", rc.mode if rc.mode in ("compress", "exact_sparse") else "sparse")
-    eval_rows = -(-cfg.eval_prompts // unit) * unit
-    eval_width = rc.prompt_width(eval_prompt_len) if evaluated else None
-    warm = warm_list(rc, mcfg, dtype, rows=per_call * processes * cfg.group_size,
-                     group_size=cfg.group_size, data=data_shards, model_shards=model_shards,
-                     eval_rows=eval_rows,
-                     eval_width=eval_width if cfg.eval_at_start else None,
-                     eval_modes=eval_modes, eval_temperature=cfg.eval_temperature,
-                     eval_samples=cfg.eval_samples,
-                     train_slots=rc.max_slots or per_call * processes * cfg.group_size
-                     ) if cfg.warmup else ()
-    return plan(rc, group_size=cfg.group_size, prompts_per_call=per_call * processes,
-                calls_per_step=cfg.prompts_per_step // per_call,
-                longest_prompt=faults.prompt_capacity(
-                    mcfg.max_position_embeddings, rc.max_new_tokens,
-                    gin_value("make_prompt_iterator.max_prompt_len")),
-                length_buckets=lc.length_buckets or default_buckets(
-                    rc.max_new_tokens, multiple=rc.block_size),
-                fused=fused, probe=cfg.adapt_schedule and rc.mode == "sparse" and alpha == "full",
-                distill=DistillConfig().enabled and rc.mode == "sparse",
-                eval_width=eval_width, eval_rows=eval_rows, eval_modes=eval_modes,
-                reference=bool(ReferenceEvalConfig().data), data_shards=data_shards,
-                micro_rows=lc.micro_batch_size, pool_pages=pool,
-                eval_temperature=cfg.eval_temperature, warm=warm,
-                eval_at_start=cfg.eval_at_start)
+    return for_run(run, mcfg, RunShape(
+        processes=processes, data_shards=data_shards, model_shards=split, dtype=dtype,
+        eval_rows=-(-cfg.eval_prompts // unit) * unit,
+        eval_width=rc.prompt_width(eval_prompt_len) if evaluated else None))

@@ -7,7 +7,9 @@ import dataclasses
 import gin
 import jax.numpy as jnp
 
-ROLLOUT_MODES = ("sparse", "dense", "compress", "exact_sparse")
+from sparrow_jax.rollout.config import RolloutMode
+
+ROLLOUT_MODES = RolloutMode.values()
 
 
 @gin.configurable
@@ -19,7 +21,7 @@ class TrainConfig:
     # (sparrow_jax.data.rows.expand_paths)
     train_data: str | tuple[str, ...] = ""
     eval_data: str | tuple[str, ...] = ""   # held-out prompts ("" = no validation)
-    reward: str = "math_verify"       # name in the reward registry (sparrow_jax.rl.rewards)
+    reward: str = "math_verify"       # name in the reward registry (sparrow_jax.rewards)
     diagnostic_rewards: tuple[str, ...] = ()
     reward_processes: int = 4         # 0 = score in-process (cheap rewards)
     reward_timeout_s: float = 10.0
@@ -30,10 +32,11 @@ class TrainConfig:
     prompts_per_step: int = 4
     group_size: int = 8
     total_steps: int = 100
-    rollout_mode: str = "sparse"      # "sparse" (block top-k) | "dense" | "compress" (KV
-                                      # eviction, RolloutConfig.kv_budget / compress_scorer)
-                                      # | "exact_sparse" (sparse drafts verified densely: the
-                                      # dense policy's samples, docs/rollout.md)
+    # The run's rollout mode: "sparse" (block top-k) | "dense" | "compress" (KV eviction,
+    # RolloutConfig.kv_budget / compress_scorer) | "exact_sparse" (sparse drafts verified densely:
+    # the dense policy's samples, docs/rollout.md). It is RolloutConfig.mode too: bind either
+    # one; binding both to different modes is refused (sparrow_jax.train.plan.run_mode).
+    rollout_mode: RolloutMode = RolloutMode.SPARSE
     adapt_schedule: bool = True       # online schedule controller on the measured tail
     tail_quantile: float = 0.05       # the per-bin tail statistic the controller targets
     eval_every: int = 10
@@ -84,6 +87,7 @@ class TrainConfig:
         problems = self.problems()
         if problems:
             raise ConfigError(problems, "TrainConfig")
+        object.__setattr__(self, "rollout_mode", RolloutMode(self.rollout_mode))
 
     def problems(self) -> list[str]:
         """Every setting that cannot work, each named with its value (one error lists all)."""

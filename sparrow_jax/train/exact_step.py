@@ -1,5 +1,6 @@
-"""`sparrow train` with `TrainConfig.rollout_mode = "exact_sparse"` (rollout/exact.py): the draft's
-selection width, and the step metrics that show the samples are the dense policy's.
+"""`sparrow train` with `TrainConfig.rollout_mode = "exact_sparse"` (rollout/exact.py): the step
+metrics that show the samples are the dense policy's (the drafts' selection width is the run
+plan's, train/plan.py).
 
 Exact sparse rollout samples from the dense policy (sparse drafts, dense verify), and records
 the dense logprobs. So the learner needs no mismatch correction: its TIS weights are 1 up to f32
@@ -10,52 +11,14 @@ tail to control): the drafts use the schedule's budgets as they are.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from typing import Sequence
 
 import numpy as np
 
 from sparrow_jax.rollout import exact
-from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.runtime import multihost
-from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 from sparrow_jax.train import schedule_step
-
-log = logging.getLogger(__name__)
-
-
-def draft_config(rc: RolloutConfig, budgets, *, adapt_schedule: bool) -> RolloutConfig:
-    """The rollout config with the draft's selection width narrowed to the largest finite
-    schedule budget (a wider gather only reads padding). Raises when a budget exceeds
-    `max_budget`; logs what the drafts run."""
-    finite = [int(b) for b in budgets if b < DENSE_BUDGET]
-    if finite and max(finite) > rc.max_budget:
-        raise ValueError(f"schedule budgets reach {max(finite)} tokens but RolloutConfig."
-                         f"max_budget = {rc.max_budget} (the draft's selection width): raise "
-                         "max_budget")
-    if adapt_schedule:
-        log.info("exact_sparse rollout: the schedule controller does not run (the samples are "
-                 "the dense policy's: no mismatch tail to control); drafts use the schedule's "
-                 "budgets as they are")
-    if not finite:
-        log.warning("exact_sparse rollout: every schedule budget is the dense rung, so the "
-                    "drafts attend densely (every draft is accepted; no KV read is saved)")
-        return rc
-    top = -(-max(finite) // rc.block_size) * rc.block_size
-    top = max(top, 3 * rc.block_size)         # the selection's minimum (sink + 2 local blocks)
-    if top < rc.max_budget:
-        log.info("draft selection width: max_budget %d -> %d (largest schedule budget)",
-                 rc.max_budget, top)
-        rc = dataclasses.replace(rc, max_budget=top)
-    if rc.gamma_by_bin:
-        log.info("exact_sparse rollout: per length bin of the schedule, gamma %s (0: dense "
-                 "decoding), draft budgets %s", list(rc.gamma_by_bin), [int(b) for b in budgets])
-    else:
-        log.info("exact_sparse rollout: gamma %d drafts per dense verify pass, draft budgets %s",
-                 rc.gamma, sorted(set(int(b) for b in budgets)))
-    return rc
 
 
 def _global(x) -> np.ndarray:

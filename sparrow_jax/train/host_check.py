@@ -20,12 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("gin_files", nargs="*")
     parser.add_argument("--gin_param", action="append", default=[])
     args = parser.parse_args(argv)
-    from sparrow_jax import cli
-    from sparrow_jax.train import preflight
     from sparrow_jax.runtime import checkpoint, faults
+    from sparrow_jax.runtime.gin_files import parse_gin
+    from sparrow_jax.train import preflight
+    from sparrow_jax.train import trainer  # noqa: F401 - the configurables a run's files bind
 
     host = socket.gethostname()
-    cli.parse_gin(args.gin_files, args.gin_param)
+    parse_gin(args.gin_files, args.gin_param)
     cfg = preflight.unchecked_train_config()
     try:
         preflight.check_train(cfg)

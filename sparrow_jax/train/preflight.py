@@ -90,7 +90,8 @@ def _signature_problem(setting: str, name: str, fn: Any) -> str | None:
 def reward_problems(names: dict[str, str]) -> list[str]:
     """One line per reward setting (TrainConfig field -> reward name) that does not resolve to
     a callable with the reward signature; [] when all do."""
-    from sparrow_jax.rl.rewards import get_reward
+    from sparrow_jax.data import synthetic  # noqa: F401 - registers the synthetic task's rewards
+    from sparrow_jax.rewards.registry import get_reward
     _ensure_cwd_importable()
     out = []
     for setting, name in names.items():
@@ -108,12 +109,10 @@ def reward_problems(names: dict[str, str]) -> list[str]:
     return out
 
 
-def _layout_problems(cfg: Any, rollout: Any, learner: Any, schedule: Any) -> list[str]:
+def _layout_problems(cfg: Any, rollout: Any, learner: Any) -> list[str]:
     """What the trainer used to find only after the model loaded (issue #45 list 10): the kernel
-    backend's name, learner batch sizes against the group size, schedule budgets against the
-    sparse rollout's selection width."""
+    backend's name, learner batch sizes against the group size."""
     from pallas_kernels.dispatch import BACKENDS
-    from sparrow_jax.sparsity.schedule import DENSE_BUDGET
     out = []
     if rollout is not None and rollout.backend not in BACKENDS:
         out.append(f"RolloutConfig.backend = {rollout.backend!r} is not a kernel backend (one "
@@ -124,12 +123,6 @@ def _layout_problems(cfg: Any, rollout: Any, learner: Any, schedule: Any) -> lis
             if size and size % cfg.group_size:
                 out.append(f"LearnerConfig.{name} = {size} must be a multiple of "
                            f"TrainConfig.group_size = {cfg.group_size} (groups are never split)")
-    if (rollout is not None and schedule is not None and cfg.rollout_mode == "sparse"):
-        finite = [b for b in schedule.budgets if b < DENSE_BUDGET]
-        if finite and max(finite) > rollout.max_budget:
-            out.append(f"schedule budgets reach {max(finite)} tokens but RolloutConfig."
-                       f"max_budget = {rollout.max_budget} (the selection width): raise "
-                       f"max_budget")
     return out
 
 
@@ -152,7 +145,18 @@ def _component_problems(cfg: Any) -> list[str]:
             text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             out.append(text if text.startswith(name) else f"{name}: {text}")
     rollout = built.get("RolloutConfig")
-    out += _layout_problems(cfg, rollout, built.get("LearnerConfig"), built.get("make_schedule"))
+    built_all = not out
+    out += _layout_problems(cfg, rollout, built.get("LearnerConfig"))
+    if built_all and not cfg.problems():
+        # The settings together (train/plan.py): one mode, budgets within the selection width.
+        from sparrow_jax.train.config import ConfigError, TrainConfig
+        from sparrow_jax.train.plan import from_gin
+        try:
+            from_gin(dataclasses.replace(cfg) if isinstance(cfg, TrainConfig) else None)
+        except ConfigError as e:
+            out += e.problems
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            out.append(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     if rollout is not None and not rollout.temperature > 0:
         out.append(f"RolloutConfig.temperature = {rollout.temperature}: GRPO learns from the "
                    f"differences between a prompt's group_size samples, and greedy decoding "

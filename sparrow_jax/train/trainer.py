@@ -31,21 +31,21 @@ from sparrow_jax.data.prompts import PromptDataset, make_prompt_iterator
 from sparrow_jax.evaluation import heldout as evaluation
 from sparrow_jax.evaluation import reference as reference_eval
 from sparrow_jax.model import compute_copy, load_hf, load_tokenizer, stop_token_ids
-from sparrow_jax.rl.distill import DistillConfig, Distiller
-from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
-from sparrow_jax.rl.rewards import RewardPool
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rl.actor import RolloutActor
+from sparrow_jax.rl.distill import Distiller
+from sparrow_jax.rl.learner import Learner
+from sparrow_jax.rewards.pool import RewardPool
 from sparrow_jax.rollout import warmup
 from sparrow_jax.runtime import checkpoint as ckpt
 from sparrow_jax.runtime import faults, multihost, resume_check
 from sparrow_jax.runtime import metrics
 from sparrow_jax.runtime.metrics import MetricsWriter, StepTimer, gin_config_markdown
-from sparrow_jax.runtime.shapes import default_buckets
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
-from sparrow_jax.sparsity.controller import ControllerConfig, ScheduleController
-from sparrow_jax.sparsity.schedule import DENSE_BUDGET, make_schedule
-from sparrow_jax.train import compile_plan, exact_step, resume_config, schedule_step, step
+from sparrow_jax.sparsity.controller import ScheduleController
+from sparrow_jax.train import compile_plan, resume_config, schedule_step, step
 from sparrow_jax.train.config import TrainConfig, gin_value
+from sparrow_jax.train.plan import RunPlan, log_plan
+from sparrow_jax.train.plan import from_gin as plan_from_gin
 
 __all__ = ["Trainer"]
 
@@ -56,8 +56,12 @@ class Trainer:
     """Builds every stage from gin and runs/resumes the loop."""
 
     def __init__(self, cfg: TrainConfig, data_sha256: str | None = None,
-                 resume_plan: resume_config.ResumePlan | None = None):
-        self.cfg = cfg
+                 resume_plan: resume_config.ResumePlan | None = None, *,
+                 plan: RunPlan | None = None):
+        # Every setting derived from the configs, once (train/plan.py): the compile plan and
+        # `sparrow dryrun` read the same plan.
+        self.plan = plan = plan_from_gin(cfg) if plan is None else plan
+        self.cfg = cfg = plan.train
         # The training data's content fingerprint, saved with each step (a resume compares it)
         # and the settings a resume accepted (recorded once the checkpoint restored).
         self.data_sha256 = data_sha256
@@ -79,16 +83,16 @@ class Trainer:
                              mesh=self.spec.mesh if self.spec else None)
         log.info("precision: master weights %s, compute %s", cfg.param_dtype,
                  jnp.dtype(self.model.dtype).name)
-        self._rollout_copy = None
         self.tokenizer = load_tokenizer(cfg.model_path)
         tok = self.tokenizer
         mcfg = self.model.config
         faults.check_vocabulary(tok, mcfg.vocab_size, cfg.model_path, {
             "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
             "stop_token_ids": max(stop_token_ids(tok, cfg.model_path), default=None)})
+        log_plan(plan, log)
+        rc = plan.rollout
         # Prompts longer than the rollout can take are dropped at load (counted and logged).
-        capacity = faults.prompt_capacity(mcfg.max_position_embeddings,
-                                          RolloutConfig().max_new_tokens,
+        capacity = faults.prompt_capacity(mcfg.max_position_embeddings, rc.max_new_tokens,
                                           gin_value("make_prompt_iterator.max_prompt_len"))
         log.info("prompts of up to %d tokens (max_position_embeddings %d - max_new_tokens, or "
                  "make_prompt_iterator.max_prompt_len); longer ones are dropped", capacity,
@@ -107,74 +111,30 @@ class Trainer:
                                                           tok.pad_token_id, spec=self.spec)
         stops = stop_token_ids(tok, cfg.model_path)
         log.info("stop tokens: %s", list(stops))
-        self.rollout_cfg = RolloutConfig(stop_token_ids=stops, pad_token_id=tok.pad_token_id or 0)
-        self.rollout_cfg = dataclasses.replace(self.rollout_cfg, mode=cfg.rollout_mode)
-        schedule = make_schedule()
-        # The controller targets the same tail quantile the trainer reports (q in P(a < t) <= q).
-        ctrl_cfg = dataclasses.replace(ControllerConfig(), quantile=cfg.tail_quantile)
-        rc = self.rollout_cfg
-        if rc.mode == "sparse":
-            # Finite budgets must fit the static selection width; DENSE_BUDGET (the dense rung
-            # that ends every controller ladder) is always reachable: rows whose budget covers
-            # their length take the rollout's dense path.
-            finite = [b for b in schedule.budgets if b < DENSE_BUDGET]
-            if finite and max(finite) > rc.max_budget:
-                raise ValueError(f"schedule budgets reach {max(finite)} tokens but "
-                                 f"RolloutConfig.max_budget = {rc.max_budget} (the selection "
-                                 "width): raise max_budget")
-            if cfg.adapt_schedule and ctrl_cfg.max_budget > rc.max_budget:
-                log.info("controller: finite rungs capped at the selection width %d (from "
-                         "ControllerConfig.max_budget %d); above them, the dense rung",
-                         rc.max_budget, ctrl_cfg.max_budget)
-                ctrl_cfg = dataclasses.replace(ctrl_cfg, max_budget=rc.max_budget,
-                                               min_budget=min(ctrl_cfg.min_budget, rc.max_budget))
-            top = max(finite + [ctrl_cfg.max_budget if cfg.adapt_schedule else 0])
-            # max_budget is the static gather width: a wider one only gathers padding (measured:
-            # at 8K context a 1K budget under a 4K width cost more than dense attention).
-            top = -(-top // rc.block_size) * rc.block_size
-            if top < rc.max_budget:
-                log.info("selection width: max_budget %d -> %d (largest reachable budget)",
-                         rc.max_budget, top)
-                self.rollout_cfg = rc = dataclasses.replace(rc, max_budget=top)
-        elif rc.mode == "exact_sparse":
-            self.rollout_cfg = rc = exact_step.draft_config(rc, schedule.budgets,
-                                                            adapt_schedule=cfg.adapt_schedule)
-        self.controller = ScheduleController(schedule, ctrl_cfg)
-        self.replay = SparseReplay(bin_size=schedule.bin_size,
-                                   max_selected=rc.max_budget // rc.block_size,
-                                   block_size=rc.block_size, dense_layers=tuple(rc.dense_layers),
-                                   mode="compress" if rc.mode == "compress" else "sparse")
-        # Held-out evaluation: the dense policy, and the actor as training samples it.
-        self.eval_modes = ("dense", rc.mode if rc.mode in ("compress", "exact_sparse")
-                           else "sparse")
+        # The plan's rollout with the tokenizer's ids (no program shape depends on them).
+        self.rollout_cfg = rc = dataclasses.replace(rc, stop_token_ids=stops,
+                                                    pad_token_id=tok.pad_token_id or 0)
+        self.controller = ScheduleController(plan.schedule, plan.controller)
+        self.replay = plan.replay
+        self.eval_modes = plan.eval_modes
         # Teacher-forced reference evaluation (exact p(T=1 sample = reference), greedy
         # reproduction; sparrow_jax.evaluation.reference), when ReferenceEvalConfig.data is set.
         self.reference = None
-        ref_cfg = reference_eval.ReferenceEvalConfig()
-        if ref_cfg.data:
-            records = PromptDataset.from_files(ref_cfg.data, tok, max_prompt_len=capacity).records
+        if plan.reference.data:
+            records = PromptDataset.from_files(plan.reference.data, tok,
+                                               max_prompt_len=capacity).records
             self.reference = reference_eval.ReferenceEvaluator(
-                ref_cfg, records, tok, block_size=rc.block_size,
+                plan.reference, records, tok, block_size=rc.block_size,
                 rows_path=str(self.run_dir / "eval_reference.jsonl")
                 if "://" not in str(cfg.run_dir) else None)
-        learner_cfg = LearnerConfig()
-        # Dense and exact-sparse samples are the dense policy's: no sparse replay to compare.
-        if rc.mode in ("dense", "exact_sparse") and learner_cfg.alpha_mode == "full":
-            learner_cfg = dataclasses.replace(learner_cfg, alpha_mode="none")
-        # The vocabulary top-k is recorded per token only when the learner's alpha reads it.
-        self.rollout_cfg = rc = self.rollout_cfg.for_alpha_mode(learner_cfg.alpha_mode)
-        self.length_buckets = learner_cfg.length_buckets or default_buckets(
-            rc.max_new_tokens, multiple=rc.block_size)
+        self.length_buckets = plan.length_buckets
         # The learner's policy is the rollout's sampling distribution (temperature, truncation).
-        self.learner = Learner(self.model, learner_cfg, group_size=cfg.group_size,
-                               sampling=self.rollout_cfg.sampling)
+        self.learner = Learner(self.model, plan.learner, plan.loss, group_size=cfg.group_size,
+                               sampling=rc.sampling)
         # DistillSparse: a LoRA adapter only the sparse actor carries (sparrow_jax.rl.distill).
-        distill_cfg = DistillConfig()
-        self.distiller = None
-        if distill_cfg.enabled and rc.mode == "sparse":
-            self.distiller = Distiller(distill_cfg, self.learner, self.replay)
-        elif distill_cfg.enabled:
-            log.warning("DistillConfig.rank > 0 ignored: dense rollout has no sparse actor")
+        self.distiller = (Distiller(plan.distill, self.learner, self.replay) if plan.distills
+                          else None)
+        self.actor = RolloutActor(self.model, self.distiller)
         self.pool = RewardPool(cfg.reward, processes=cfg.reward_processes,
                                timeout_s=cfg.reward_timeout_s)
         self.diagnostics = {n: RewardPool(n, processes=0) for n in cfg.diagnostic_rewards}
@@ -190,13 +150,8 @@ class Trainer:
             ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
 
     def rollout_model(self):
-        """The policy in the compute dtype for rollout and evaluation: cast once per RL step
-        (after the update), not per decode step; the same model when dtypes already agree.
-        With a DistillSparse adapter: the sparse actor, base + adapter merged, then cast."""
-        if self._rollout_copy is None:
-            self._rollout_copy = (self.distiller.sparse_model(self.model) if self.distiller
-                                  else compute_copy(self.model))
-        return self._rollout_copy
+        """The rollout's copy of the policy (`rl.actor.RolloutActor`)."""
+        return self.actor.model()
 
     # -- checkpoints ------------------------------------------------------------------------
     def _extra(self) -> dict:
@@ -253,7 +208,7 @@ class Trainer:
             return
         latest, (params, opt_state, extra) = found
         nnx.update(self.model, params)
-        self._rollout_copy = None
+        self.actor.policy_changed()
         self.learner.opt_state = opt_state
         if self.distiller:
             state = self.ckpt.restore_distill(latest, ckpt.abstract_like(self.distiller.state()))
@@ -274,8 +229,17 @@ class Trainer:
                  f" (dropped {dropped} metrics.jsonl lines of later steps)" if dropped else "")
 
     # -- one RL step -------------------------------------------------------------------------
+    def stages(self) -> step.Stages:
+        """The built stages of this run, as one RL step takes them (the controller as of now:
+        a resume replaces it)."""
+        return step.Stages(
+            data=self.data, tokenizer=self.tokenizer, actor=self.actor, rollout=self.rollout_cfg,
+            spec=self.spec, rewards=self.pool, diagnostics=self.diagnostics,
+            learner=self.learner, controller=self.controller, distiller=self.distiller,
+            checkpoints=self.ckpt)
+
     def rl_step(self, timer: StepTimer) -> dict[str, float]:
-        return step.rl_step(self, timer)
+        return step.rl_step(self.plan, self.stages(), self.step, timer)
 
     def train_slots(self) -> int:
         """Slots of a training rollout (all processes); the paged evaluation runs in the same
@@ -337,8 +301,11 @@ class Trainer:
         ckpt.write_text_atomic(self.run_dir / "operative_config.gin", self.operative)
         # After the resume: a fresh start's TensorBoard "restart" marker would hide it.
         self.writer.text(0, "config/operative_gin", gin_config_markdown(self.operative))
-        warm = compile_plan.warm_programs(self) if cfg.warmup else []
-        compile_plan.log_plan(compile_plan.for_trainer(self, warm))   # why step 1 takes minutes
+        # Why step 1 takes minutes: the programs it compiles (or `warmup` compiles first).
+        shape = compile_plan.trainer_shape(self)
+        warm = compile_plan.warm_for_run(self.plan, self.model.config, shape, self.rollout_cfg)
+        compile_plan.log_plan(compile_plan.for_run(self.plan, self.model.config, shape,
+                                                   self.rollout_cfg, warm))
         if warm:                   # the plan's rollout programs, one progress line each
             sched = self.controller.schedule
             warmup.warm(self.rollout_model(), warm, spec=self.spec,

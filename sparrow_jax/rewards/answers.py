@@ -7,8 +7,9 @@
 
 `extract_answer(text, formats)` returns the answer of whichever form appears *last* in the text
 (the model's final word), so a prompt asking for one form and a model writing the other (Qwen3
-habitually boxes) both score. The reward names choose the forms (`sparrow_jax.rl.rewards`):
-`math_verify` = both, `math_verify_boxed`, `math_verify_answer_line`.
+habitually boxes) both score. The reward names choose the forms
+(`sparrow_jax.rewards.math_rewards`): `math_verify` = both, `math_verify_boxed`,
+`math_verify_answer_line`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +97,17 @@ def _model_dirs(model: str, step: int | None) -> tuple[Path, int | None]:
         return path, None
     if (path / "checkpoints").is_dir():
         from sparrow_jax.runtime import checkpoint as ckpt
-        from sparrow_jax.tools import export
+        from sparrow_jax.runtime.base_model import base_model_dir
         with ckpt.CheckpointManager(path, read_only=True) as mngr:
             steps = mngr.all_steps()
             if not steps or (step is not None and step not in steps):
                 raise EvalError(f"{model}: no checkpoint step {step if step else ''} "
                                 f"(available: {steps})")
             step = steps[-1] if step is None else step
-            return export._model_dir(mngr, step, None), step
+            try:
+                return base_model_dir(mngr, step), step
+            except ValueError as e:
+                raise EvalError(str(e)) from None
     raise EvalError(f"MODEL {model!r} is neither a Hugging Face directory (config.json) nor a "
                     "run directory (checkpoints/)")
 
@@ -191,7 +193,8 @@ def main(args: argparse.Namespace) -> int:
         raise EvalError(str(e)) from None
     if args.scorer:
         try:
-            from sparrow_jax.rl.rewards import get_reward
+            from sparrow_jax.data import synthetic  # noqa: F401 - the synthetic task's rewards
+            from sparrow_jax.rewards.registry import get_reward
             get_reward(scorers.SCORER_REWARDS.get(args.scorer, args.scorer))
         except (KeyError, ImportError) as e:
             raise EvalError(f"--scorer {args.scorer!r}: {e}") from None
@@ -270,10 +273,10 @@ def _step_checksums(run_dir: str, step: int) -> str:
 
 def _has_adapter(run_dir: str, step: int) -> bool:
     from sparrow_jax.runtime import checkpoint as ckpt
-    from sparrow_jax.tools import export
+    from sparrow_jax.runtime.base_model import operative_config
+    from sparrow_jax.runtime.gin_files import gin_binding
     with ckpt.CheckpointManager(Path(run_dir), read_only=True) as mngr:
-        rank = export.gin_binding(export._operative_config(mngr, step) or "", "DistillConfig",
-                                  "rank")
+        rank = gin_binding(operative_config(mngr, step) or "", "DistillConfig", "rank")
     return isinstance(rank, int) and rank > 0
 
 

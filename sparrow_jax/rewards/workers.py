@@ -1,4 +1,4 @@
-"""The worker processes of `RewardPool` (sparrow_jax.rl.rewards): start-up, signals, scoring loop.
+"""The worker processes of `RewardPool` (sparrow_jax.rewards.pool): start-up, signals, scoring loop.
 
 A worker receives its reward function pickled (`pickle.dumps((fn, preload))`) and unpickles it
 itself, inside a `try`: unpickling imports the function's module, so a module that fails to
