@@ -141,15 +141,13 @@ def _paged_args(sharding, dtype=jnp.bfloat16):
             sds((b, hkv, kk), jnp.int32), sds((b, hkv), jnp.int32), sds((b,), jnp.int32))
 
 
-def _paged(kernel, **kw):
-    """A backend's paged kernel behind the public form's page-table lookup, as dispatch runs it
-    (dispatch itself refuses these backends on a CPU host)."""
-    from pallas_kernels.reference import physical_pages
-
-    def call(q, k_pages, v_pages, page_table, block_indices, num_blocks, lengths):
-        return kernel(q, k_pages, v_pages, physical_pages(page_table, block_indices),
-                      block_indices, num_blocks, lengths, **kw)
-    return call
+def _views(kernel, tiling, **kw) -> dict:
+    """A backend's paged kernel behind dispatch's three views, as dispatch runs them (dispatch
+    itself refuses these backends on a CPU host): sparse (contiguous), dense, paged."""
+    from pallas_kernels import dispatch
+    return {"sparse": functools.partial(dispatch.contiguous_view, kernel, **kw),
+            "dense": functools.partial(dispatch.dense_view, kernel, tiling, **kw),
+            "paged": functools.partial(dispatch.page_table_view, kernel, **kw)}
 
 
 def _compile(fn, args, needle: str) -> str:
@@ -163,6 +161,7 @@ def _compile(fn, args, needle: str) -> str:
 def check_tpu() -> None:
     from jax.experimental import topologies
     from pallas_kernels import tpu
+    view = _views(tpu.paged_block_sparse_decode_tpu, tpu.dense_tiling, interpret=False)
     for topo_name in TPU_TOPOLOGIES:
         topo = topologies.get_topology_desc(topo_name, platform="tpu")
         dev = topo.devices[0]
@@ -172,19 +171,19 @@ def check_tpu() -> None:
             for dtype in _dtypes(name):
                 dn = jnp.dtype(dtype).name
                 _check(f"{tag} pallas_tpu sparse {name} {dn}", lambda: _compile(
-                    tpu.block_sparse_decode_tpu, _args(sh, b, hq, hkv, d, s, budget, dtype),
+                    view["sparse"], _args(sh, b, hq, hkv, d, s, budget, dtype),
                     "tpu_custom_call"))
             _check(f"{tag} pallas_tpu dense {name} bf16", lambda: _compile(
-                tpu.dense_decode_tpu, _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
+                view["dense"], _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
                 "tpu_custom_call"))
         _check(f"{tag} pallas_tpu paged {PAGED_SHAPE[0]} bfloat16", lambda: _compile(
-            _paged(tpu.paged_block_sparse_decode_tpu), _paged_args(sh), "tpu_custom_call"))
+            view["paged"], _paged_args(sh), "tpu_custom_call"))
         # Negative control: one 32K-token tile (page) per step needs > 32 MiB of VMEM buffers.
         _, b, hq, hkv, d, s, _ = SHAPES[0]
         _check(f"{tag} negative control (VMEM overflow)", lambda: _compile(
-            lambda q, k, v, bi, nb, ln: tpu._paged_call(
+            lambda q, k, v, bi, nb, ln: tpu.paged_block_sparse_decode_tpu(
                 q, k.reshape(1, hkv, 1, s, d), v.reshape(1, hkv, 1, s, d), bi, bi, nb, ln,
-                scale=0.1, blocks_per_step=1, interpret=False),
+                scale=0.1, blocks_per_step=1),
             _args(sh, 1, hq, hkv, d, s, s, jnp.bfloat16)[:3]
             + (jax.ShapeDtypeStruct((1, hkv, 1), jnp.int32, sharding=sh),
                jax.ShapeDtypeStruct((1, hkv), jnp.int32, sharding=sh),
@@ -229,21 +228,22 @@ def check_cuda() -> None:
 
 
 def _check_cuda(sh: SingleDeviceSharding) -> None:
+    from pallas_kernels import dispatch
     from pallas_kernels import triton as ptriton
     tag = "cuda[H100 sm_90]"
+    view = _views(ptriton.paged_block_sparse_decode_triton, ptriton.dense_tiling)
     _check(f"{tag} pallas_triton lowering target", _lowering_target)
     for name, b, hq, hkv, d, s, budget in SHAPES:
         for dtype in _dtypes(name):
             dn = jnp.dtype(dtype).name
             _check(f"{tag} pallas_triton sparse {name} {dn}", lambda: _compile(
-                ptriton.block_sparse_decode_triton, _args(sh, b, hq, hkv, d, s, budget, dtype),
+                view["sparse"], _args(sh, b, hq, hkv, d, s, budget, dtype),
                 "__gpu$xla.gpu.triton"))
         _check(f"{tag} pallas_triton dense {name} bf16", lambda: _compile(
-            ptriton.dense_decode_triton, _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
+            view["dense"], _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
             "__gpu$xla.gpu.triton"))
     _check(f"{tag} pallas_triton paged {PAGED_SHAPE[0]} bfloat16", lambda: _compile(
-        _paged(ptriton.paged_block_sparse_decode_triton), _paged_args(sh),
-        "__gpu$xla.gpu.triton"))
+        view["paged"], _paged_args(sh), "__gpu$xla.gpu.triton"))
     # Block selection as one kernel: the 1.7B decode rows (batch 4 x 8 KV heads) at an 8K and
     # a 32K cache (513 / 2049 blocks of 16, 64 selected) and 512 rows at 128K (8193 blocks, 256).
     from pallas_kernels import triton_select
@@ -257,7 +257,8 @@ def _check_cuda(sh: SingleDeviceSharding) -> None:
              jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh)), "__gpu$xla.gpu.triton"))
     _, b, hq, hkv, d, s, budget = SHAPES[0]
     _check(f"{tag} negative control (shared memory overflow)", lambda: _compile(
-        lambda *a: ptriton.block_sparse_decode_triton(*a, blocks_per_step=256, num_stages=4),
+        functools.partial(dispatch.contiguous_view, ptriton.paged_block_sparse_decode_triton,
+                          blocks_per_step=256, num_stages=4),
         _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16), "__gpu$xla.gpu.triton"),
         expect_error=r"Shared memory size limit exceeded")
 
@@ -268,7 +269,7 @@ def _triton_cubin(meta: dict, dtype, num_warps: int = 4, num_stages: int = 2) ->
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from pallas_kernels import jax_triton as pjt
-    fn = pjt._sparse_decode_kernel
+    fn = pjt.sparse_decode_kernel
     elt = {"bfloat16": "*bf16", "float32": "*fp32"}[jnp.dtype(dtype).name]
     ptrs = dict(q_ptr=elt, k_ptr=elt, v_ptr=elt, pid_ptr="*i32", blk_ptr="*i32", nb_ptr="*i32",
                 len_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32")
@@ -290,13 +291,16 @@ def check_jax_triton() -> None:
         raise RuntimeError(f"jax_triton is not importable in the compile env: {why}")
     # jax_triton sets TRITON_CACHE_DIR="" at import (no cache); triton.compile needs one.
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparrow-triton-cache-")
+    from pallas_kernels import triton as ptriton
     sh = _h100_sharding()
     tag = "cuda[H100 sm_90]"
+    view = _views(pjt.paged_block_sparse_decode_jax_triton, ptriton.dense_tiling,
+                  compute_capability=90)
     for name, b, hq, hkv, d, s, budget in SHAPES:
         for dtype in _dtypes(name):
             dn = jnp.dtype(dtype).name
             _check(f"{tag} jax_triton lower+compile {name} {dn}", lambda: _compile(
-                lambda *a: pjt.block_sparse_decode_jax_triton(*a, compute_capability=90),
+                view["sparse"],
                 _args(sh, b, hq, hkv, d, s, budget, dtype), "triton_kernel_call"))
             meta = pjt.kernel_constexprs(b, hq, hkv, s // BLOCK, d, budget // BLOCK, dtype,
                                          block_size=BLOCK, scale=d ** -0.5, blocks_per_step=None,
@@ -304,12 +308,11 @@ def check_jax_triton() -> None:
             meta.pop("N_SPLIT")
             _check(f"{tag} jax_triton cubin {name} {dn}", lambda: _triton_cubin(meta, dtype))
         _check(f"{tag} jax_triton dense lower+compile {name} bf16", lambda: _compile(
-            lambda *a: pjt.dense_decode_jax_triton(*a, compute_capability=90),
+            view["dense"],
             _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False), "triton_kernel_call"))
     name, b, hq, hkv, d, pools, n_pages, _, kk = PAGED_SHAPE
     _check(f"{tag} jax_triton paged lower+compile {name} bfloat16", lambda: _compile(
-        _paged(pjt.paged_block_sparse_decode_jax_triton, compute_capability=90),
-        _paged_args(sh), "triton_kernel_call"))
+        view["paged"], _paged_args(sh), "triton_kernel_call"))
     paged_meta = pjt.kernel_constexprs(b, hq, hkv, n_pages, d, kk, jnp.bfloat16, block_size=BLOCK,
                                        scale=d ** -0.5, blocks_per_step=None, num_splits=None,
                                        pools=pools)
@@ -333,7 +336,7 @@ def _interpret_case(dtype_name: str, shared_pool: bool) -> str:
     import numpy as np
     import torch
     from pallas_kernels import jax_triton as pjt
-    from pallas_kernels.reference import block_sparse_decode_xla
+    from pallas_kernels.dispatch import block_sparse_decode
     from pallas_kernels.triton import merge_partials
     b, hkv, g, s, d, kk = 2, 2, 4, 128, 32, 5
     nblk = s // BLOCK
@@ -369,13 +372,13 @@ def _interpret_case(dtype_name: str, shared_pool: bool) -> str:
     acc = torch.zeros(n_split, b, hkv, gp, d)
     m = torch.zeros(n_split, b, hkv, gp)
     l = torch.zeros(n_split, b, hkv, gp)
-    pjt._sparse_decode_kernel[(b, hkv, n_split)](
+    pjt.sparse_decode_kernel[(b, hkv, n_split)](
         qg, kp.contiguous(), vp.contiguous(), torch.from_numpy(pid), torch.from_numpy(idx),
         torch.from_numpy(nb), torch.from_numpy(ln), acc, m, l, **meta)
     out, lse = merge_partials(*(jnp.asarray(x.numpy()[:, :, :, :g]) for x in (acc, m, l)))
     to_j = lambda t: jnp.asarray(t.float().numpy(), jnp.dtype(dtype_name))
-    want = block_sparse_decode_xla(to_j(q), to_j(k), to_j(v), jnp.asarray(idx[..., :kk]),
-                                   jnp.asarray(nb), jnp.asarray(ln))
+    want = block_sparse_decode(to_j(q), to_j(k), to_j(v), jnp.asarray(idx[..., :kk]),
+                               jnp.asarray(nb), jnp.asarray(ln), backend="xla")
     tol = 1e-5 if dtype_name == "float32" else 3e-2
     err_o = float(jnp.max(jnp.abs(out.reshape(b, -1, d) - want[0].astype(jnp.float32))))
     ok_l = np.allclose(np.asarray(lse.reshape(b, -1)), np.asarray(want[1]), atol=tol, rtol=tol)

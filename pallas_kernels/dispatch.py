@@ -3,27 +3,41 @@
 "auto" maps the platform to its best backend (cpu -> xla, tpu -> pallas_tpu, gpu -> pallas_triton)
 and logs that choice once. On GPU it checks that this jax still lowers Pallas to Triton (jax 0.11
 deprecates that backend: it still lowers, and the log says so); where a jax removed it, "auto"
-takes jax_triton when jax-triton imports, else XLA, and logs why. An explicitly requested backend that cannot run here raises
-``BackendUnavailableError`` naming backend and platform: never a silent fallback, because a
-silently slower (or differently rounded) path would corrupt benchmarks and mismatch statistics.
+takes jax_triton when jax-triton imports, else XLA, and logs why. An explicitly requested backend
+that cannot run here raises ``BackendUnavailableError`` naming backend and platform: never a
+silent fallback, because a silently slower (or differently rounded) path would corrupt
+benchmarks and mismatch statistics.
+
+Every backend has one kernel, the paged one (`paged_block_sparse_decode_<backend>`, which takes
+composed physical page ids). The three entry points are views of it, each written once here for
+every backend: `page_table_view` (a page table -> physical page ids), `contiguous_view` (a
+contiguous cache as one page pool per row, page id = block id) and `dense_view` (every page of
+the contiguous view selected, at the backend's dense tile size). XLA's dense decode is its own
+chunked pass over S (`reference.dense_decode_xla`), not a view.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import jax_triton as _jt
 from pallas_kernels import reference as _ref
 from pallas_kernels import tpu as _tpu
 from pallas_kernels import triton as _triton
+from pallas_kernels.reference import (all_blocks_selection, check_decode_inputs,
+                                      check_paged_inputs, contiguous_as_pages, physical_pages)
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_triton", "jax_triton")
 _AUTO = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_triton"}
-_logged: set[tuple[str, str]] = set()
+# The (platform, backend) choices of "auto" logged so far: each is logged once per process.
+LOGGED_AUTO_CHOICES: set[tuple[str, str]] = set()
 
 
 class BackendUnavailableError(RuntimeError):
@@ -47,8 +61,8 @@ def resolve_backend(backend: str, *, interpret: bool = False, platform: str | No
         chosen, why = _AUTO.get(platform, "xla"), ""
         if platform == "gpu":
             chosen, why = gpu_auto()
-        if (platform, chosen) not in _logged:
-            _logged.add((platform, chosen))
+        if (platform, chosen) not in LOGGED_AUTO_CHOICES:
+            LOGGED_AUTO_CHOICES.add((platform, chosen))
             log.info("pallas_kernels: backend 'auto' on platform %r -> %r%s", platform, chosen,
                      f" ({why})" if why else "")
         return chosen
@@ -96,17 +110,70 @@ def gpu_auto() -> tuple[str, str]:
     return "xla", f"{why}; jax-triton does not import either ({jt_why})"
 
 
+# -- the views: every entry point is one of these over a backend's paged kernel -------------------
+
+PagedKernel = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def page_table_view(kernel: PagedKernel, q, k_pages, v_pages, page_table, block_indices,
+                    num_blocks, lengths, *, scale: float | None = None, **options):
+    """`kernel` (a backend's paged kernel) behind a page table: validates the inputs and composes
+    the physical page ids once (`reference.physical_pages`). Shapes as in
+    ``paged_block_sparse_decode``; options: the kernel's own tuning knobs."""
+    check_paged_inputs(q, k_pages, v_pages, page_table, block_indices, num_blocks, lengths)
+    return kernel(q, k_pages, v_pages, physical_pages(page_table, block_indices), block_indices,
+                  num_blocks, lengths, scale=scale, **options)
+
+
+def contiguous_view(kernel: PagedKernel, q, k, v, block_indices, num_blocks, lengths, *,
+                    block_size: int = 16, scale: float | None = None, **options):
+    """`kernel` over a contiguous cache k/v [B, Hkv, S, D]: B page pools of S // bs pages whose
+    ids are the (clamped) block ids (a reshape: no copy). Shapes as in
+    ``block_sparse_decode``."""
+    _, _, _, s, _, _ = check_decode_inputs(q, k, v, lengths, block_size=block_size,
+                                           block_indices=block_indices, num_blocks=num_blocks)
+    ids = jnp.clip(block_indices.astype(jnp.int32), 0, s // block_size - 1)
+    return kernel(q, contiguous_as_pages(k, block_size), contiguous_as_pages(v, block_size), ids,
+                  ids, num_blocks, lengths, scale=scale, **options)
+
+
+DenseTiling = Callable[[int, object], tuple[int, int]]
+
+
+def dense_view(kernel: PagedKernel, tiling: DenseTiling, q, k, v, lengths, *,
+               scale: float | None = None, **options):
+    """Dense decode as `kernel` over the contiguous view with every tile selected: tiling(S,
+    dtype) -> (tile tokens, tiles per kernel step) is the backend's (large tiles: fewer copies
+    and steps than 16-token blocks). Tiles at or past ceil(length / tile) are never read (the
+    kernels loop to each row's num_blocks). Shapes as in ``dense_decode``."""
+    b, _, hkv, s, _, _ = check_decode_inputs(q, k, v, lengths, block_size=1)
+    tile, per_step = tiling(s, k.dtype)
+    idx, nb = all_blocks_selection(b, hkv, s, lengths, tile)
+    return kernel(q, contiguous_as_pages(k, tile), contiguous_as_pages(v, tile), idx, idx, nb,
+                  lengths, scale=scale, blocks_per_step=per_step, **options)
+
+
+def paged_kernel(name: str, *, interpret: bool = False) -> PagedKernel:
+    """The paged kernel of a resolved backend (interpret mode bound for the Pallas ones)."""
+    if name == "xla":
+        return _ref.paged_block_sparse_decode_xla
+    if name == "pallas_tpu":
+        return functools.partial(_tpu.paged_block_sparse_decode_tpu, interpret=interpret)
+    if name == "pallas_triton":
+        return functools.partial(_triton.paged_block_sparse_decode_triton, interpret=interpret)
+    return _jt.paged_block_sparse_decode_jax_triton
+
+
+# Dense decode's tiles per backend (the raw Triton kernel has the Pallas Triton one's limits).
+DENSE_TILING = {"pallas_tpu": _tpu.dense_tiling, "pallas_triton": _triton.dense_tiling,
+                "jax_triton": _triton.dense_tiling}
+
+
+# -- the entry points -----------------------------------------------------------------------------
+
 def block_sparse_decode(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
-    *,
-    block_size: int = 16,
-    scale: float | None = None,
-    backend: str = "auto",
+    q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array, num_blocks: jax.Array,
+    lengths: jax.Array, *, block_size: int = 16, scale: float | None = None, backend: str = "auto",
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Exact softmax attention of one decode token over the selected KV blocks.
@@ -126,31 +193,15 @@ def block_sparse_decode(
       out [B, Hq, D] (q.dtype) and lse [B, Hq] f32 (natural-log normaliser of the scaled
       logits). Rows with num_blocks == 0 or length == 0 give zeros and lse = -inf.
     """
-    name = resolve_backend(backend, interpret=interpret)
-    kw = dict(block_size=block_size, scale=scale)
-    if name == "xla":
-        return _ref.block_sparse_decode_xla(q, k, v, block_indices, num_blocks, lengths, **kw)
-    if name == "pallas_tpu":
-        return _tpu.block_sparse_decode_tpu(q, k, v, block_indices, num_blocks, lengths,
-                                            interpret=interpret, **kw)
-    if name == "pallas_triton":
-        return _triton.block_sparse_decode_triton(q, k, v, block_indices, num_blocks, lengths,
-                                                  interpret=interpret, **kw)
-    return _jt.block_sparse_decode_jax_triton(q, k, v, block_indices, num_blocks, lengths, **kw)
+    kernel = paged_kernel(resolve_backend(backend, interpret=interpret), interpret=interpret)
+    return contiguous_view(kernel, q, k, v, block_indices, num_blocks, lengths,
+                           block_size=block_size, scale=scale)
 
 
 def paged_block_sparse_decode(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-    interpret: bool = False,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array, *,
+    scale: float | None = None, backend: str = "auto", interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Exact softmax attention of one decode token over selected pages of a paged KV cache.
 
@@ -168,36 +219,19 @@ def paged_block_sparse_decode(
 
     Returns out [B, Hq, D] (q.dtype) and lse [B, Hq] f32, as ``block_sparse_decode``.
     """
-    _ref.check_paged_inputs(q, k_pages, v_pages, page_table, block_indices, num_blocks, lengths)
-    name = resolve_backend(backend, interpret=interpret)
-    page_ids = _ref.physical_pages(page_table, block_indices)
-    args = (q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths)
-    if name == "xla":
-        return _ref.paged_block_sparse_decode_xla(*args, scale=scale)
-    if name == "pallas_tpu":
-        return _tpu.paged_block_sparse_decode_tpu(*args, scale=scale, interpret=interpret)
-    if name == "pallas_triton":
-        return _triton.paged_block_sparse_decode_triton(*args, scale=scale, interpret=interpret)
-    return _jt.paged_block_sparse_decode_jax_triton(*args, scale=scale)
+    kernel = paged_kernel(resolve_backend(backend, interpret=interpret), interpret=interpret)
+    return page_table_view(kernel, q, k_pages, v_pages, page_table, block_indices, num_blocks,
+                           lengths, scale=scale)
 
 
 def dense_decode(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-    interpret: bool = False,
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float | None = None,
+    backend: str = "auto", interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Dense decode attention over all tokens < length (the baseline); same interface and
     conventions as ``block_sparse_decode``. q [B, Hq, D], k/v [B, Hkv, S, D], lengths [B]."""
     name = resolve_backend(backend, interpret=interpret)
     if name == "xla":
         return _ref.dense_decode_xla(q, k, v, lengths, scale=scale)
-    if name == "pallas_tpu":
-        return _tpu.dense_decode_tpu(q, k, v, lengths, scale=scale, interpret=interpret)
-    if name == "pallas_triton":
-        return _triton.dense_decode_triton(q, k, v, lengths, scale=scale, interpret=interpret)
-    return _jt.dense_decode_jax_triton(q, k, v, lengths, scale=scale)
+    return dense_view(paged_kernel(name, interpret=interpret), DENSE_TILING[name], q, k, v,
+                      lengths, scale=scale)

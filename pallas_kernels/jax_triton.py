@@ -14,10 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import (NEG_INF, all_blocks_selection, check_decode_inputs,
-                                      check_page_ids, contiguous_as_pages, default_scale)
-from pallas_kernels.triton import (_check_triton_shapes, _next_pow2, choose_splits,
-                                   default_blocks_per_step, merge_partials)
+from pallas_kernels.reference import NEG_INF, check_page_ids, default_scale
+from pallas_kernels.triton import (check_triton_shapes, choose_splits, default_blocks_per_step,
+                                   merge_partials, next_pow2)
 
 try:  # Optional dependency: present on GPU installs and in the CI compile environment.
     import triton
@@ -39,7 +38,7 @@ def available() -> tuple[bool, str]:
 if triton is not None:
 
     @triton.jit
-    def _sparse_decode_kernel(
+    def sparse_decode_kernel(
         q_ptr, k_ptr, v_ptr, pid_ptr, blk_ptr, nb_ptr, len_ptr,     # inputs
         acc_ptr, m_ptr, l_ptr,                                      # outputs (f32 split partials)
         B: tl.constexpr, HKV: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr,
@@ -110,12 +109,12 @@ def kernel_constexprs(b: int, hq: int, hkv: int, n_pages: int, d: int, kk: int, 
     directly."""
     if blocks_per_step is None:
         blocks_per_step = default_blocks_per_step(dtype, block_size)
-    p_blocks = min(_next_pow2(blocks_per_step), _next_pow2(kk))
+    p_blocks = min(next_pow2(blocks_per_step), next_pow2(kk))
     steps = -(-kk // p_blocks)
     n_split = num_splits or choose_splits(b, hkv, steps)
     chunk = -(-steps // n_split) * p_blocks
     return dict(B=b, HKV=hkv, N=n_pages, ROWS=b // (pools or b), K_PAD=chunk * n_split,
-                CHUNK=chunk, BS=block_size, D=d, GP=max(16, _next_pow2(hq // hkv)), P=p_blocks,
+                CHUNK=chunk, BS=block_size, D=d, GP=max(16, next_pow2(hq // hkv)), P=p_blocks,
                 SCALE=float(scale), IS_F32=bool(jnp.dtype(dtype) == jnp.float32), NEG=NEG_INF,
                 N_SPLIT=n_split)
 
@@ -146,7 +145,7 @@ def paged_block_sparse_decode_jax_triton(
     """
     b, hq, hkv, pools, n_pages, bs, d, _ = check_page_ids(
         q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths)
-    _check_triton_shapes(d, bs)
+    check_triton_shapes(d, bs)
     _require()
     g = hq // hkv
     kk = page_ids.shape[-1]
@@ -169,7 +168,7 @@ def paged_block_sparse_decode_jax_triton(
     f32 = jnp.float32
     acc, m, l = jt.triton_call(
         qg, k_pages, v_pages, pid, blk, nbv, lengths.astype(jnp.int32),
-        kernel=_sparse_decode_kernel,
+        kernel=sparse_decode_kernel,
         out_shape=[jax.ShapeDtypeStruct((n_split, b, hkv, gp, d), f32),
                    jax.ShapeDtypeStruct((n_split, b, hkv, gp), f32),
                    jax.ShapeDtypeStruct((n_split, b, hkv, gp), f32)],
@@ -181,44 +180,3 @@ def paged_block_sparse_decode_jax_triton(
     )
     out, lse = merge_partials(acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g])
     return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
-
-
-def block_sparse_decode_jax_triton(
-    q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
-    num_blocks: jax.Array, lengths: jax.Array, *, block_size: int = 16,
-    scale: float | None = None, blocks_per_step: int | None = None,
-    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-    compute_capability: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Block-sparse decode via jax_triton. q [B, Hq, D], k/v [B, Hkv, S, D],
-    block_indices [B, Hkv, K], num_blocks [B, Hkv], lengths [B] -> out [B, Hq, D], lse [B, Hq].
-
-    The paged kernel on the cache viewed as one pool per row (page id = block id, no copy).
-    compute_capability: e.g. 90 to compile for H100 without a GPU attached (CI compile check).
-    """
-    _, _, _, s, d, _ = check_decode_inputs(
-        q, k, v, lengths, block_size=block_size, block_indices=block_indices,
-        num_blocks=num_blocks)
-    _check_triton_shapes(d, block_size)
-    ids = jnp.clip(block_indices.astype(jnp.int32), 0, s // block_size - 1)
-    return paged_block_sparse_decode_jax_triton(
-        q, contiguous_as_pages(k, block_size), contiguous_as_pages(v, block_size), ids, ids,
-        num_blocks, lengths, scale=scale, blocks_per_step=blocks_per_step,
-        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        compute_capability=compute_capability)
-
-
-def dense_decode_jax_triton(
-    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-    scale: float | None = None, compute_capability: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Dense decode through the same Triton kernel with every 64-token tile selected."""
-    b, _, hkv, s, _, _ = check_decode_inputs(q, k, v, lengths, block_size=1)
-    tile = 64 if s % 64 == 0 else 16
-    if s % tile:
-        raise ValueError(f"jax_triton dense decode needs S to be a multiple of 16, got S={s}")
-    idx, nb = all_blocks_selection(b, hkv, s, lengths, tile)
-    return block_sparse_decode_jax_triton(q, k, v, idx, nb, lengths, block_size=tile,
-                                          scale=scale,
-                                          blocks_per_step=default_blocks_per_step(k.dtype, tile),
-                                          compute_capability=compute_capability)

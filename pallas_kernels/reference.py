@@ -16,7 +16,8 @@ Query head h attends with KV head h // (Hq // Hkv).
 
 Paged form (the rollout engine's cache): K/V live in page pools [G, Hkv, N, bs, D] (a page = one
 selection block); row b reads pool b // (B // G) through its page table [B, P] (logical block ->
-physical page). The contiguous form above is the paged one with G = B and page i = block i.
+physical page). The contiguous form above is the paged one with G = B and page i = block i
+(``contiguous_as_pages``; ``dispatch.contiguous_view`` runs any backend's paged kernel on it).
 """
 
 from __future__ import annotations
@@ -33,14 +34,8 @@ NEG_INF = -1e30
 
 
 def check_decode_inputs(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    block_size: int,
-    block_indices: jax.Array | None = None,
-    num_blocks: jax.Array | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, block_size: int,
+    block_indices: jax.Array | None = None, num_blocks: jax.Array | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """Validates shapes/dtypes of decode inputs; returns (B, Hq, Hkv, S, D, G).
 
@@ -170,13 +165,8 @@ def _chunk_count(total: int, bytes_per_unit: int) -> tuple[int, int]:
 
 
 def check_paged_inputs(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array,
 ) -> tuple[int, int, int, int, int, int, int, int]:
     """Validates paged decode inputs; returns (B, Hq, Hkv, G_pools, N_pages, bs, D, rows_per_pool).
 
@@ -203,13 +193,8 @@ def check_paged_inputs(
 
 
 def check_page_ids(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_ids: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ids: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array,
 ) -> tuple[int, int, int, int, int, int, int, int]:
     """``check_paged_inputs`` for the kernels' own form, which takes the composed physical page
     ids [B, Hkv, K] (``physical_pages``) instead of the page table; same return value."""
@@ -235,14 +220,8 @@ def physical_pages(page_table: jax.Array, block_indices: jax.Array) -> jax.Array
 
 
 def paged_block_sparse_decode_xla(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_ids: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
-    *,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ids: jax.Array,
+    block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array, *,
     scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gather-based block-sparse decode over a page pool (inputs validated by the caller).
@@ -309,35 +288,8 @@ def contiguous_as_pages(k: jax.Array, block_size: int) -> jax.Array:
     return k.reshape(b, hkv, s // block_size, block_size, d)
 
 
-def block_sparse_decode_xla(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    block_indices: jax.Array,
-    num_blocks: jax.Array,
-    lengths: jax.Array,
-    *,
-    block_size: int = 16,
-    scale: float | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Block-sparse decode over a contiguous cache (shapes as in the module docstring): the
-    paged kernel on the cache viewed as one page pool per row."""
-    check_decode_inputs(q, k, v, lengths, block_size=block_size, block_indices=block_indices,
-                        num_blocks=num_blocks)
-    nb = k.shape[2] // block_size
-    ids = jnp.clip(block_indices.astype(jnp.int32), 0, nb - 1)
-    return paged_block_sparse_decode_xla(
-        q, contiguous_as_pages(k, block_size), contiguous_as_pages(v, block_size), ids, ids,
-        num_blocks, lengths, scale=scale)
-
-
 def dense_decode_xla(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Dense decode over all tokens < length (the baseline). Shapes as in the module docstring.
 

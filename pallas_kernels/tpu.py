@@ -3,8 +3,9 @@
 Design (one decode step; shapes as in ``reference.py``):
   * One kernel, paged: K/V are page pools [G, Hkv, N, bs, D] and row b reads pool b // (B // G).
     The contiguous cache [B, Hkv, S, D] is the same thing viewed as B pools of S // bs pages
-    whose ids are the block ids (``contiguous_as_pages``, a reshape), so the contiguous sparse
-    and dense entry points are thin views of the paged kernel.
+    whose ids are the block ids (``contiguous_as_pages``, a reshape): the contiguous sparse and
+    dense entry points are views of this kernel (``dispatch.contiguous_view`` / ``dense_view``;
+    dense at ``dense_tiling``'s tiles).
   * grid = (B / R, Hkv): one program per R batch rows (8) and one KV head; each program
     handles the whole GQA group [G, D] of that KV head, so every K/V page is read from HBM
     once per KV head (not once per query head).
@@ -32,15 +33,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import (NEG_INF, all_blocks_selection, check_decode_inputs,
-                                      check_page_ids, contiguous_as_pages, default_scale)
+from pallas_kernels.reference import NEG_INF, check_page_ids, default_scale
 
 _LANES = 128
 # Budget for the two scalar-prefetch tables (page ids + logical ids, 256 KiB each) per
 # pallas_call. SMEM is 1 MiB on v5e/v5p/v6e and also holds num_blocks, lengths and Mosaic's own
 # scalars: 1 MiB of tables overflowed it by 3.6 KiB in the compile check, so half leaves a 2x
 # margin (and contiguous shapes split over exactly as many calls as with one 256 KiB table).
-_SMEM_TABLE_BYTES = 512 * 1024
+SMEM_TABLE_BYTES = 512 * 1024
 # Positions of padded entries are pushed here (> any real length) so the length mask drops them.
 _FAR = 1 << 30
 # Batch rows per kernel program (one KV head each): the program loops over their entries, so the
@@ -244,7 +244,7 @@ def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, length
     p_blocks = max(1, min(blocks_per_step, kk))
     k_pad = _round_up(kk, p_blocks)
     # Rows whose two tables fit the SMEM budget of one call (at least one row).
-    table_rows = max(1, _SMEM_TABLE_BYTES // (2 * 4 * hkv * k_pad))
+    table_rows = max(1, SMEM_TABLE_BYTES // (2 * 4 * hkv * k_pad))
     rows = max(1, min(rows_per_program, b, table_rows))
     # Clamp page ids so a bad id can never DMA out of bounds; pad K to a multiple of P (padding
     # is >= num_blocks: never read) and B to a multiple of the rows per program (num_blocks 0).
@@ -289,6 +289,7 @@ def paged_block_sparse_decode_tpu(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ids: jax.Array,
     block_indices: jax.Array, num_blocks: jax.Array, lengths: jax.Array, *,
     scale: float | None = None, blocks_per_step: int | None = None, interpret: bool = False,
+    rows_per_program: int = _ROWS_PER_PROGRAM,
 ) -> tuple[jax.Array, jax.Array]:
     """Block-sparse decode over page pools on TPU.
 
@@ -298,6 +299,8 @@ def paged_block_sparse_decode_tpu(
     -> out [B, Hq, D] (q.dtype), lse [B, Hq] f32.
 
     blocks_per_step: pages processed per grid step (default: 256 tokens' worth).
+    rows_per_program: batch rows one kernel program loops over (at most the rows whose tables
+    fit one call's SMEM budget, ``SMEM_TABLE_BYTES``).
     """
     *_, bs, d, _ = check_page_ids(q, k_pages, v_pages, page_ids, block_indices, num_blocks,
                                   lengths)
@@ -306,50 +309,16 @@ def paged_block_sparse_decode_tpu(
         blocks_per_step = max(1, 256 // bs)
     return _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths,
                        scale=default_scale(d, scale), blocks_per_step=blocks_per_step,
-                       interpret=interpret)
+                       interpret=interpret, rows_per_program=rows_per_program)
 
 
-def block_sparse_decode_tpu(
-    q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
-    num_blocks: jax.Array, lengths: jax.Array, *, block_size: int = 16,
-    scale: float | None = None, blocks_per_step: int | None = None, interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Block-sparse decode on TPU. q [B, Hq, D], k/v [B, Hkv, S, D], block_indices [B, Hkv, K],
-    num_blocks [B, Hkv], lengths [B] -> out [B, Hq, D], lse [B, Hq] f32.
-
-    The paged kernel on the cache viewed as one pool per row (page id = block id, no copy).
-    blocks_per_step: selected blocks processed per grid step (default: 256 tokens' worth).
-    """
-    _, _, _, s, _, _ = check_decode_inputs(q, k, v, lengths, block_size=block_size,
-                                           block_indices=block_indices, num_blocks=num_blocks)
-    _check_tpu_block(k.dtype, block_size)
-    ids = jnp.clip(block_indices.astype(jnp.int32), 0, s // block_size - 1)
-    return paged_block_sparse_decode_tpu(
-        q, contiguous_as_pages(k, block_size), contiguous_as_pages(v, block_size), ids, ids,
-        num_blocks, lengths, scale=scale, blocks_per_step=blocks_per_step, interpret=interpret)
-
-
-def dense_block_size(s: int, target: int = 512, minimum: int = 16) -> int:
-    """Largest power-of-two tile <= target that divides S (dense decode reads big contiguous
-    tiles instead of 16-token blocks: fewer DMAs and grid steps)."""
+def dense_tiling(s: int, dtype=None, target: int = 512, minimum: int = 16) -> tuple[int, int]:
+    """Dense decode's tiles on TPU (``dispatch.dense_view``): the largest power-of-two tile <=
+    target tokens that divides S - big contiguous pages instead of 16-token blocks, fewer DMAs
+    and grid steps - and 1024 tokens per grid step. Returns (tile, tiles per step)."""
     t = target
     while t >= minimum:
         if s % t == 0:
-            return t
+            return t, max(1, 1024 // t)
         t //= 2
     raise ValueError(f"pallas dense decode needs S to be a multiple of {minimum}, got S={s}")
-
-
-def dense_decode_tpu(
-    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-    scale: float | None = None, interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Dense decode on TPU: the paged kernel on the contiguous view with every tile selected,
-    at 512-token tiles (pages). Tiles at or past ceil(length / tile) are neither fetched nor
-    computed."""
-    b, _, hkv, s, _, _ = check_decode_inputs(q, k, v, lengths, block_size=1)
-    tile = dense_block_size(s)
-    idx, nb = all_blocks_selection(b, hkv, s, lengths, tile)
-    return paged_block_sparse_decode_tpu(
-        q, contiguous_as_pages(k, tile), contiguous_as_pages(v, tile), idx, idx, nb, lengths,
-        scale=scale, blocks_per_step=max(1, 1024 // tile), interpret=interpret)

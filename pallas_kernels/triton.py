@@ -6,8 +6,9 @@ In jax 0.10.x ``pallas_call`` on GPU defaults to Mosaic GPU; passing
 Design (shapes as in ``reference.py``):
   * One kernel, paged: K/V are page pools [G, Hkv, N, bs, D] and row b reads pool b // (B // G);
     the contiguous cache is the same thing viewed as B pools whose page ids are the block ids
-    (``contiguous_as_pages``, a reshape), so the contiguous sparse and dense entry points are
-    thin views of the paged kernel.
+    (``contiguous_as_pages``, a reshape): the contiguous sparse and dense entry points are views
+    of this kernel (``dispatch.contiguous_view`` / ``dense_view``; dense at ``dense_tiling``'s
+    tiles).
   * grid = (B, Hkv, n_split). A program owns one KV head's whole GQA group, padded to Gp >= 16
     rows so both products run on tensor cores (``tl.dot`` needs M >= 16), and walks its share of
     the selected entries P pages at a time: the P physical page ids are loaded as a vector and
@@ -35,14 +36,14 @@ except ImportError as e:     # a jax without it: backend "auto" takes another GP
     pltriton = None
     _MISSING = f"jax {jax.__version__} has no Pallas Triton backend ({e})"
 
-from pallas_kernels.reference import (NEG_INF, all_blocks_selection, check_decode_inputs,
-                                      check_page_ids, contiguous_as_pages, default_scale)
+from pallas_kernels.reference import NEG_INF, check_page_ids, default_scale
 
 # Programs needed to keep an H100 busy (132 SMs x ~2 resident CTAs): below this, split K.
 _TARGET_PROGRAMS = 264
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): Triton tensor sizes."""
     return 1 << max(0, (x - 1).bit_length())
 
 
@@ -138,7 +139,7 @@ def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, length
     rows_per_pool = b // pools
     g = hq // hkv
     kk = page_ids.shape[-1]
-    p_blocks = min(_next_pow2(blocks_per_step), _next_pow2(kk))
+    p_blocks = min(next_pow2(blocks_per_step), next_pow2(kk))
     steps = -(-kk // p_blocks)
     n_split = num_splits or choose_splits(b, hkv, steps)
     chunk = -(-steps // n_split) * p_blocks
@@ -151,7 +152,7 @@ def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, length
         pid = jnp.concatenate([pid, jnp.repeat(pid[..., -1:], k_pad - kk, axis=-1)], axis=-1)
         blk = jnp.concatenate([blk, jnp.repeat(blk[..., -1:], k_pad - kk, axis=-1)], axis=-1)
     nbv = jnp.clip(num_blocks.astype(jnp.int32), 0, kk)[..., None]           # [B, Hkv, 1]
-    gp = max(16, _next_pow2(g))
+    gp = max(16, next_pow2(g))
     qg = q.reshape(b, hkv, g, d)
     if gp != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
@@ -215,8 +216,8 @@ def status() -> tuple[str, str]:
     return "ok", ""
 
 
-def _check_triton_shapes(d: int, block_size: int) -> None:
-    # Triton tensors must have power-of-two sizes; these are the loaded tile dimensions.
+def check_triton_shapes(d: int, block_size: int) -> None:
+    """Triton tensors must have power-of-two sizes; these are the loaded tile dimensions."""
     if not _is_pow2(d):
         raise ValueError(f"pallas_triton needs a power-of-two head_dim, got D={d}")
     if not _is_pow2(block_size):
@@ -243,7 +244,7 @@ def paged_block_sparse_decode_triton(
     """
     *_, bs, d, _ = check_page_ids(q, k_pages, v_pages, page_ids, block_indices, num_blocks,
                                   lengths)
-    _check_triton_shapes(d, bs)
+    check_triton_shapes(d, bs)
     if blocks_per_step is None:
         blocks_per_step = default_blocks_per_step(k_pages.dtype, bs)
     return _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths,
@@ -252,44 +253,11 @@ def paged_block_sparse_decode_triton(
                        interpret=interpret)
 
 
-def block_sparse_decode_triton(
-    q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array,
-    num_blocks: jax.Array, lengths: jax.Array, *, block_size: int = 16,
-    scale: float | None = None, blocks_per_step: int | None = None,
-    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Block-sparse decode via Pallas->Triton. q [B, Hq, D], k/v [B, Hkv, S, D],
-    block_indices [B, Hkv, K], num_blocks [B, Hkv], lengths [B] -> out [B, Hq, D], lse [B, Hq].
-
-    The paged kernel on the cache viewed as one pool per row (page id = block id, no copy).
-    blocks_per_step: blocks gathered per loop iteration (power of two; default 128 tokens' worth
-      for 16-bit caches, 64 for f32).
-    num_splits: split-K factor (None = automatic from B*Hkv).
-    """
-    _, _, _, s, d, _ = check_decode_inputs(q, k, v, lengths, block_size=block_size,
-                                           block_indices=block_indices, num_blocks=num_blocks)
-    _check_triton_shapes(d, block_size)
-    ids = jnp.clip(block_indices.astype(jnp.int32), 0, s // block_size - 1)
-    return paged_block_sparse_decode_triton(
-        q, contiguous_as_pages(k, block_size), contiguous_as_pages(v, block_size), ids, ids,
-        num_blocks, lengths, scale=scale, blocks_per_step=blocks_per_step,
-        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-
-
-def dense_decode_triton(
-    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-    scale: float | None = None, num_splits: int | None = None, interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Dense decode via the paged kernel on the contiguous view with every block selected, in
-    64-token tiles (contiguous ids, so the 'gather' is a plain strided load)."""
-    b, _, hkv, s, d, _ = check_decode_inputs(q, k, v, lengths, block_size=1)
+def dense_tiling(s: int, dtype) -> tuple[int, int]:
+    """Dense decode's tiles for the Triton kernels (``dispatch.dense_view``): 64-token pages (16
+    where S is no multiple of 64; contiguous ids, so the 'gather' is a plain strided load) and
+    the default pages per loop iteration. Returns (tile, tiles per step)."""
     tile = 64 if s % 64 == 0 else 16
     if s % tile:
-        raise ValueError(f"pallas_triton dense decode needs S to be a multiple of 16, got S={s}")
-    _check_triton_shapes(d, tile)
-    idx, nb = all_blocks_selection(b, hkv, s, lengths, tile)
-    return paged_block_sparse_decode_triton(
-        q, contiguous_as_pages(k, tile), contiguous_as_pages(v, tile), idx, idx, nb, lengths,
-        scale=scale, blocks_per_step=default_blocks_per_step(k.dtype, tile),
-        num_splits=num_splits, interpret=interpret)
+        raise ValueError(f"Triton dense decode needs S to be a multiple of 16, got S={s}")
+    return tile, default_blocks_per_step(dtype, tile)

@@ -121,8 +121,8 @@ def select_ids_triton(scores: jax.Array, total: jax.Array, budget: jax.Array, *,
     if _triton.pltriton is None:
         raise RuntimeError(_triton.status()[1])
     rows, nb = scores.shape
-    nbp, kp = _triton._next_pow2(nb), _triton._next_pow2(width)
-    chunk = max(1, min(kp, _triton._next_pow2(max(1, _CHUNK_ELEMENTS // nbp))))
+    nbp, kp = _triton.next_pow2(nb), _triton.next_pow2(width)
+    chunk = max(1, min(kp, _triton.next_pow2(max(1, _CHUNK_ELEMENTS // nbp))))
     if nbp != nb:      # padding blocks are never candidates: blk >= total for every row
         scores = jnp.pad(scores, ((0, 0), (0, nbp - nb)))
     # More warps for longer rows: the row's vectors live in registers (4 warps up to 2K blocks).

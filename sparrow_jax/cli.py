@@ -41,7 +41,7 @@ BENCHES = {
 QUIET_LOGGERS = ("absl", "orbax", "jax", "jaxlib", "etils", "grain", "tensorstore")
 
 
-class _ConsoleFormatter(logging.Formatter):
+class ConsoleFormatter(logging.Formatter):
     """`time logger: message`; WARNING and above start with their level (bold colour on a tty)."""
 
     def __init__(self, color: bool):
@@ -76,7 +76,7 @@ def setup_logging(level: str = "INFO") -> None:
         raise SystemExit(f"sparrow: unknown --log_level {level!r} (DEBUG, INFO, WARNING, ERROR)")
     handler = _ConsoleHandler(sys.stderr)
     color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
-    handler.setFormatter(_ConsoleFormatter(color=color))
+    handler.setFormatter(ConsoleFormatter(color=color))
     logging.basicConfig(level=level_no, handlers=[handler], force=True)
     logging.captureWarnings(True)  # Python warnings get the same WARNING prefix, above the bar
     quiet = logging.NOTSET if level_no <= logging.DEBUG else max(logging.WARNING, level_no)

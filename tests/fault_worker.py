@@ -130,7 +130,7 @@ def _install(faults: dict) -> None:
 
     enospc_step = faults.get("enospc_step")
     slow = float(faults.get("slow_save_s", 0))
-    original_text_save = checkpoint._TextHandler.save
+    original_text_save = checkpoint.TextHandler.save
 
     def text_save(self, directory, args):
         if slow:
@@ -138,7 +138,7 @@ def _install(faults: dict) -> None:
         if enospc_step is not None and f"{os.sep}{enospc_step}." in os.fspath(directory):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(directory))
         return original_text_save(self, directory, args)
-    checkpoint._TextHandler.save = text_save
+    checkpoint.TextHandler.save = text_save
 
 
 def main(argv: list[str]) -> int:

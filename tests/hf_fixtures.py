@@ -158,6 +158,14 @@ def run_on_cpu_devices(args: list[str], *, devices: int = 8, timeout: float = 90
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (a multi-process run's coordinator)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def require_compile_env(path: Path, timeout_s: float = 1800) -> None:
     """Fails the test unless the compile-only toolchains (`.ci/compile_env.sh`) are at `path`.
 

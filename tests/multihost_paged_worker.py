@@ -28,7 +28,7 @@ HEARTBEAT_SECONDS = 10       # the `kill` role: how soon a dead peer is noticed
 def _sabotage(role: str, pid: int, root: Path) -> None:
     """Process 1 misbehaves from its second decode chunk on (the first has run everywhere)."""
     from sparrow_jax.rollout import scheduler
-    decode, chunks = scheduler._Rollout.decode, [0]
+    decode, chunks = scheduler.PagedRollout.decode, [0]
 
     def second_chunk_differs(self, budgets, pending=None):
         chunks[0] += 1
@@ -43,7 +43,7 @@ def _sabotage(role: str, pid: int, root: Path) -> None:
         return decode(self, budgets, pending)
 
     if pid == 1 and role in ("diverge", "kill"):
-        scheduler._Rollout.decode = second_chunk_differs
+        scheduler.PagedRollout.decode = second_chunk_differs
 
 
 def main(role: str, root: Path, pid: int, nproc: int, port: int) -> None:

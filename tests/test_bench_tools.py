@@ -52,7 +52,7 @@ def test_bench_rollout_refuses_caches_that_cannot_fit_before_prefill(monkeypatch
     mcfg = bench.model_config(bench.build_parser().parse_args(argv))
     slots = RolloutConfig(max_new_tokens=8).cache_slots(padded_length(248, 16))
     one = kv_cache.cache_bytes(mcfg, 2, slots, jnp.float32)
-    monkeypatch.setattr(kv_cache, "_device_memory_limit", lambda: int(1.5 * one / 0.9))
+    monkeypatch.setattr(kv_cache, "device_memory_limit", lambda: int(1.5 * one / 0.9))
     with pytest.raises(SystemExit, match="two KV caches"):
         bench.main(argv)
 

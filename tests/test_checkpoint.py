@@ -163,7 +163,7 @@ def test_resume_after_real_crash_mid_save(tmp_path):
             mngr.save(s, {{"w": params["w"] * s}}, opt, {{"s": s}})
         def crash(self, directory, args):  # runs inside the step-3 save, after params started
             os._exit(17)
-        ck._TextHandler.save = crash
+        ck.TextHandler.save = crash
         mngr.save(3, {{"w": params["w"] * 3}}, opt, {{"s": 3}}, operative_config="boom")
         print("UNREACHABLE")
     """

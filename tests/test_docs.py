@@ -1037,13 +1037,13 @@ def test_library_loggers_quiet_by_default_and_restored_by_debug(_restore_logging
 
 def test_warnings_start_with_their_level(_restore_logging):
     from sparrow_jax import cli
-    fmt = cli._ConsoleFormatter(color=False)
+    fmt = cli.ConsoleFormatter(color=False)
 
     def line(level):
         return fmt.format(logging.LogRecord("sparrow_jax.train.command", level, __file__, 1, "msg", None, None))
 
     assert line(logging.WARNING).startswith("WARNING ") and line(logging.ERROR).startswith("ERROR ")
     assert not line(logging.INFO).startswith(("INFO", "WARNING"))
-    colored = cli._ConsoleFormatter(color=True).format(
+    colored = cli.ConsoleFormatter(color=True).format(
         logging.LogRecord("x", logging.WARNING, __file__, 1, "msg", None, None))
     assert colored.startswith("\033[1;33mWARNING\033[0m ")

@@ -58,7 +58,9 @@ DryrunConfig.prompt_length = 64
 """
 
 
-def _env(compile_env: bool = True) -> dict[str, str]:
+def dryrun_env(compile_env: bool = True) -> dict[str, str]:
+    """The environment of a `sparrow dryrun` subprocess: CPU host, the compile-only toolchains
+    (compile_env) and this checkout on PYTHONPATH, no test XLA_FLAGS."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(COMPILE_ENV), str(REPO)] if compile_env
@@ -73,7 +75,7 @@ def run_dryrun(*argv: str, compile_env: bool = True, env: dict | None = None,
     require_compile_env(COMPILE_ENV)
     with tempfile.TemporaryDirectory(prefix="sparrow-dryrun-test-") as cwd:
         return subprocess.run([sys.executable, "-m", "sparrow_jax.cli", "dryrun", *argv],
-                              cwd=cwd, env={**_env(compile_env), **(env or {})},
+                              cwd=cwd, env={**dryrun_env(compile_env), **(env or {})},
                               capture_output=True, text=True, timeout=timeout)
 
 
@@ -232,7 +234,7 @@ def test_depth_extrapolation_equals_full_depth(tmp_path):
     for name, extra in (("full", []), ("extrapolated", ["--rollout_depth", "3", "--depth", "4"])):
         r = subprocess.run(    # one after another: compiles side by side starve each other
             [sys.executable, "-m", "sparrow_jax.cli", "dryrun", str(gin), "--target", "v5e-8",
-             "--json", "--no_fit", "--no_cost", *extra], cwd=tmp_path, env=_env(),
+             "--json", "--no_fit", "--no_cost", *extra], cwd=tmp_path, env=dryrun_env(),
             capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         out[name] = json.loads(r.stdout)

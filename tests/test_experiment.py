@@ -133,7 +133,7 @@ def test_exact_experiment_config_parses_every_arm():
     assert cfg.output_dir == "runs/experiment_paired" and cfg.report == "comparison_exact"
     assert list(cfg.arms) == ["dense@0", "exact@0", "dense@1", "exact@1"]
     for name in cfg.arms:
-        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
+        cli.parse_gin(files, experiment.arm_bindings(cfg, name))
         tc = TrainConfig()
         assert (tc.rollout_mode, tc.seed) == (
             "exact_sparse" if name.startswith("exact") else "dense", int(name[-1]))
@@ -162,7 +162,7 @@ def test_demo_experiment_config_parses_every_arm():
     cfg = experiment.ExperimentConfig()
     assert set(cfg.arms) == {"dense", "controller", "fixed_64", "fixed_512"}
     for name in cfg.arms:
-        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
+        cli.parse_gin(files, experiment.arm_bindings(cfg, name))
         assert gin.query_parameter("TrainConfig.run_dir").endswith(f"experiment_demo/{name}")
     assert gin.query_parameter("make_schedule.budgets") == [512] * 20
     assert gin.query_parameter("TrainConfig.eval_data") == "data/demo/heldout64.jsonl"
@@ -180,7 +180,7 @@ def _stacked_arms(config: str, probe) -> tuple:
     cfg = experiment.ExperimentConfig()
     probed = {}
     for name in cfg.arms:
-        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
+        cli.parse_gin(files, experiment.arm_bindings(cfg, name))
         probed[name] = (probe(), gin.query_parameter("TrainConfig.eval_prompts"))
     gin.clear_config()
     return cfg, probed

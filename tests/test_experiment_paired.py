@@ -69,7 +69,7 @@ def test_paired_experiment_config_parses_every_arm():
     cfg = experiment.ExperimentConfig()
     assert len(cfg.arms) == 12 and cfg.parallel == 2
     for name in cfg.arms:
-        cli.parse_gin(files, experiment._arm_bindings(cfg, name))
+        cli.parse_gin(files, experiment.arm_bindings(cfg, name))
         seed = int(name.split("@")[1])
         assert gin.query_parameter("TrainConfig.seed") == seed
         # Only dense@0 evaluates the shared starting checkpoint.

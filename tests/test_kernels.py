@@ -266,9 +266,10 @@ def test_triton_split_k_merge():
     q, k, v, ln = make_inputs(7, b=2, hkv=1, g=2, s=128, d=32, dtype=jnp.float32,
                               lengths=lengths)
     bi, nb = all_blocks_selection(2, 1, 128, ln, BS)
-    from pallas_kernels.triton import block_sparse_decode_triton
-    fn = jax.jit(lambda *a: block_sparse_decode_triton(*a, blocks_per_step=2, num_splits=3,
-                                                       interpret=True))
+    from pallas_kernels.triton import paged_block_sparse_decode_triton
+    fn = jax.jit(lambda *a: dispatch.contiguous_view(paged_block_sparse_decode_triton, *a,
+                                                     blocks_per_step=2, num_splits=3,
+                                                     interpret=True))
     assert_close(fn(q, k, v, bi, nb, ln), numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
 
 
@@ -278,13 +279,13 @@ def test_tpu_multi_step_online_softmax(monkeypatch):
     several pallas_calls (SMEM table budget) with the batch offset in the K/V index_map."""
     from pallas_kernels import tpu
     # Two int32 tables (page ids, logical ids) x Hkv=2 x K_pad=8, for 2 rows per call.
-    monkeypatch.setattr(tpu, "_SMEM_TABLE_BYTES", 2 * 4 * 2 * 8 * 2)
+    monkeypatch.setattr(tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 8 * 2)
     lengths = [128, 40, 99]
     q, k, v, ln = make_inputs(8, b=3, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
                               lengths=lengths)
     bi, nb = make_selection(8, lengths, 2, 7)
-    from pallas_kernels.tpu import block_sparse_decode_tpu
-    fn = jax.jit(lambda *a: block_sparse_decode_tpu(*a, blocks_per_step=2, interpret=True))
+    fn = jax.jit(lambda *a: dispatch.contiguous_view(tpu.paged_block_sparse_decode_tpu, *a,
+                                                     blocks_per_step=2, interpret=True))
     assert_close(fn(q, k, v, bi, nb, ln), numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
 
 
@@ -335,7 +336,7 @@ def test_backend_unavailable_on_cpu_raises(backend):
 
 
 def test_auto_picks_xla_on_cpu_and_logs_once(caplog):
-    dispatch._logged.clear()
+    dispatch.LOGGED_AUTO_CHOICES.clear()
     with caplog.at_level(logging.INFO, logger="pallas_kernels.dispatch"):
         assert pk.resolve_backend("auto") == "xla"
         assert pk.resolve_backend("auto") == "xla"
@@ -361,12 +362,12 @@ def test_auto_on_gpu_survives_the_triton_deprecation(monkeypatch, caplog, state,
     from pallas_kernels import jax_triton, triton
     monkeypatch.setattr(triton, "status", lambda: state)
     monkeypatch.setattr(jax_triton, "available", lambda: jt)
-    dispatch._logged.clear()
+    dispatch.LOGGED_AUTO_CHOICES.clear()
     with caplog.at_level(logging.INFO, logger="pallas_kernels.dispatch"):
         assert pk.resolve_backend("auto", platform="gpu") == expect
     [line] = [r.getMessage() for r in caplog.records if "backend 'auto'" in r.getMessage()]
     assert f"-> '{expect}'" in line and (state[1] in line)
-    dispatch._logged.clear()
+    dispatch.LOGGED_AUTO_CHOICES.clear()
     if state[0] == "unavailable":
         with pytest.raises(pk.BackendUnavailableError, match="Pallas Triton backend"):
             pk.resolve_backend("pallas_triton", platform="gpu")
@@ -483,7 +484,7 @@ def test_paged_kernel_knobs(monkeypatch):
     pallas_call (the batch offset enters the pool index), Triton with forced split-K."""
     from pallas_kernels import reference, tpu
     from pallas_kernels.triton import paged_block_sparse_decode_triton
-    monkeypatch.setattr(tpu, "_SMEM_TABLE_BYTES", 2 * 4 * 2 * 8)      # 1 row per call
+    monkeypatch.setattr(tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 8)      # 1 row per call
     q, k, v, ln = make_inputs(12, b=4, hkv=2, g=2, s=128, d=32, dtype=jnp.float32,
                               lengths=PAGED_LENGTHS)
     bi, nb = make_selection(12, PAGED_LENGTHS, 2, 7)
@@ -505,7 +506,7 @@ def test_tpu_paged_loops_over_each_rows_entries_only(monkeypatch):
     padding, entries no multiple of the pages per step, two pools of 3 rows (pool index by
     division) and the batch split over 2 pallas_calls (the offset enters the pool index)."""
     from pallas_kernels import reference, tpu
-    monkeypatch.setattr(tpu, "_SMEM_TABLE_BYTES", 2 * 4 * 2 * 6 * 4)     # 4 rows per call
+    monkeypatch.setattr(tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 6 * 4)     # 4 rows per call
     lengths = [77, 128, 45, 0, 128, 16]
     q, k, v, ln = make_inputs(13, b=6, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
                               lengths=lengths)
@@ -518,8 +519,8 @@ def test_tpu_paged_loops_over_each_rows_entries_only(monkeypatch):
                     reference.physical_pages(table, bi))
     args = (q, kp, vp, ids, bi, nb, ln)
     want = reference.paged_block_sparse_decode_xla(*args)
-    got = jax.jit(lambda *a: tpu._paged_call(*a, scale=32 ** -0.5, blocks_per_step=2,
-                                             interpret=True, rows_per_program=4))(*args)
+    got = jax.jit(lambda *a: tpu.paged_block_sparse_decode_tpu(
+        *a, blocks_per_step=2, interpret=True, rows_per_program=4))(*args)
     assert np.isneginf(np.asarray(got[1][3])).all() and not np.asarray(got[0][3]).any()
     assert_close(got, numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
     for a, c in zip(got, want):

@@ -108,11 +108,11 @@ def test_unsupported_architecture(tmp_path):
 
 
 def _rewrite_tensors(path, edit):
-    from sparrow_jax.model.hf_io import _read_safetensors, _write_safetensors
+    from sparrow_jax.model.hf_io import read_safetensors, write_safetensors
     f = path / "model.safetensors"
-    tensors = {n: np.array(a) for n, a in _read_safetensors(f)}
+    tensors = {n: np.array(a) for n, a in read_safetensors(f)}
     edit(tensors)
-    _write_safetensors(f, tensors)
+    write_safetensors(f, tensors)
 
 
 def test_missing_tensor(tmp_path):

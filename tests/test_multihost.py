@@ -5,7 +5,6 @@ must run, checkpoint and resume across processes on the paged engine (the pod co
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_fixtures import cpu_devices_flags, make_tiny_synthetic_model
+from hf_fixtures import cpu_devices_flags, free_port, make_tiny_synthetic_model
 from sparrow_jax.data import synthetic
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 NPROC = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _launch(role: str, root: Path, extra=(), timeout=900) -> None:
@@ -31,7 +24,7 @@ def _launch(role: str, root: Path, extra=(), timeout=900) -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": cpu_devices_flags(4),
            "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
-    port = _free_port()
+    port = free_port()
     logs = [root / f"{role}_{i}.log" for i in range(NPROC)]
     procs = []
     for i, log in enumerate(logs):

@@ -24,8 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from hf_fixtures import cpu_devices_flags, make_tiny_synthetic_model
-from test_multihost import _free_port
+from hf_fixtures import cpu_devices_flags, free_port, make_tiny_synthetic_model
 
 WORKER = Path(__file__).with_name("multihost_paged_worker.py")
 NPROC = 2
@@ -45,7 +44,7 @@ def _launch(role: str, root: Path, timeout: float = 600
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
                                                        str(root / "jax_cache")),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    port = _free_port()
+    port = free_port()
     logs = [root / f"{role}_{i}.log" for i in range(NPROC)]
     procs = []
     for i, log in enumerate(logs):

@@ -238,14 +238,14 @@ def test_whole_page_and_row_token_writes_give_equal_pools():
     page = jnp.array([0, 3, 5, 2], jnp.int32)       # distinct pages: active slots never share one
     offset = jnp.array([0, 2, 3, 1], jnp.int32)
     write = jnp.array([True, True, False, True])
-    pages, by_page = paged._write_token(pool, new, page, offset, write)
-    by_row = paged._write_token_rows(pool, new, page, offset, write)
+    pages, by_page = paged.write_token_pages(pool, new, page, offset, write)
+    by_row = paged.write_token_rows(pool, new, page, offset, write)
     assert jnp.array_equal(by_page, by_row)
     assert jnp.array_equal(by_row[0, :, 5], pool[0, :, 5])            # slot 2 does not write
     assert jnp.array_equal(by_row[0, :, 3, 2], new[1])                  # slot 1's row
     assert jnp.array_equal(pages[:, 1], by_row[0, :, 3])                # the written page
-    assert paged._writes_whole_pages("pallas_tpu") and not paged._writes_whole_pages("pallas_triton")
-    assert not paged._writes_whole_pages("xla")
+    assert paged.writes_whole_pages("pallas_tpu") and not paged.writes_whole_pages("pallas_triton")
+    assert not paged.writes_whole_pages("xla")
 
 
 def test_dense_decoding_in_the_sparse_programs(tiny):

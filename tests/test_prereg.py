@@ -152,7 +152,7 @@ def test_the_experiment_runner_writes_the_registered_report(tmp_path):
     try:
         gin.parse_config("PreregConfig.seeds = (11, 12, 13)\nPreregConfig.margin = 0.01")
         cfg = runner.ExperimentConfig(arms={name: [] for name in rows})
-        runner._write_reports(tmp_path, rows, cfg, eval_prompts=32)
+        runner.write_reports(tmp_path, rows, cfg, eval_prompts=32)
     finally:
         gin.clear_config()
     text = (tmp_path / "comparison_prereg.md").read_text()
@@ -179,7 +179,7 @@ def test_the_registered_config_parses_every_arm():
         assert {n.split("@")[0] for n in cfg.arms} == {"dense", "controller", "M"}
         assert {n.split("@")[1] for n in cfg.arms} == set(pre.seeds)
         for name in cfg.arms:
-            cli.parse_gin(files, runner._arm_bindings(cfg, name))
+            cli.parse_gin(files, runner.arm_bindings(cfg, name))
             config_check.check_bindings()          # as `sparrow train` does before it runs
             assert gin.query_parameter("ControllerConfig.raise_on") == "lower"
             assert gin.query_parameter("ControllerConfig.lower_margin") == 1.0

@@ -734,7 +734,7 @@ def test_user_reward_module_in_the_current_directory(tmp_path, monkeypatch):
     # As under the `sparrow` console script: neither '' nor the directory on sys.path.
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "cwd_rewards_28", raising=False)
-    assert preflight._reward_problems({"reward": "cwd_rewards_28:cwd_len_28"}) == []
+    assert preflight.reward_problems({"reward": "cwd_rewards_28:cwd_len_28"}) == []
     sys.modules.pop("cwd_rewards_28", None)
 
 

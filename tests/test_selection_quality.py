@@ -1,7 +1,6 @@
 """The teacher-forced replay's block scorers (rollout.teacher_forced: centroid, quest, oracle) and
 the scorer-comparison bench (bench.selection_quality) on a tiny random model, in seconds."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,8 +57,8 @@ def test_a_budget_covering_the_length_is_dense_for_every_scorer(tiny, scorer):
     model, batch = tiny
     graphdef, state = nnx.split(model)
     kw = dict(dense_layers=(0,), block_size=BS, query_chunk=8)
-    dense = sq._hidden(graphdef, state, batch, scorer=None, budget=0, **kw)
-    wide = sq._hidden(graphdef, state, batch, scorer=scorer, budget=1024, **kw)
+    dense = sq.hidden_states(graphdef, state, batch, scorer=None, budget=0, **kw)
+    wide = sq.hidden_states(graphdef, state, batch, scorer=scorer, budget=1024, **kw)
     np.testing.assert_allclose(np.asarray(wide), np.asarray(dense), atol=2e-5)
 
 

@@ -11,7 +11,7 @@ import pytest
 from sparrow_jax import cli
 from sparrow_jax.data import synthetic
 from sparrow_jax.model import load_hf, load_tokenizer
-from sparrow_jax.train.sft import _crops
+from sparrow_jax.train.sft import crops
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def _draws(seed: int, k_range: tuple[int, int], n: int) -> set[str]:
 def test_crops_keep_real_positions_and_mask_missing_context():
     rng = np.random.default_rng(0)
     pairs = [(np.arange(1, 11, dtype=np.int32), np.arange(11, 60, dtype=np.int32))]
-    tokens, positions, weights, mask = _crops(pairs, 20, 5, rng)
+    tokens, positions, weights, mask = crops(pairs, 20, 5, rng)
     assert (mask == 1).all()
     start = int(positions[0, 0])
     np.testing.assert_array_equal(tokens[0], np.arange(1, 60)[start:start + 20])
@@ -66,7 +66,7 @@ def test_prompt_crops_keep_the_prompt_before_each_window():
     starts = set()
     for start_fraction, end_fraction in ((1.0, 0.0), (0.0, 1.0), (0.0, 0.0)):
         for _ in range(5):
-            tokens, positions, weights, mask = _crops([(prompt, target)] * 2, 20, 5, rng,
+            tokens, positions, weights, mask = crops([(prompt, target)] * 2, 20, 5, rng,
                                                       start_fraction, True, end_fraction)
             assert tokens.shape == positions.shape == weights.shape == mask.shape == (2, 27)
             np.testing.assert_array_equal(tokens[:, :7], np.stack([prompt] * 2))
@@ -185,7 +185,7 @@ def test_sparse_loss_adds_the_block_sparse_forwards_cross_entropy():
     from sparrow_jax.data.tokenizer import build_synthetic_tokenizer
     from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM
     from sparrow_jax.rollout.teacher_forced import sparse_attention_fn
-    from sparrow_jax.train.sft import _loss, _nll_and_accuracy, _pack
+    from sparrow_jax.train.sft import sft_loss, nll_and_accuracy, pack
 
     tok = build_synthetic_tokenizer()
     model = Qwen3ForCausalLM(Qwen3Config(
@@ -193,18 +193,18 @@ def test_sparse_loss_adds_the_block_sparse_forwards_cross_entropy():
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
         dtype=jnp.float32, rngs=nnx.Rngs(0))
     pairs = synthetic.sft_examples(tok, 2, seed=5, k_range=(2, 3))
-    tokens, weights = _pack(pairs, tok.pad_token_id)
+    tokens, weights = pack(pairs, tok.pad_token_id)
     args = (jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape),
             jnp.asarray(weights), jnp.ones(tokens.shape, jnp.int32),
             jnp.asarray([len(p) for p, _ in pairs], jnp.int32))
-    dense, (nll, acc, s_nll, s_acc) = _loss(model, *args, 0, None)
+    dense, (nll, acc, s_nll, s_acc) = sft_loss(model, *args, 0, None)
     assert float(s_nll) == 0.0 and float(dense) == float(nll)
-    wide, (nll_w, _, s_nll_w, _) = _loss(model, *args, 0, (0.5, 1024, (0, 1), 16))
+    wide, (nll_w, _, s_nll_w, _) = sft_loss(model, *args, 0, (0.5, 1024, (0, 1), 16))
     np.testing.assert_allclose(float(s_nll_w), float(nll), rtol=1e-5)
     np.testing.assert_allclose(float(wide), 1.5 * float(nll), rtol=1e-5)
-    every, (_, _, s_nll_e, _) = _loss(model, *args, 0, (1.0, 48, (0, 1, 2), 16))
+    every, (_, _, s_nll_e, _) = sft_loss(model, *args, 0, (1.0, 48, (0, 1, 2), 16))
     assert float(s_nll_e) == float(nll) and float(every) == 2 * float(nll)   # no sparse layer
-    narrow, (_, _, s_nll_n, _) = _loss(model, *args, 32, (1.0, 48, (0,), 16))
+    narrow, (_, _, s_nll_n, _) = sft_loss(model, *args, 32, (1.0, 48, (0,), 16))
     assert abs(float(s_nll_n) - float(nll)) > 1e-5       # a random model: attention is flat
     # The dense layer 0, run once for both forwards, changes nothing: the sparse CE and its
     # gradient equal those of a whole sparse forward (the former form); the gradient flows.
@@ -213,10 +213,10 @@ def test_sparse_loss_adds_the_block_sparse_forwards_cross_entropy():
                                     dense_layers=(0,), query_chunk=32)
 
     def whole_sparse_forward(m):
-        return _nll_and_accuracy(m(*args[:2], attention_mask=args[3], attention_fn=sparse_fn),
+        return nll_and_accuracy(m(*args[:2], attention_mask=args[3], attention_fn=sparse_fn),
                                  args[0], args[2])[0]
     s_nll_ref, ref = nnx.value_and_grad(whole_sparse_forward)(model)
-    grads = nnx.grad(lambda m: _loss(m, *args, 32, (1.0, 48, (0,), 16))[1][2])(model)
+    grads = nnx.grad(lambda m: sft_loss(m, *args, 32, (1.0, 48, (0,), 16))[1][2])(model)
     np.testing.assert_allclose(float(s_nll_n), float(s_nll_ref), rtol=1e-5)
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
     for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from hf_fixtures import require_compile_env
-from test_dryrun import COMPILE_ENV, REPO, _env
+from test_dryrun import COMPILE_ENV, REPO, dryrun_env
 
 pytestmark = [pytest.mark.compile, pytest.mark.guard]
 
@@ -47,8 +47,8 @@ def shipped_results(tmp_path_factory) -> dict[str, tuple[int, str]]:
         try:
             r = subprocess.run(
                 [sys.executable, "-m", "sparrow_jax.cli", "dryrun", str(REPO / "configs" / config),
-                 *argv, "--no_fit", "--no_cost"], cwd=root, env=_env(), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, timeout=1800)
+                 *argv, "--no_fit", "--no_cost"], cwd=root, env=dryrun_env(),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
             results[config] = (r.returncode, r.stdout)
         except subprocess.TimeoutExpired as e:     # its output arrives as bytes, text=True or not
             results[config] = (-9, (e.stdout or b"").decode(errors="replace"))

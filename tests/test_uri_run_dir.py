@@ -100,7 +100,7 @@ def test_metrics_writer_mirrors_and_uploads(fake_gcs, caplog):
 def test_checkpoint_manager_hands_orbax_the_uri(fake_gcs):
     with ckpt.CheckpointManager(ckpt.resolve_run_dir(URI)) as m:
         assert m.directory == f"{URI}/checkpoints"
-        assert str(m._mngr.directory) == f"{URI}/checkpoints"  # what orbax (tensorstore) opens
+        assert m.orbax_directory == f"{URI}/checkpoints"  # what orbax (tensorstore) opens
         assert m.step_dir(3) == f"{URI}/checkpoints/3"
         assert m.latest_step() is None
     assert (fake_gcs / "bucket/runs/r1/checkpoints").is_dir()  # created through epath
@@ -126,7 +126,7 @@ def test_trainer_keeps_a_uri_run_dir(fake_gcs, tmp_path):
     try:
         assert isinstance(trainer.run_dir, epath.Path) and str(trainer.run_dir) == URI
         assert trainer.ckpt.directory == f"{URI}/checkpoints"
-        assert str(trainer.ckpt._mngr.directory) == f"{URI}/checkpoints"
+        assert trainer.ckpt.orbax_directory == f"{URI}/checkpoints"
         trainer.writer.scalars(0, {"x": 1.0})
     finally:
         trainer.close()

@@ -19,7 +19,6 @@ measured vs predicted per bin.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -30,7 +29,7 @@ import numpy as np
 from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
-from sparrow_jax.rollout import RolloutConfig, exact, generate, speculative
+from sparrow_jax.rollout import RolloutConfig, exact, generate
 
 
 def measure(model, batch, cfg: RolloutConfig, *, budget: int, samples: int, bin_size: int,

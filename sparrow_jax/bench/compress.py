@@ -120,7 +120,8 @@ def _precompile(model, state, cfg: RolloutConfig, budgets) -> None:
     will call it, so the timed call reuses the executable)."""
     graphdef, params = nnx.split(model)
     if cfg.mode == "compress":
-        compress._decode_program.lower(graphdef, params, state, cfg=cfg, spec=None).compile()
+        compress.compressed_decode_program.lower(graphdef, params, state, cfg=cfg,
+                                                 spec=None).compile()
     else:
         engine.decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
                                      cfg=cfg, bin_size=2000, spec=None).compile()

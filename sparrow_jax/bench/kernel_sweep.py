@@ -8,9 +8,9 @@ For each context, dense decode (64-token tiles, every tile selected) and block-s
 8 KV heads, D = 128, bf16), under every combination of num_warps, num_stages, tokens gathered per
 loop iteration and split-K factor ("auto" = `pallas_kernels.triton.choose_splits`, "2x" twice
 that, capped at one iteration per split). Each setting is timed on the device's clock
-(`bench.kernels._time`: chained calls minus one) and printed as it finishes, so a run cut short
-keeps what it measured; a setting the GPU cannot compile (too much shared memory) is reported as
-such. The shipped defaults are marked: the table says what they cost against the best setting.
+(`bench.kernels.seconds_per_call`: chained calls minus one) and printed as it finishes, so a
+run cut short keeps what it measured; a setting the GPU cannot compile (too much shared memory)
+is reported as such. The shipped defaults are marked: the table says what they cost against the best setting.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import triton as pk_triton
 from pallas_kernels.reference import all_blocks_selection, contiguous_as_pages
-from sparrow_jax.bench.kernels import _time
+from sparrow_jax.bench.kernels import seconds_per_call
 from sparrow_jax.sparsity import block_scores, selection
 
 HQ, HKV, D = 16, 8, 128        # Qwen3-1.7B attention heads
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _splits(choice: str, b: int, kk: int, p_blocks: int) -> int:
     """The split-K factor of a choice, for kk entries walked p_blocks at a time."""
-    steps = -(-kk // min(p_blocks, pk_triton._next_pow2(kk)))
+    steps = -(-kk // min(p_blocks, pk_triton.next_pow2(kk)))
     auto = pk_triton.choose_splits(b, HKV, steps)
     if choice == "auto":
         return auto
@@ -120,7 +120,8 @@ def sweep(args: argparse.Namespace):
                        "budget": attended, "batch": b, **setting, "num_splits": n_split,
                        "default": setting == DEFAULT}
                 try:
-                    t = _time(fn, q, kp, vp, bi, nb, lengths, iters=args.iters, reps=args.reps)
+                    t = seconds_per_call(fn, q, kp, vp, bi, nb, lengths, iters=args.iters,
+                                         reps=args.reps)
                 except Exception as e:          # reported: e.g. out of shared memory
                     row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:160]}")
                 else:

@@ -13,8 +13,8 @@ copy bandwidth. "select" is the centroid scoring + block selection that sparse d
 step.
 On CPU the defaults are smaller (batch 1, f32) so the run takes well under two minutes.
 Timing: on CPU the median wall time of a call; on an accelerator the device time per call from
-16 chained calls in one program minus one (`_time`): a single call's host dispatch and sync
-(tens of microseconds) would otherwise be most of a 0.1 ms kernel.
+16 chained calls in one program minus one (`seconds_per_call`): a single call's host dispatch
+and sync (tens of microseconds) would otherwise be most of a 0.1 ms kernel.
 
 --selection times block selection alone (scores -> ids, the 1.7B head shape: 8 KV heads) at
 P = --blocks blocks per row and K = --select selected, the sort-free `select_from_scores` beside
@@ -66,7 +66,7 @@ def chained(fn, reps: int):
     return jax.jit(many)
 
 
-def _time(fn, *args, iters: int, reps: int | None = None) -> float:
+def seconds_per_call(fn, *args, iters: int, reps: int | None = None) -> float:
     """Seconds per call of fn(*args). On CPU (reps 1): the median wall time of one call. On an
     accelerator a ~0.1 ms kernel is shorter than a jit call's host dispatch and sync, so it is
     timed on the device's own clock: (t(reps chained calls) - t(1 call)) / (reps - 1), each t a
@@ -130,7 +130,7 @@ def bench_shape(model: str, hq: int, hkv: int, d: int, ctx: int, args, copy_bw: 
     v = jax.random.normal(kv, (b, hkv, ctx, d), dtype)
     lengths = jnp.full((b,), ctx, jnp.int32)
     dense = jax.jit(lambda q, k, v, ln: pk.dense_decode(q, k, v, ln, backend=backend))
-    t_dense = _time(dense, q, k, v, lengths, iters=args.iters)
+    t_dense = seconds_per_call(dense, q, k, v, lengths, iters=args.iters)
     kv_token_bytes = 2 * hkv * d * dtype.itemsize          # K and V of one token, all KV heads
     dense_bytes = b * ctx * kv_token_bytes
     cents = block_scores.block_centroids(k, BLOCK)
@@ -140,11 +140,11 @@ def bench_shape(model: str, hq: int, hkv: int, d: int, ctx: int, args, copy_bw: 
         bud = jnp.full((b,), nsel, jnp.int32)
         select = jax.jit(lambda q, c, ln, bb, nsel=nsel: selection.select_blocks(
             q, c, ln, bb, max_selected=nsel, block_size=BLOCK, backend=backend))
-        t_select = _time(select, q, cents, lengths, bud, iters=args.iters)
+        t_select = seconds_per_call(select, q, cents, lengths, bud, iters=args.iters)
         bi, nb = select(q, cents, lengths, bud)
         sparse = jax.jit(lambda *a: pk.block_sparse_decode(*a, block_size=BLOCK,
                                                            backend=backend))
-        t_sparse = _time(sparse, q, k, v, bi, nb, lengths, iters=args.iters)
+        t_sparse = seconds_per_call(sparse, q, k, v, bi, nb, lengths, iters=args.iters)
         sparse_bytes = b * min(budget, ctx) * kv_token_bytes
         rows.append(dict(
             backend=backend, device=jax.devices()[0].device_kind, model=model, batch=b, hq=hq,
@@ -167,7 +167,7 @@ def bench_selection(args) -> list[dict]:
     budgets = jnp.broadcast_to(jnp.linspace(k // 2, k, b).astype(jnp.int32)[:, None], (b, hkv))
     ref = jax.jit(lambda s, ln, bb: selection.select_from_scores_reference(
         s, ln, bb, max_selected=k, block_size=BLOCK))
-    t_old = _time(ref, scores, lengths, budgets, iters=args.iters)
+    t_old = seconds_per_call(ref, scores, lengths, budgets, iters=args.iters)
     want = ref(scores, lengths, budgets)
     rows = []
     # The XLA sort-free form at each radix width, and on a GPU the one-kernel Triton form at
@@ -179,7 +179,7 @@ def bench_selection(args) -> list[dict]:
         new = jax.jit(lambda s, ln, bb, bits=bits, backend=backend: selection.select_from_scores(
             s, ln, bb, max_selected=k, block_size=BLOCK, radix_bits=bits, backend=backend))
         got = new(scores, lengths, budgets)
-        t_new = _time(new, scores, lengths, budgets, iters=args.iters)
+        t_new = seconds_per_call(new, scores, lengths, budgets, iters=args.iters)
         same = all(bool(jnp.array_equal(x, y)) for x, y in zip(got, want))
         rows.append(dict(device=jax.devices()[0].device_kind, rows=b * hkv, blocks=p, select=k,
                          radix_bits=bits, backend=backend, old_ms=t_old * 1e3,

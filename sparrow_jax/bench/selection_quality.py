@@ -32,28 +32,24 @@ from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.evaluation.reference import reference_batch
 from sparrow_jax.model import load_hf, load_tokenizer
 from sparrow_jax.rollout.state import Trajectories
-from sparrow_jax.rollout.teacher_forced import (REPLAY_SCORERS, map_time_chunks,
-                                                sparse_attention_fn, token_logprobs,
-                                                trajectory_hidden)
+from sparrow_jax.rollout.teacher_forced import (REPLAY_SCORERS, map_time_chunks, replay_hidden,
+                                                token_logprobs)
 from sparrow_jax.sparsity.mismatch import acceptance_rate
 from sparrow_jax.train.schedule_step import kv_read
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "scorer", "budget", "dense_layers",
                                              "block_size", "query_chunk"))
-def _hidden(graphdef, state, traj: Trajectories, *, scorer: str | None, budget: int,
-            dense_layers: tuple[int, ...], block_size: int, query_chunk: int) -> jax.Array:
+def hidden_states(graphdef, state, traj: Trajectories, *, scorer: str | None, budget: int,
+                  dense_layers: tuple[int, ...], block_size: int, query_chunk: int) -> jax.Array:
     """[B, T, H] final hidden states predicting each response token: dense when scorer is None,
     else with `scorer`'s block selection at `budget` tokens in the sparse layers."""
     model = nnx.merge(graphdef, state)
-    fn = None
-    if scorer is not None:
-        fn = sparse_attention_fn(budgets=jnp.full((1,), budget, jnp.int32), bin_size=1 << 30,
-                                 prompt_lengths=traj.prompt_lengths,
-                                 max_selected=budget // block_size, block_size=block_size,
-                                 dense_layers=dense_layers, query_chunk=query_chunk,
-                                 scorer=scorer)
-    return trajectory_hidden(model, traj, attention_fn=fn, block_size=block_size)
+    return replay_hidden(model, traj,
+                         None if scorer is None else jnp.full((1,), budget, jnp.int32),
+                         bin_size=1 << 30, max_selected=budget // block_size,
+                         block_size=block_size, dense_layers=dense_layers,
+                         query_chunk=query_chunk, scorer=scorer or "centroid")
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -93,7 +89,7 @@ def run(model, batch: Trajectories, *, budgets, scorers, dense_sets, block_size:
     dense policy's own fit is logged first: mean over rows of the references' summed log p."""
     graphdef, state = nnx.split(model)
     kw = dict(block_size=block_size, query_chunk=query_chunk)
-    dense = _hidden(graphdef, state, batch, scorer=None, budget=0, dense_layers=(), **kw)
+    dense = hidden_states(graphdef, state, batch, scorer=None, budget=0, dense_layers=(), **kw)
     cached, mask = np.asarray(batch.cached_lengths), np.asarray(batch.mask)
     row_logp = np.where(mask, np.asarray(_reference_logp(graphdef, state, dense, batch.tokens)),
                         0).sum(1)
@@ -105,8 +101,8 @@ def run(model, batch: Trajectories, *, budgets, scorers, dense_sets, block_size:
         for scorer in scorers:
             for budget in budgets:
                 t0 = time.perf_counter()
-                hs = _hidden(graphdef, state, batch, scorer=scorer, budget=int(budget),
-                             dense_layers=tuple(dense_layers), **kw)
+                hs = hidden_states(graphdef, state, batch, scorer=scorer, budget=int(budget),
+                                   dense_layers=tuple(dense_layers), **kw)
                 alpha = np.asarray(_alpha(graphdef, state, hs, dense))
                 kv = kv_read(np.full(mask.shape, budget), cached, mask, num_layers=num_layers,
                              num_sparse_layers=num_layers - len(dense_layers),

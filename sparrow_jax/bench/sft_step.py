@@ -2,7 +2,7 @@
 
     python -m sparrow_jax.bench.sft_step --model checkpoints/long_sft --steps 2
 
-runs the warm-up's training step (`train.sft._train_step`, the optimiser `run_sft` builds) on
+runs the warm-up's training step (`train.sft.train_step`, the optimiser `run_sft` builds) on
 whole-sequence batches of the long task (`--batch` problems with K in `--k_range`, padded to
 `--width` tokens so every step reuses one program), first with `sparse_loss_coef = 0`, then with
 the sparse term (`--budget`, `--dense_layers`, `--block_size`), each from the same start and on
@@ -51,7 +51,7 @@ def _batches(tok, n: int, batch: int, k_range: tuple[int, int], width: int, seed
     for _ in range(n):
         pairs = synthetic.sft_examples(
             tok, problems=[synthetic.make_problem(rng, k_range) for _ in range(batch)])
-        tokens, weights = sft._pack(pairs, tok.pad_token_id)
+        tokens, weights = sft.pack(pairs, tok.pad_token_id)
         if tokens.shape[1] > width:
             raise ValueError(f"--width {width} is shorter than a batch ({tokens.shape[1]} "
                              f"tokens with --k_range {k_range})")
@@ -79,7 +79,7 @@ def time_steps(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         times, metrics = [], []
         for batch in batches:
             cpu, wall = _cpu_seconds(), time.perf_counter()
-            metrics.append(jax.block_until_ready(sft._train_step(
+            metrics.append(jax.block_until_ready(sft.train_step(
                 model, optimizer, *batch, attention_chunk=args.chunk, sparse=sparse)))
             times.append((_cpu_seconds() - cpu, time.perf_counter() - wall))
         per = np.asarray(times[1:])

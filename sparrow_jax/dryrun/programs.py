@@ -379,7 +379,7 @@ def _largest(prog: Program, hlo: str, n: int = 3) -> list[str]:
     return [f"{name} {gib(b)} GiB" for b, name in top]
 
 
-def _cost(compiled) -> tuple[float | None, float | None]:
+def compiled_cost(compiled) -> tuple[float | None, float | None]:
     """(FLOPs, bytes accessed) per device. The CUDA plugin's compile-only executables have no
     cost analysis; XLA's HloCostAnalysis of their optimised (per-device) module is the same
     figure, so it runs on the host backend's client instead."""
@@ -428,7 +428,7 @@ def compile_program(prog: Program, platform: str, rows_per_device: float):
         m.peak = m.argument + m.output - m.alias + m.temp + m.code
         hlo = compiled.as_text()
     if compiled is not None:
-        m.flops, m.bytes_accessed = _cost(compiled)
+        m.flops, m.bytes_accessed = compiled_cost(compiled)
     out = prog.step_out
     m.step_out = (m.output or 0) + (0 if out == "all" else out) if out == "all" or out < 0 else out
     m.largest = _largest(prog, hlo)

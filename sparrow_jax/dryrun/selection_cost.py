@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.dryrun.programs import StepShape, _cost, kernel_platform
+from sparrow_jax.dryrun.programs import StepShape, compiled_cost, kernel_platform
 from sparrow_jax.dryrun.targets import Target, target_devices
 from sparrow_jax.rollout.page_pool import PoolLayout
 from sparrow_jax.runtime.sharding import ShardingSpec
@@ -38,7 +38,7 @@ def selection_bytes(target: Target, rows: int, hq: int, hkv: int, pages: int, d:
             return select(scores, ln, bb, max_selected=max_selected, block_size=block_size)
         with kernel_platform(target.kernel_platform):
             compiled = jax.jit(fn).lower(*args).compile()
-        out[name] = _cost(compiled)[1]
+        out[name] = compiled_cost(compiled)[1]
     return out
 
 

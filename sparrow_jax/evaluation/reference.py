@@ -27,8 +27,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.rollout.state import Trajectories
-from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
-                                                trajectory_hidden)
+from sparrow_jax.rollout.teacher_forced import map_time_chunks, replay_hidden
 
 __all__ = ["ReferenceEvalConfig", "reference_batch", "score_references", "summarize"]
 
@@ -82,13 +81,9 @@ def reference_batch(records: Sequence[dict[str, Any]], tokenizer, *, eos_id: int
 def _score(graphdef, state, traj, budgets, *, bin_size, max_selected, block_size, dense_layers,
            sparse, query_chunk):
     model = nnx.merge(graphdef, state)
-    fn = None
-    if sparse:
-        fn = sparse_attention_fn(budgets=budgets, bin_size=bin_size,
-                                 prompt_lengths=traj.prompt_lengths, max_selected=max_selected,
-                                 block_size=block_size, dense_layers=dense_layers,
-                                 query_chunk=query_chunk)
-    hidden = trajectory_hidden(model, traj, attention_fn=fn, block_size=block_size)
+    hidden = replay_hidden(model, traj, budgets if sparse else None, bin_size=bin_size,
+                           max_selected=max_selected, block_size=block_size,
+                           dense_layers=dense_layers, query_chunk=query_chunk)
 
     def chunk(h, tok):
         logits = model.logits(h).astype(jnp.float32)                       # [B, c, V]

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from sparrow_jax.evaluation import results, scorers

@@ -187,7 +187,8 @@ def write_report(output_dir: Path, arms: Mapping[str, Sequence[Mapping[str, floa
 
 
 # -- running the arms ----------------------------------------------------------------------------
-def _arm_bindings(cfg: ExperimentConfig, name: str) -> list[str]:
+def arm_bindings(cfg: ExperimentConfig, name: str) -> list[str]:
+    """One arm's gin bindings: the arm's own, then its run directory under the output dir."""
     run_dir = Path(cfg.output_dir).resolve() / name
     return [*cfg.arms[name], f"TrainConfig.run_dir = '{run_dir}'"]
 
@@ -353,7 +354,7 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
     if not report_only and cfg.parallel > 1:
         log.info("%d arm(s) as `sparrow train` subprocesses, at most %d at a time", len(names),
                  cfg.parallel)
-        codes = run_parallel({n: arm_command(gin_files, gin_params, _arm_bindings(cfg, n),
+        codes = run_parallel({n: arm_command(gin_files, gin_params, arm_bindings(cfg, n),
                                              log_level) for n in names}, out, cfg.parallel,
                              env=parallel_env(cfg.parallel, os.environ))
         failed = {n: c for n, c in codes.items() if c != 0}
@@ -362,7 +363,7 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
             log.info("arm %d/%d: %s (%s)", i + 1, len(names), name,
                      "; ".join(cfg.arms[name]) or "base configuration")
             # A fresh gin configuration per arm: base files + overrides + the arm's bindings.
-            parse_gin(gin_files, [*gin_params, *_arm_bindings(cfg, name)])
+            parse_gin(gin_files, [*gin_params, *arm_bindings(cfg, name)])
             try:
                 train.train()
             except RunStopped as e:      # the arm saved and stopped on a signal: so do we
@@ -377,7 +378,7 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
         raise SystemExit(f"sparrow experiment: no metrics for arm(s) {missing} in {out}")
     report: dict[str, Any] = {}
     if results:
-        report = _write_reports(out, results, cfg, int(eval_prompts))
+        report = write_reports(out, results, cfg, int(eval_prompts))
     if failed:
         raise SystemExit(
             f"sparrow experiment: {len(failed)} arm(s) failed: " + ", ".join(
@@ -387,8 +388,8 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
     return report
 
 
-def _write_reports(out: Path, results: Mapping[str, Sequence[Mapping[str, float]]],
-                   cfg: ExperimentConfig, eval_prompts: int) -> dict[str, Any]:
+def write_reports(out: Path, results: Mapping[str, Sequence[Mapping[str, float]]],
+                  cfg: ExperimentConfig, eval_prompts: int) -> dict[str, Any]:
     png, md = write_report(out, results, eval_prompts=eval_prompts, threshold=cfg.threshold,
                            stem=cfg.report)
     print(md.read_text(), flush=True)

@@ -34,7 +34,7 @@ def layer_splits_of(fn) -> tuple[int, ...] | None:
     return getattr(fn, "layer_splits", None)
 
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
 
 
 def masked_gqa_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
@@ -46,7 +46,7 @@ def masked_gqa_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
     hkv = k.shape[2]
     qg = q.reshape(b, c, hkv, hq // hkv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, :, None], scores * (d ** -0.5), _MASK_VALUE)
+    scores = jnp.where(visible[:, :, None], scores * (d ** -0.5), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, c, hq, d).astype(q.dtype)
@@ -105,7 +105,7 @@ def _block_softmax_attention(q_sel: Array, k_sel: Array, v_sel: Array, visible: 
     hkv = k_sel.shape[3]
     qg = q_sel.reshape(b, m, c, hkv, hq // hkv, d)
     scores = jnp.einsum("bmckgd,bmekd->bkgmce", qg, k_sel, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, :, None], scores * (d ** -0.5), _MASK_VALUE)
+    scores = jnp.where(visible[:, :, None], scores * (d ** -0.5), MASK_VALUE)
     row = first[:, None]                                                  # [M, 1]: a's blocks
     probs = _two_row_softmax(scores, row).astype(v_sel.dtype)
     out = jnp.einsum("bkgmce,bmekd->bkgmcd", probs, v_sel, preferred_element_type=jnp.float32)

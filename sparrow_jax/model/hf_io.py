@@ -32,7 +32,7 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
 # -- safetensors ----------------------------------------------------------------------------------
-def _read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+def read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (name, array) from one .safetensors file, memory-mapped (no full copy in RAM)."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
@@ -48,7 +48,9 @@ def _read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, arr
 
 
-def _write_safetensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Writes one .safetensors file: the JSON header (dtype, shape, byte range per name), then
+    the arrays in the mapping's order; atomically (a temporary file, renamed)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, arr in tensors.items():
@@ -133,7 +135,7 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | None = N
     loaded: dict[str, jax.Array] = {}
     unexpected = []
     for file in _checkpoint_files(path):
-        for name, arr in _read_safetensors(file):
+        for name, arr in read_safetensors(file):
             if name not in expected:
                 # Tied checkpoints sometimes still carry lm_head.weight; it must equal the embedding.
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -221,12 +223,12 @@ def save_hf(model: Qwen3ForCausalLM, path: str | os.PathLike, *, tokenizer=None,
     for stale in path.glob("*.safetensors"):
         stale.unlink()
     if len(shards) == 1:
-        _write_safetensors(path / "model.safetensors", shards[0])
+        write_safetensors(path / "model.safetensors", shards[0])
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(path / fname, shard)
+            write_safetensors(path / fname, shard)
             weight_map.update({n: fname for n in shard})
         (path / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},

@@ -90,7 +90,7 @@ def _compact(cfg: RolloutConfig, need, live, pos, ks, vs, queries, slot_pos, evi
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "spec"),
                    donate_argnames=("state",))
-def _decode_program(graphdef, params, state: DecodeState, *, cfg: RolloutConfig,
+def compressed_decode_program(graphdef, params, state: DecodeState, *, cfg: RolloutConfig,
                     spec: ShardingSpec | None):
     """The compress-mode decode `while_loop` (state donated, as in the engine's program)."""
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
@@ -173,7 +173,7 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig,
     COMPILES.note("rollout/decode", rows=state.tokens.shape[0], prompt_width=plen,
                   max_new_tokens=cfg.max_new_tokens, mode="compress", kv_budget=cfg.kv_budget,
                   scorer=cfg.compress_scorer, dtype=jnp.dtype(model.dtype).name)
-    traj, aux = _decode_program(graphdef, params, state, cfg=cfg, spec=spec)
+    traj, aux = compressed_decode_program(graphdef, params, state, cfg=cfg, spec=spec)
     return (traj, aux[0]) if return_cache else traj
 
 

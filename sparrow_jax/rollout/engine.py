@@ -84,6 +84,16 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
                          out_specs=(q, kv), check_vma=False)
 
 
+def layer_attention_fns(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_heads: int,
+                        max_selected: int) -> dict:
+    """One layer's decode attention over the static cache, for dense (False) and sparse (True)
+    layers: (q, k_cache, v_cache, centroids, lengths, budget_blocks, covered) -> (out,
+    centroids), under shard_map when sharded. Shared with exact.py's drafts."""
+    return {sp: _sharded(functools.partial(_decode_attention, sparse=sp, cfg=cfg,
+                                           max_selected=max_selected), spec, num_kv_heads)
+            for sp in (False, True)}
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "group_size", "spec"))
 def prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first_sample=0, *,
                      cfg: RolloutConfig, group_size: int, spec: ShardingSpec | None
@@ -137,9 +147,7 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     max_selected = min(cfg.max_budget, s_max) // cfg.block_size
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
 
-    attn_fns = {sp: _sharded(functools.partial(_decode_attention, sparse=sp, cfg=cfg,
-                                               max_selected=max_selected), spec,
-                             mcfg.num_key_value_heads) for sp in (False, True)}
+    attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected)
 
     def cond(st: DecodeState):
         return (st.step < t_new) & ~jnp.all(st.done)

@@ -36,7 +36,7 @@ import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import speculative
 from sparrow_jax.rollout.config import RolloutConfig
-from sparrow_jax.rollout.engine import _decode_attention, _sharded
+from sparrow_jax.rollout.engine import layer_attention_fns
 from sparrow_jax.rollout.kv_cache import KVCache, write_token
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain)
 from sparrow_jax.runtime.shapes import COMPILES
@@ -148,9 +148,7 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     b, t_new = state.tokens.shape
     s_max = state.cache.max_length
     max_selected = min(cfg.max_budget, s_max) // bs
-    attn_fns = {sp: _sharded(functools.partial(_decode_attention, sparse=sp, cfg=cfg,
-                                               max_selected=max_selected), spec,
-                             mcfg.num_key_value_heads) for sp in (False, True)}
+    attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected)
     sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
     rows = jnp.arange(b)[:, None]
     gammas = cfg.round_gammas                     # the draft lengths a round can run (static)

@@ -21,7 +21,6 @@ from sparrow_jax.runtime.sharding import ShardingSpec
 log = logging.getLogger(__name__)
 
 CACHE_AXES = ("batch", "kv_heads", "sequence", "head_dim")     # K, V and centroids
-LENGTH_AXES = ("batch",)
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +53,8 @@ def cache_bytes_per_device(cfg: Qwen3Config, batch: int, max_length: int, dtype,
     return int(total // shards)
 
 
-def _device_memory_limit() -> int | None:
+def device_memory_limit() -> int | None:
+    """Bytes the first device may allocate (None where the backend does not say, e.g. CPU)."""
     try:
         stats = jax.devices()[0].memory_stats() or {}
     except Exception:  # CPU backends may not implement memory_stats
@@ -67,7 +67,7 @@ def check_cache_fits(cfg: Qwen3Config, batch: int, max_length: int, dtype,
                      fraction: float = 0.9, limit_bytes: int | None = None) -> int:
     """Raises a clear error (instead of an OOM crash mid-run) if the cache cannot fit."""
     need = cache_bytes_per_device(cfg, batch, max_length, dtype, spec, block_size)
-    limit = limit_bytes if limit_bytes is not None else _device_memory_limit()
+    limit = limit_bytes if limit_bytes is not None else device_memory_limit()
     if limit is not None and need > fraction * limit:
         raise MemoryError(
             f"KV cache needs {need / 2**30:.2f} GiB per device (batch={batch}, max_length="
@@ -75,27 +75,6 @@ def check_cache_fits(cfg: Qwen3Config, batch: int, max_length: int, dtype,
             f"{cfg.head_dim}, {jnp.dtype(dtype).name}) but the device has {limit / 2**30:.2f} GiB; "
             "lower the batch or max length, or shard over more devices")
     return need
-
-
-def init_cache(cfg: Qwen3Config, batch: int, max_length: int, dtype, *,
-               spec: ShardingSpec | None = None, block_size: int = 16) -> KVCache:
-    """Zero cache; max_length must be a multiple of block_size. Sharded per CACHE_AXES if spec."""
-    if max_length % block_size:
-        raise ValueError(f"max_length={max_length} must be a multiple of block_size={block_size}")
-    check_cache_fits(cfg, batch, max_length, dtype, spec, block_size=block_size)
-    kv_shape = (batch, cfg.num_key_value_heads, max_length, cfg.head_dim)
-    c_shape = (batch, cfg.num_key_value_heads, max_length // block_size, cfg.head_dim)
-
-    def zeros(shape, axes, dt):
-        if spec is None:
-            return jnp.zeros(shape, dt)
-        return jax.device_put(jnp.zeros(shape, dt), spec.sharding(axes, shape))
-
-    layers = range(cfg.num_hidden_layers)
-    return KVCache(k=tuple(zeros(kv_shape, CACHE_AXES, dtype) for _ in layers),
-                   v=tuple(zeros(kv_shape, CACHE_AXES, dtype) for _ in layers),
-                   centroids=tuple(zeros(c_shape, CACHE_AXES, dtype) for _ in layers),
-                   lengths=zeros((batch,), LENGTH_AXES, jnp.int32))
 
 
 def write_token(buf: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:

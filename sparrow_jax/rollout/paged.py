@@ -173,7 +173,7 @@ def prefill_program(graphdef, params, kv: PagedKV, tokens, lengths, write_pages,
 
 
 # -- decode -----------------------------------------------------------------------------------
-def _write_token(pool, new, page, offset, write):
+def write_token_pages(pool, new, page, offset, write):
     """Writes one token per slot (new [S, Hkv, D] at row `offset` of page `page`) into a pool
     [1, Hkv, N, bs, D], as whole pages: each writing slot's page is read, its row replaced, and
     the page scattered back. A row-granular scatter (one [Hkv, D] row per slot) makes the TPU
@@ -191,7 +191,7 @@ def _write_token(pool, new, page, offset, write):
     return pages, pool[0].at[:, target].set(pages, mode="drop")[None]
 
 
-def _write_token_rows(pool, new, page, offset, write):
+def write_token_rows(pool, new, page, offset, write):
     """Writes one token per slot (new [S, Hkv, D]) as one [Hkv, D] row each into a pool
     [1, Hkv, N, bs, D] (a row scatter into its flat [Hkv, N * bs, D] view); slots with write
     False are dropped. Returns the pool."""
@@ -202,7 +202,7 @@ def _write_token_rows(pool, new, page, offset, write):
     return rows.reshape(pool.shape)
 
 
-def _writes_whole_pages(backend: str) -> bool:
+def writes_whole_pages(backend: str) -> bool:
     """Which in-place token write the compiler keeps in place: on TPU (Mosaic kernels) the row
     scatter relayouts every layer's pool (22 GiB of copies in the 8B pod chunk) and whole-page
     writes do not; on GPU and CPU it is the other way round - the page write (a gather of the
@@ -229,12 +229,12 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     s, p = page_table.shape
     pos = lengths - 1
     page = jnp.take_along_axis(page_table, (pos // bs)[:, None], axis=1)[:, 0]
-    if _writes_whole_pages(cfg.backend):
-        k_page, k_pool = _write_token(k_pool, k_new, page, pos % bs, write)
-        _, v_pool = _write_token(v_pool, v_new, page, pos % bs, write)
+    if writes_whole_pages(cfg.backend):
+        k_page, k_pool = write_token_pages(k_pool, k_new, page, pos % bs, write)
+        _, v_pool = write_token_pages(v_pool, v_new, page, pos % bs, write)
     else:
-        k_pool = _write_token_rows(k_pool, k_new, page, pos % bs, write)
-        v_pool = _write_token_rows(v_pool, v_new, page, pos % bs, write)
+        k_pool = write_token_rows(k_pool, k_new, page, pos % bs, write)
+        v_pool = write_token_rows(v_pool, v_new, page, pos % bs, write)
         k_page = None
 
     def attend(idx, num):
@@ -289,6 +289,19 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
                          out_specs=(tok, pool, pool, cent), check_vma=False)
 
 
+def layer_attention_fns(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_heads: int,
+                        max_selected: int) -> dict:
+    """One layer's attention over the page pools, jitted, for dense (False) and sparse (True)
+    layers: `_layer_attention`'s arguments and results, under shard_map when sharded. Shared
+    with paged_exact.py's drafts. One jitted function per kind of layer: every layer of a kind
+    has the same shapes, so jax traces (and lowers) its attention - the kernel calls of the
+    dense, mixed and sparse branches - once instead of once per layer (the 8B pod chunk: ~400
+    Pallas calls traced)."""
+    return {sp: jax.jit(_sharded(functools.partial(_layer_attention, sparse=sp, cfg=cfg,
+                                                   max_selected=max_selected), spec,
+                                 num_kv_heads)) for sp in (False, True)}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Slots:
@@ -318,12 +331,7 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
     s, p = slots.page_table.shape
     max_selected = min(cfg.max_budget // cfg.block_size, p)
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
-    # One jitted function per kind of layer: every layer of a kind has the same shapes, so jax
-    # traces (and lowers) its attention - the kernel calls of the dense, mixed and sparse
-    # branches - once instead of once per layer (the 8B pod chunk: ~400 Pallas calls traced).
-    attn = {sp: jax.jit(_sharded(functools.partial(_layer_attention, sparse=sp, cfg=cfg,
-                                                   max_selected=max_selected), spec,
-                                 mcfg.num_key_value_heads)) for sp in (False, True)}
+    attn = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected)
     k_rec = cfg.record_topk
     rec0 = (jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps), jnp.float32),
             jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps, k_rec), jnp.float32),

@@ -3,7 +3,7 @@
 The decode chunk program of this mode; the scheduler (rollout/scheduler.py) runs it in place of
 `paged.decode_chunk_program`. A chunk is `chunk_rounds` rounds of, per active slot:
 1. draft: gamma one-token decode steps through the paged engine's own per-layer attention
-   (`paged._layer_attention`: the bin's sparse budget, the draft's K/V written into the slot's
+   (`paged.layer_attention_fns`: the bin's sparse budget, the draft's K/V written into the slot's
    pages at length .. length + gamma - 1, a page's centroid set when a draft token fills it);
 2. verify: one dense forward of [x_0, x_1..x_gamma] over the slot's pages (the paged kernel's
    dense selection over the prefix, cascaded with the attention among the new tokens), writing
@@ -135,9 +135,7 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
     s, p = slots.page_table.shape
     hkv = mcfg.num_key_value_heads
     max_selected = min(cfg.max_budget // bs, p)
-    attn = {sp: jax.jit(paged._sharded(functools.partial(
-        paged._layer_attention, sparse=sp, cfg=cfg, max_selected=max_selected), spec, hkv))
-        for sp in (False, True)}
+    attn = paged.layer_attention_fns(cfg, spec, hkv, max_selected)
     verify_layer = jax.jit(_shard(functools.partial(
         _verify_layer, block_size=bs, backend=cfg.backend), spec, hkv, "verify"))
     refresh = jax.jit(_shard(functools.partial(_refresh, span=g + 1, block_size=bs), spec, hkv,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.model.attention import _MASK_VALUE
+from sparrow_jax.model.attention import MASK_VALUE
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 
 
@@ -22,7 +22,7 @@ def prefill_attention(q, k_cache, v_cache, start, lengths):
     key_idx = jnp.arange(stop)
     visible = (key_idx[None, :] <= (start + jnp.arange(c))[:, None])[None] & (
         key_idx[None, None, :] < lengths[:, None, None])
-    s = jnp.where(visible[:, None, None], s, _MASK_VALUE)
+    s = jnp.where(visible[:, None, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgcs,bksd->bckgd", p, v, preferred_element_type=jnp.float32)
     return out.reshape(b, c, hq, d).astype(q.dtype)

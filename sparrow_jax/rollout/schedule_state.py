@@ -14,11 +14,6 @@ from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 
 
-def pow2_bucket(n: int, cap: int) -> int:
-    """The smallest power of two >= n, at most cap."""
-    return ladder_bucket(n, cap, 2)
-
-
 def ladder_bucket(n: int, cap: int, factor: int, floor: int = 1) -> int:
     """The smallest floor * factor**k >= n, at most cap: running-slot and prefill-row counts
     (`RolloutConfig.slot_ladder`), page-table widths (`page_bucket`). A coarser ladder compiles

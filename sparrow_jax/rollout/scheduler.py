@@ -1,7 +1,6 @@
 """Continuous batching on the host around the paged engine's compiled programs.
 
-Loop, until every sample has finished (steps 1 and 2, the slot and page bookkeeping, are
-rollout/paged_admission.py's; this module runs the compiled programs):
+Loop, until every sample has finished:
   1. grow: every running sample gets the pages its next `chunk_steps` tokens need; when a pool
      runs out, the most recently admitted running sample of that pool is preempted (its pages
      released, it goes back to the front of the queue with its recorded tokens kept);
@@ -29,6 +28,7 @@ decision integer and order-stable (no set/dict iteration order, no float ties).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -41,8 +41,7 @@ from flax import nnx
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import paged, paged_exact, paged_multihost
 from sparrow_jax.rollout.config import RolloutConfig
-from sparrow_jax.rollout.page_pool import pages_for, pool_layout
-from sparrow_jax.rollout.paged_admission import Admission
+from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
 from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Records, Sample,
                                                 decode_budgets, page_bucket, prefill_config,
                                                 prefill_width, program_config, recorded_budgets,
@@ -58,16 +57,19 @@ log = logging.getLogger(__name__)
 LAST_STATS = PagedStats()
 
 
-class _Rollout(Admission):
-    """One rollout's host state: samples, queue, pools (paged_admission.Admission: grow, admit,
-    preempt), records, and the compiled programs over them."""
+class PagedRollout:
+    """One rollout's host state - samples, queue, pools, records - with its slot and page
+    bookkeeping (grow, admit, preempt; plain host code) and the compiled programs it runs over
+    them (prefill, decode, harvest)."""
 
     def __init__(self, model, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
                  group_size: int, rng, spec: ShardingSpec | None, first_sample: int = 0):
         mcfg = model.config
-        self.model, self.spec, self.prompts = model, spec, prompt_tokens
+        self.model, self.cfg, self.spec, self.n = model, cfg, spec, group_size
+        self.prompts, self.prompt_lengths = prompt_tokens, prompt_lengths
         bp, self.width = prompt_tokens.shape
         self.rows = bp * group_size
+        self.bs, self.t = cfg.block_size, cfg.max_new_tokens
         data = model_size = 1
         if spec is not None:        # one pool per shard of the axis rows are sharded over
             data_axis, heads_axis = paged.mesh_axes(spec, mcfg.num_key_value_heads)
@@ -76,27 +78,126 @@ class _Rollout(Admission):
         layout = pool_layout(mcfg, cfg, model.dtype, rows=self.rows, prompt_width=self.width,
                              group_size=group_size, data=data, model=model_size)
         self.layout = layout
-        stats = PagedStats(pages_per_pool=layout.pages_per_pool, pools=layout.pools,
-                           page_bytes=layout.page_bytes)
-        rec = Records(self.rows, cfg.max_new_tokens, cfg.record_topk, cfg.pad_token_id,
-                      exact=cfg.mode == "exact_sparse")
-        # cfg, n, prompt_lengths, bs, t, pools, pages_per_pool, slots_per_pool, max_pages,
-        # alloc, samples, queue, running, rec, stats.
-        super().__init__(prompt_lengths, cfg=cfg, group_size=group_size, layout=layout, rec=rec,
-                         stats=stats)
+        self.pools, self.pages_per_pool = layout.pools, layout.pages_per_pool
+        self.slots_per_pool, self.max_pages = layout.slots_per_pool, layout.max_pages
+        self.alloc = [PagePool(self.pages_per_pool) for _ in range(self.pools)]
         self.kv = paged.init_pages(mcfg, self.pools, self.pages_per_pool, self.bs, model.dtype,
                                    spec)
         log.info("paged rollout: %d pool(s) x %d pages (%s, %.2f GiB per device), %d slots, "
                  "chunks of %d steps", self.pools, self.pages_per_pool, layout.source,
                  layout.bytes_per_device / 2**30, layout.slots_per_pool * self.pools,
                  cfg.chunk_steps)
+        self.stats = PagedStats(pages_per_pool=self.pages_per_pool, pools=self.pools,
+                                page_bytes=layout.page_bytes)
         self.graphdef, self.params = nnx.split(model)
         self.program_cfg, self.prefill_cfg = program_config(cfg), prefill_config(cfg)
         self.rng = jax.random.key(0) if rng is None else rng
+        self.rec = Records(self.rows, self.t, cfg.record_topk, cfg.pad_token_id,
+                           exact=cfg.mode == "exact_sparse")
+        self.samples = [Sample(i, i // group_size) for i in range(self.rows)]
         self.first_sample = first_sample
+        self.queue = collections.deque(("group", g) for g in range(bp))
+        self.running: list[list[Sample]] = [[] for _ in range(self.pools)]
+        self.admitted = 0
+        self.stop_ids = set(cfg.stop_token_ids)
         self.sync = paged_multihost.Coordination(spec)
         self.dispatched = 0          # decode chunks dispatched (the digest check's chunk number)
         self.idle_since: float | None = None   # nothing in flight since (perf_counter)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _length(self, s: Sample) -> int:
+        """Tokens in the cache while running: prompt + all generated but the last (fed next)."""
+        return int(self.prompt_lengths[s.prompt]) + s.generated - 1
+
+    def _pages_wanted(self, s: Sample) -> int:
+        return self._pages_at(self._length(s))
+
+    def _record(self, s: Sample, toks, *rest) -> bool:
+        """Appends recorded tokens (and their `Records.put` fields) to sample s; True if it
+        finished."""
+        c = len(toks)
+        self.rec.put(s.index, s.generated, toks, *rest)
+        s.generated += c
+        return s.generated >= self.t or (c > 0 and int(toks[-1]) in self.stop_ids)
+
+    def _finish(self, s: Sample) -> None:
+        self.alloc[s.pool].release(s.pages)
+        s.pages = []
+
+    def _preempt(self, s: Sample) -> None:
+        self.running[s.pool].remove(s)
+        self._finish(s)
+        self.stats.preemptions += 1
+        self.queue.appendleft(("resume", s.index))
+        log.info("paged rollout: preempted sample %d at %d tokens (pool %d full)", s.index,
+                 s.generated, s.pool)
+
+    def _note_peak(self) -> None:
+        used = sum(a.used_pages for a in self.alloc)
+        self.stats.peak_pages = max(self.stats.peak_pages, used)
+
+    # -- 1. grow ------------------------------------------------------------------------------
+    def grow(self) -> None:
+        for pool, running in enumerate(self.running):
+            for s in sorted(running, key=lambda x: x.order):
+                if s not in running:
+                    continue                                  # preempted below
+                while len(s.pages) < self._pages_wanted(s):
+                    try:
+                        s.pages += self.alloc[pool].alloc(self._pages_wanted(s) - len(s.pages))
+                    except PoolExhausted:
+                        victim = max(running, key=lambda x: x.order)
+                        self._preempt(victim)
+                        if victim is s:
+                            break
+
+    # -- 2. admit -----------------------------------------------------------------------------
+    def admit(self) -> list[tuple]:
+        """Takes queued work while slots and pages allow; returns prefill units
+        (kind, samples, pool, cache length)."""
+        units, resumed = [], set()
+        grow = pages_for(self.cfg.chunk_steps, self.bs)
+        while self.queue:
+            kind, i = self.queue[0]
+            group = ([self.samples[i * self.n + j] for j in range(self.n)] if kind == "group"
+                     else [self.samples[i]])
+            length = (int(self.prompt_lengths[i]) if kind == "group"
+                      else self._length(group[0]))
+            shared = length // self.bs if kind == "group" else 0
+            private = [self._pages_at(length) - shared for _ in group]
+            need = shared + sum(private)
+            # Free pages beyond what the pool's running samples take at the next chunks (a
+            # watermark: admitting into them would only get the newcomers preempted), in pools
+            # with free slots; at most one resume per pool and prefill call (a resume's prefill
+            # is a whole sample long: the dryrun compiles exactly that).
+            free = [(a.free_pages - grow * len(self.running[p]), p)
+                    for p, a in enumerate(self.alloc)
+                    if self.slots_per_pool - len(self.running[p]) >= len(group)
+                    and not (kind == "resume" and p in resumed)]
+            if not free or max(free)[0] < need:
+                break
+            pool = max(free)[1]
+            if kind == "resume":
+                resumed.add(pool)
+            self.queue.popleft()
+            shared_pages = self.alloc[pool].alloc(shared)
+            for s, n_priv in zip(group, private):
+                if kind == "group":
+                    self.alloc[pool].share(shared_pages)
+                s.pages = shared_pages + self.alloc[pool].alloc(n_priv)
+                s.pool, s.order = pool, self.admitted
+                self.admitted += 1
+                self.running[pool].append(s)
+            if kind == "group" and shared:
+                self.alloc[pool].release(shared_pages)    # the samples hold them now
+                self.stats.shared_prompt_pages += shared * (len(group) - 1)
+            units.append((kind, group, pool, length))
+        self._note_peak()
+        return units
+
+    def _pages_at(self, cache_length: int) -> int:
+        """Pages a sample with `cache_length` tokens cached needs for its next chunk."""
+        return min(pages_for(cache_length + self.cfg.chunk_steps, self.bs), self.max_pages)
 
     def prefill(self, units: list[tuple]) -> None:
         """Prefill programs over the admitted units: new groups together (prompt width), resumed
@@ -242,6 +343,21 @@ class _Rollout(Admission):
             spec=self.spec)
         return Chunk(order, out_slots, self.sync.start_read(rec))
 
+    def _grow_ahead(self, samples: list[Sample]) -> bool:
+        """Pages for a chunk after the one in flight (each sample `chunk_steps` tokens further
+        than recorded), if every pool has them free: no preemption while a chunk runs."""
+        ahead = self.cfg.chunk_steps
+        need = [self._pages_at(self._length(s) + ahead) - len(s.pages) for s in samples]
+        for pool, alloc in enumerate(self.alloc):
+            if sum(n for n, s in zip(need, samples) if s.pool == pool and n > 0) > \
+                    alloc.free_pages:
+                return False
+        for n, s in zip(need, samples):
+            if n > 0:
+                s.pages += self.alloc[s.pool].alloc(n)
+        self._note_peak()
+        return True
+
     def harvest(self, chunk: Chunk, idle: bool) -> None:
         """Waits for chunk's records and appends them; finished samples give back their pages
         (a continuation in flight holds them as inactive rows: it neither writes nor records
@@ -302,8 +418,8 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
                                                     group_size=group_size, spec=spec)
     prompt_tokens, prompt_lengths = paged_multihost.global_prompts(prompt_tokens,
                                                                    prompt_lengths, spec)
-    ro = _Rollout(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
-                  spec=spec, first_sample=first_sample)
+    ro = PagedRollout(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size,
+                      rng=rng, spec=spec, first_sample=first_sample)
     ro.run(budgets, bin_size)
     LAST_STATS = st = ro.stats
     log.info("paged rollout: %d samples in %d decode chunks and %d prefills, %d preemptions, "

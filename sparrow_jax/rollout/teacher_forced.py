@@ -86,7 +86,6 @@ def sparse_attention_fn(*, budgets: jax.Array, bin_size: int, prompt_lengths: ja
     def attend(layer_idx, q, k, v, positions, attention_mask):
         if layer_idx in dense_layers:
             return dense_fn(layer_idx, q, k, v, positions, attention_mask)
-        t = q.shape[1]
         kt = k.transpose(0, 2, 1, 3)                                   # [B, Hkv, S, D]
         if scorer == "centroid":
             centroids = block_scores.block_centroids(kt, block_size)       # [B, Hkv, NB, D]
@@ -149,6 +148,22 @@ def trajectory_hidden(model: Qwen3ForCausalLM, traj: Trajectories, *, attention_
     return response_hidden(hidden, traj)
 
 
+def replay_hidden(model: Qwen3ForCausalLM, traj: Trajectories, budgets: jax.Array | None, *,
+                  bin_size: int, max_selected: int, block_size: int = 16,
+                  dense_layers: tuple[int, ...] = (0, 1), query_chunk: int = 0,
+                  scorer: str = "centroid") -> jax.Array:
+    """The teacher-forced forward every replay scores from: hidden states [B, T, H] predicting
+    each response token, under the dense policy (budgets None) or the rollout's block-sparse
+    attention replayed at the per-bin `budgets` [num_bins] (`sparse_attention_fn`)."""
+    fn = None
+    if budgets is not None:
+        fn = sparse_attention_fn(budgets=budgets, bin_size=bin_size,
+                                 prompt_lengths=traj.prompt_lengths, max_selected=max_selected,
+                                 block_size=block_size, dense_layers=dense_layers,
+                                 query_chunk=query_chunk, scorer=scorer)
+    return trajectory_hidden(model, traj, attention_fn=fn, block_size=block_size)
+
+
 def token_logprobs(model: Qwen3ForCausalLM, hidden: jax.Array, tokens: jax.Array, *,
                    temperature: float = 1.0, chunk: int = 256) -> jax.Array:
     """hidden [B, T, H], tokens [B, T] -> log p(token) [B, T], logits built `chunk` steps at a time
@@ -194,12 +209,9 @@ def _rollout_logprobs(graphdef, state, traj, budgets, *, bin_size, max_selected,
                       dense_layers, sparse):
     from flax import nnx
     model = nnx.merge(graphdef, state)
-    fn = None
-    if sparse:
-        fn = sparse_attention_fn(budgets=budgets, bin_size=bin_size,
-                                 prompt_lengths=traj.prompt_lengths, max_selected=max_selected,
-                                 block_size=block_size, dense_layers=dense_layers)
-    hidden = trajectory_hidden(model, traj, attention_fn=fn, block_size=block_size)
+    hidden = replay_hidden(model, traj, budgets if sparse else None, bin_size=bin_size,
+                           max_selected=max_selected, block_size=block_size,
+                           dense_layers=dense_layers)
     return jnp.where(traj.mask, token_logprobs(model, hidden, traj.tokens), 0.0)
 
 

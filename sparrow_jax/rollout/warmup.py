@@ -32,7 +32,7 @@ from sparrow_jax.runtime.sharding import ShardingSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Program", "buckets", "programs", "distinct_programs", "warm"]
+__all__ = ["Program", "programs", "distinct_programs", "warm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ def distinct_programs(*lists: Sequence[Program]) -> list[Program]:
 
 def layout_for(model, cfg: RolloutConfig, *, rows: int, prompt_width: int, group_size: int,
                spec: ShardingSpec | None) -> PoolLayout:
-    """The pool the scheduler builds for this rollout (`_Rollout.__init__`)."""
+    """The pool the scheduler builds for this rollout (`scheduler.PagedRollout.__init__`)."""
     data = heads = 1
     if spec is not None:
         data_axis, heads_axis = paged.mesh_axes(spec, model.config.num_key_value_heads)

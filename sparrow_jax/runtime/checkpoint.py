@@ -66,7 +66,7 @@ _ITEMS = ("params", "opt_state", "extra", "operative_config", "distill")
 # -- the gin-config item: a minimal text CheckpointHandler ----------------------------------------
 
 
-class _TextHandler(ocp.handlers.CheckpointHandler):
+class TextHandler(ocp.handlers.CheckpointHandler):
     """Saves one string as ``operative_config.gin`` inside the item directory (process 0 only)."""
 
     def save(self, directory: epath.Path, args: "_TextSave") -> None:
@@ -77,13 +77,13 @@ class _TextHandler(ocp.handlers.CheckpointHandler):
         return (directory / OPERATIVE_CONFIG_FILE).read_text()
 
 
-@ocp.args.register_with_handler(_TextHandler, for_save=True)
+@ocp.args.register_with_handler(TextHandler, for_save=True)
 @dataclasses.dataclass
 class _TextSave(ocp.args.CheckpointArgs):
     text: str
 
 
-@ocp.args.register_with_handler(_TextHandler, for_restore=True)
+@ocp.args.register_with_handler(TextHandler, for_restore=True)
 @dataclasses.dataclass
 class _TextRestore(ocp.args.CheckpointArgs):
     pass
@@ -237,6 +237,11 @@ class CheckpointManager:
         os._exit(130)        # no cleanup that could block or half-finish a write
 
     # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def orbax_directory(self) -> str:
+        """The directory the orbax manager (tensorstore) opens, as it names it."""
+        return str(self._mngr.directory)
 
     def latest_step(self) -> int | None:
         """Newest finalized step, or ``None`` if the run has no checkpoint yet."""

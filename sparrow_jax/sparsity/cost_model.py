@@ -157,7 +157,8 @@ def get_hardware(name: str | Hardware) -> Hardware:
     return HARDWARE[key]
 
 
-def _model(model: ModelShape | str) -> ModelShape:
+def get_model_shape(model: ModelShape | str) -> ModelShape:
+    """A shape as given, or by name from ``MODEL_SHAPES``."""
     return model if isinstance(model, ModelShape) else ModelShape.named(model)
 
 
@@ -177,7 +178,7 @@ def decode_token_cost(model: ModelShape | str, ctx: Any, budget: Any, *, block_s
       ``full_kv_layers`` (layers reading the whole KV) and ``centroid_layers`` (layers
       scoring centroids), used for prefix-sharing corrections.
     """
-    m = _model(model)
+    m = get_model_shape(model)
     ctx = np.asarray(ctx, np.float64)
     budget = np.broadcast_to(np.asarray(budget, np.float64), ctx.shape)
     hq, hkv, d, nbytes = m.num_q_heads, m.num_kv_heads, m.head_dim, m.dtype_bytes
@@ -236,7 +237,7 @@ def rollout_cost(model: ModelShape | str, hardware: Hardware | str, schedule: Sc
       dict of floats: totals of each ``decode_token_cost`` component, ``eflops``
       (= flops + I * bytes), ``seconds`` (= eflops / peak, one chip, ideal) and ``tokens``.
     """
-    m, hw = _model(model), get_hardware(hardware)
+    m, hw = get_model_shape(model), get_hardware(hardware)
     arr = _as_lengths(lengths)
     w = np.ones(len(arr)) if weights is None else np.asarray(weights, np.float64).reshape(-1)
     prompt, resp = arr[:, 0], arr[:, 1]

@@ -23,8 +23,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from sparrow_jax.sparsity.cost_model import (Hardware, ModelShape, _model, decode_token_cost,
-                                             get_hardware)
+from sparrow_jax.sparsity.cost_model import (Hardware, ModelShape, decode_token_cost,
+                                             get_hardware, get_model_shape)
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def modelled_costs(model: ModelShape | str, hardware: Hardware | str, bin_ctx: S
                    batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """eFLOPs per sequence at each bin's context bin_ctx [bins]: (draft step at each budget
     [K, bins], verify pass of gamma + 1 tokens for each gamma [G, bins], dense step [bins])."""
-    m, hw = _model(model), get_hardware(hardware)
+    m, hw = get_model_shape(model), get_hardware(hardware)
     ctx = np.asarray(bin_ctx, np.float64)
     dense = decode_token_cost(m, ctx, DENSE_BUDGET, block_size=block_size, batch=batch)
     draft = []

@@ -87,7 +87,9 @@ def _signature_problem(setting: str, name: str, fn: Any) -> str | None:
     return None
 
 
-def _reward_problems(names: dict[str, str]) -> list[str]:
+def reward_problems(names: dict[str, str]) -> list[str]:
+    """One line per reward setting (TrainConfig field -> reward name) that does not resolve to
+    a callable with the reward signature; [] when all do."""
     from sparrow_jax.data import synthetic  # noqa: F401 - registers the synthetic task's rewards
     from sparrow_jax.rewards.registry import get_reward
     _ensure_cwd_importable()
@@ -195,7 +197,7 @@ def train_problems(cfg: Any) -> list[str]:
     out += _reference_problems()
     rewards = {"reward": cfg.reward}
     rewards.update({f"diagnostic_rewards[{i}]": n for i, n in enumerate(cfg.diagnostic_rewards)})
-    out += _reward_problems(rewards)
+    out += reward_problems(rewards)
     return out
 
 

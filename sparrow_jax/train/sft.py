@@ -115,7 +115,7 @@ class SFTConfig:
                              f">= 0 (0 = off)")
 
 
-def _pack(pairs, pad_id: int, block: int = PACK_WIDTH):
+def pack(pairs, pad_id: int, block: int = PACK_WIDTH):
     """(prompt, target) id pairs -> tokens [B, L], loss mask [B, L] (1 where the next token is a
     target token), L padded to a multiple of `block` (few shapes, few recompiles)."""
     lengths = [len(p) + len(t) for p, t in pairs]
@@ -129,8 +129,8 @@ def _pack(pairs, pad_id: int, block: int = PACK_WIDTH):
     return tokens, weights
 
 
-def _crops(pairs, length: int, context: int, rng: np.random.Generator,
-           start_fraction: float = 0.0, keep_prompt: bool = False, end_fraction: float = 0.0):
+def crops(pairs, length: int, context: int, rng: np.random.Generator,
+          start_fraction: float = 0.0, keep_prompt: bool = False, end_fraction: float = 0.0):
     """Random windows of `length` tokens of prompt ++ target, with their real positions.
 
     The loss skips the first `context` tokens of a window: what they copy lies before it.
@@ -167,7 +167,7 @@ def _prompt_crops(pairs, length: int, context: int, rng: np.random.Generator,
     """Windows of `length` target tokens, each after its own prompt: tokens [B, P + length]
     (P the longest prompt; shorter prompts are left-padded with masked-out pad tokens at
     position 0), positions [B, P + length] real (the window's start where it lies in the
-    sequence), weights [B, P + length] as in `_crops` (the first `context` window tokens
+    sequence), weights [B, P + length] as in `crops` (the first `context` window tokens
     unweighted unless the window starts right after the prompt)."""
     width = max(len(p) for p, _ in pairs)
     tokens = np.zeros((len(pairs), width + length), np.int32)
@@ -202,7 +202,7 @@ def _prompt_crops(pairs, length: int, context: int, rng: np.random.Generator,
     return tokens, positions, weights, mask
 
 
-def _nll_and_accuracy(logits, tokens, weights):
+def nll_and_accuracy(logits, tokens, weights):
     """Mean next-token NLL and argmax accuracy over the weighted positions ([B, L] each)."""
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
@@ -211,8 +211,8 @@ def _nll_and_accuracy(logits, tokens, weights):
     return jnp.sum(nll * w) / jnp.sum(w), jnp.sum(correct) / jnp.sum(w)
 
 
-def _loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, prompt_lengths,
-          attention_chunk: int, sparse: tuple | None):
+def sft_loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, prompt_lengths,
+             attention_chunk: int, sparse: tuple | None):
     """CE of the dense forward, plus coef x CE of the block-sparse one when sparse = (coef,
     budget, dense_layers, block_size). Returns (loss, (dense nll, dense acc, sparse nll,
     sparse acc)); the sparse pair is 0 without it.
@@ -222,8 +222,8 @@ def _loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, prompt_leng
     values as two whole forwards; the shared layers' gradient is the sum of both branches')."""
     fn = chunked_causal_attention(attention_chunk) if attention_chunk > 0 else None
     if sparse is None:
-        nll, acc = _nll_and_accuracy(model(tokens, positions, attention_mask=mask,
-                                           attention_fn=fn), tokens, weights)
+        nll, acc = nll_and_accuracy(model(tokens, positions, attention_mask=mask,
+                                          attention_fn=fn), tokens, weights)
         return nll, (nll, acc, jnp.zeros(()), jnp.zeros(()))
     coef, budget, dense_layers, block_size = sparse
     sparse_fn = sparse_attention_fn(budgets=jnp.full((1,), budget, jnp.int32), bin_size=1 << 30,
@@ -241,20 +241,22 @@ def _loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, prompt_leng
 
     x = model.embed(tokens)
     if shared == n:                       # no sparse layer: the sparse forward is the dense one
-        nll, acc = _nll_and_accuracy(model.logits(hidden(fn, x, None)), tokens, weights)
+        nll, acc = nll_and_accuracy(model.logits(hidden(fn, x, None)), tokens, weights)
         return nll + coef * nll, (nll, acc, nll, acc)
     if shared:
         x = hidden(fn, x, (0, shared))
-    nll, acc = _nll_and_accuracy(model.logits(hidden(fn, x, (shared, n))), tokens, weights)
-    s_nll, s_acc = _nll_and_accuracy(model.logits(hidden(sparse_fn, x, (shared, n))), tokens,
-                                     weights)
+    nll, acc = nll_and_accuracy(model.logits(hidden(fn, x, (shared, n))), tokens, weights)
+    s_nll, s_acc = nll_and_accuracy(model.logits(hidden(sparse_fn, x, (shared, n))), tokens,
+                                    weights)
     return nll + coef * s_nll, (nll, acc, s_nll, s_acc)
 
 
 @functools.partial(nnx.jit, static_argnames=("attention_chunk", "sparse"))
-def _train_step(model, optimizer, tokens, positions, weights, mask, prompt_lengths,
-                attention_chunk: int = 0, sparse: tuple | None = None):
-    (_, metrics), grads = nnx.value_and_grad(_loss, has_aux=True)(
+def train_step(model, optimizer, tokens, positions, weights, mask, prompt_lengths,
+               attention_chunk: int = 0, sparse: tuple | None = None):
+    """One optimiser step on `sft_loss` (model and optimizer updated in place); returns its
+    metrics (dense nll, dense acc, sparse nll, sparse acc)."""
+    (_, metrics), grads = nnx.value_and_grad(sft_loss, has_aux=True)(
         model, tokens, positions, weights, mask, prompt_lengths, attention_chunk, sparse)
     optimizer.update(model, grads)
     return metrics
@@ -342,15 +344,15 @@ def run_sft(cfg: SFTConfig) -> Path:
             problems = [synthetic.make_problem(rng, cfg.long_k_range) for _ in range(batch)]
             pairs = synthetic.sft_examples(tokenizer, problems=problems)
             if crop:
-                tokens, positions, weights, mask = _crops(
+                tokens, positions, weights, mask = crops(
                     pairs, cfg.crop_length, synthetic.cycle_tokens() + 3, rng,
                     cfg.crop_start_fraction, cfg.crop_keep_prompt, cfg.crop_end_fraction)
             else:
-                tokens, weights = _pack(pairs, tokenizer.pad_token_id)
+                tokens, weights = pack(pairs, tokenizer.pad_token_id)
                 positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
                 mask = np.ones_like(tokens)
             prompt_lengths = np.asarray([len(p) for p, _ in pairs], np.int32)
-            loss, acc, s_loss, s_acc = _train_step(
+            loss, acc, s_loss, s_acc = train_step(
                 model, optimizer, jnp.asarray(tokens), jnp.asarray(positions),
                 jnp.asarray(weights), jnp.asarray(mask), jnp.asarray(prompt_lengths),
                 attention_chunk=cfg.attention_chunk, sparse=None if crop else sparse)
