@@ -113,8 +113,8 @@ def test_dense_side_never_sees_the_adapter(ckpt_dir):
     # Fused gradient program (pi_old from the gradient forward) and the two-pass one.
     for logp_old in (None, plain.logp_old):
         batch = LearnerBatch(traj=traj, logp_old=logp_old, advantages=adv)
-        g0, m0, l0, t0 = learner._grads(batch, BUDGETS, REPLAY, 0, 1)
-        g1, m1, l1, t1 = learner._grads(batch, BUDGETS, REPLAY, 0, 1, sparse_model=actor)
+        g0, m0, l0, t0 = learner.gradients(batch, BUDGETS, REPLAY, 0, 1)
+        g1, m1, l1, t1 = learner.gradients(batch, BUDGETS, REPLAY, 0, 1, sparse_model=actor)
         assert float(l0) == float(l1)
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

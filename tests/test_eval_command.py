@@ -174,9 +174,9 @@ def test_run_directory_with_its_schedule(tmp_path, capsys):
     assert settings["step"] == 2
     # The fingerprint covers the step's parameters, not only the base model's files.
     from sparrow_jax.evaluation.results import model_fingerprint
-    from sparrow_jax.tools.evaluate import _step_checksums
+    from sparrow_jax.tools.evaluate import step_checksums
     assert settings["model_fingerprint"] != model_fingerprint(root / "model")
-    assert len(_step_checksums(str(root / "run"), 2)) > 100     # real checksums, not "null"
+    assert len(step_checksums(str(root / "run"), 2)) > 100     # real checksums, not "null"
     assert json.loads(settings["schedule"])["budgets"] == [48] * 20
 
 
@@ -228,12 +228,12 @@ def test_data_sources_and_sampling_defaults(tiny, tmp_path):
     plain.write_text("".join(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n"
                              for p in synthetic.make_problems(2, 9, (1, 1), 4)))
     args = argparse.Namespace(data=[str(plain), str(tiny / "data.parquet")])
-    records, info = command._load_data(args, load_tokenizer(tiny / "model"), 1000)
+    records, info = command.load_data(args, load_tokenizer(tiny / "model"), 1000)
     assert [r["data_source"] for r in records] == ["bench_a"] * 2 + ["synthetic"] * 7
     assert info["rows"] == 11 and info["duplicates_dropped"] == 2 and info["problems"] == 9
     (tmp_path / "none.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(SystemExit, match="none.jsonl"):
-        command._load_data(argparse.Namespace(data=[str(plain), str(tmp_path / "none.jsonl")]),
+        command.load_data(argparse.Namespace(data=[str(plain), str(tmp_path / "none.jsonl")]),
                            load_tokenizer(tiny / "model"), 1000)
     model = tmp_path / "m"
     model.mkdir()
@@ -243,10 +243,10 @@ def test_data_sources_and_sampling_defaults(tiny, tmp_path):
     gin.clear_config()
     gin.parse_config(["RolloutConfig.temperature = 1.0"])
     flags = argparse.Namespace(temperature=None, top_p=None, top_k=None)
-    assert command._sampling(flags, model) == {"temperature": 0.0, "top_p": 0.95, "top_k": 20}
+    assert command.sampling_settings(flags, model) == {"temperature": 0.0, "top_p": 0.95, "top_k": 20}
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
     flags.top_k = 5
-    assert command._sampling(flags, model) == {"temperature": 0.6, "top_p": None, "top_k": 5}
+    assert command.sampling_settings(flags, model) == {"temperature": 0.6, "top_p": None, "top_k": 5}
     gin.clear_config()
 
 

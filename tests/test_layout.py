@@ -333,20 +333,6 @@ def test_no_loose_top_level_modules():
 # modules (`gin.config._REGISTRY` is gin's business, not this rule's). (c) cannot tell two
 # classes that both define `_x` apart: a file that defines `_x` itself may use any `obj._x`.
 
-# Reaches into files that other issue-54 work is rewriting now (rl/ privates its tests use,
-# dryrun's programs and the compile plan, the eval command's tests); each entry goes when that
-# work lands (the test says which are gone).
-PENDING_REACHES = {
-    ("sparrow_jax/dryrun/programs.py", "_join"),    # batching._join: compile_plan counts it by name
-    ("tests/test_distill.py", "_grads"),
-    ("tests/test_minibatch.py", "_grads"),
-    ("tests/test_precision.py", "_loss_terms"),
-    ("tests/test_eval_command.py", "_step_checksums"),
-    ("tests/test_eval_command.py", "_load_data"),
-    ("tests/test_eval_command.py", "_sampling"),
-}
-
-
 def is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -434,14 +420,9 @@ def private_reaches(root: Path = REPO) -> list[tuple[str, int, str, str]]:
 
 
 def test_no_private_name_reached_across_modules():
-    found = private_reaches()
-    pending = {(path, name) for path, _, name, _ in found} & PENDING_REACHES
-    new = [f"{path}:{line}: {how}" for path, line, name, how in found
-           if (path, name) not in pending]
-    assert not new, ("private names taken from other modules (make the name public where it "
-                     "belongs, or move the code to where it is used):\n" + "\n".join(new))
-    assert pending == PENDING_REACHES, (
-        f"fixed: remove {sorted(PENDING_REACHES - pending)} from PENDING_REACHES")
+    found = [f"{path}:{line}: {how}" for path, line, _, how in private_reaches()]
+    assert not found, ("private names taken from other modules (make the name public where it "
+                       "belongs, or move the code to where it is used):\n" + "\n".join(found))
 
 
 def test_layout_rules_fail_on_a_planted_violation(tmp_path):

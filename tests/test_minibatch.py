@@ -87,7 +87,7 @@ def test_fused_step_equals_analysis_then_update(ckpt, micro, monkeypatch):
     ref_grads, _, ref_loss = sep.grads(ref_batch)
     fused = Learner(base, cfg, group_size=2)
     assert fused.fused(8)
-    grads, _, loss, _ = fused._grads(LearnerBatch(traj=traj, logp_old=None, advantages=adv),
+    grads, _, loss, _ = fused.gradients(LearnerBatch(traj=traj, logp_old=None, advantages=adv),
                                      budgets, replay, 0, 1)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):

@@ -145,7 +145,7 @@ def test_logprob_gradient_saves_no_vocab_sized_residuals(ckpt):
                          advantages=learner.advantages(np.array([1.0, 0.0, 0.0, 1.0])))
 
     def loss(params):
-        return lp._loss_terms(params, learner.rest, learner.graphdef, batch, jnp.zeros((1,)),
+        return lp.loss_terms(params, learner.rest, learner.graphdef, batch, jnp.zeros((1,)),
                               jnp.float32(100.0), jnp.float32(1.0), learner.opts,
                               learner.loss_cfg, None)[0]
 

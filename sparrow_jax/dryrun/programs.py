@@ -233,7 +233,7 @@ def join_program(shape: StepShape, spec: ShardingSpec) -> Program:
     """The step's sub-batch trajectories joined into one batch (a copy: both alive meanwhile)."""
     calls = shape.rows_step // shape.rows_call
     parts = tuple(abstract_trajectories(shape, shape.rows_call, spec) for _ in range(calls))
-    return Program("rollout.join", batching._join, (parts,), ("step",),
+    return Program("rollout.join", batching.join_program, (parts,), ("step",),
                    dict(num_processes=shape.hosts, rows=parts[0].tokens.sharding))
 
 

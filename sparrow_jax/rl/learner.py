@@ -229,7 +229,7 @@ class Learner:
                                      normalize_std=self.loss_cfg.normalize_std,
                                      eps=self.loss_cfg.advantage_eps)
 
-    def _grads(self, batch: LearnerBatch, budgets, replay, mini_index: int, num_mini: int,
+    def gradients(self, batch: LearnerBatch, budgets, replay, mini_index: int, num_mini: int,
                sparse_model: Qwen3ForCausalLM | None = None):
         budgets = jnp.zeros((1,), jnp.int32) if budgets is None else jnp.asarray(budgets, jnp.int32)
         layout = self.micro_batch_layout(batch.traj.tokens, num_mini)
@@ -245,7 +245,7 @@ class Learner:
 
     def grads(self, batch: LearnerBatch) -> tuple[Any, dict[str, jax.Array], jax.Array]:
         """Exact gradient of the whole batch as one mini-batch. Returns (grads, metrics, loss)."""
-        grads, metrics, loss, _ = self._grads(batch, None, None, 0, 1)
+        grads, metrics, loss, _ = self.gradients(batch, None, None, 0, 1)
         return grads, metrics, loss
 
     def _apply(self, grads, loss=None) -> tuple[float, bool]:
@@ -272,7 +272,7 @@ class Learner:
         steps, self.last_analysis = [], None
         for _ in range(self.cfg.ppo_epochs):
             for j in range(num_mini):
-                grads, metrics, loss, analysis = self._grads(batch, budgets, replay, j, num_mini,
+                grads, metrics, loss, analysis = self.gradients(batch, budgets, replay, j, num_mini,
                                                              sparse_model)
                 gnorm, applied = self._apply(grads, loss)
                 if analysis is not None:

@@ -237,7 +237,7 @@ def analyze_program(graphdef, state, traj, budgets, *, replay, opts: ProgramOpti
     return merge_micro_batches(out, row_shards)
 
 
-def _loss_terms(params, rest, graphdef, batch: LearnerBatch, budgets, denominator, tis_mean,
+def loss_terms(params, rest, graphdef, batch: LearnerBatch, budgets, denominator, tis_mean,
                 opts: ProgramOptions, loss_cfg: grpo.LossConfig, replay: SparseReplay | None,
                 sparse_params=None):
     """(loss_sum / denominator, (metric sums, analysis)) of one micro-batch; the analysis (a
@@ -302,7 +302,7 @@ def grads_program(params, rest, batch: LearnerBatch, budgets, mini_index, *, gra
                                         token_rejection=loss_cfg.token_rejection,
                                         sequence_veto=loss_cfg.sequence_veto)
         tis_mean = w_sum / jnp.maximum(n, 1)
-    grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_terms, has_aux=True)
 
     def micro(part):
         (loss, (sums, analysis)), grads = grad_fn(params, rest, graphdef, part, budgets,

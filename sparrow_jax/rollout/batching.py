@@ -43,7 +43,7 @@ def split_prompts(batch: B, per_call: int) -> list[B]:
 
 
 @functools.partial(jax.jit, static_argnames=("num_processes", "rows"))
-def _join(trajs: Sequence[Trajectories], *, num_processes: int,
+def join_program(trajs: Sequence[Trajectories], *, num_processes: int,
           rows: jax.sharding.NamedSharding | None) -> Trajectories:
     def join(*xs):
         blocks = [x.reshape(num_processes, x.shape[0] // num_processes, *x.shape[1:]) for x in xs]
@@ -64,7 +64,7 @@ def join_trajectories(trajs: Sequence[Trajectories]) -> Trajectories:
         return trajs[0]
     sharding = trajs[0].tokens.sharding
     rows = sharding if isinstance(sharding, jax.sharding.NamedSharding) and sharding.spec else None
-    return _join(tuple(trajs), num_processes=jax.process_count(), rows=rows)
+    return join_program(tuple(trajs), num_processes=jax.process_count(), rows=rows)
 
 
 @functools.partial(jax.jit, static_argnames=("length",))

@@ -112,7 +112,7 @@ def _model_dirs(model: str, step: int | None) -> tuple[Path, int | None]:
                     "run directory (checkpoints/)")
 
 
-def _load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, Any]]:
+def load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, Any]]:
     """Records after deduplication, and the data report (also printed)."""
     from sparrow_jax.data.prompts import load_prompt_records
     from sparrow_jax.data.rows import expand_paths
@@ -156,7 +156,7 @@ def _load_data(args, tokenizer, capacity: int) -> tuple[list[dict], dict[str, An
     return kept, info
 
 
-def _sampling(args, model_dir: Path) -> dict[str, Any]:
+def sampling_settings(args, model_dir: Path) -> dict[str, Any]:
     """temperature/top_p/top_k: the flag, else the model's generation_config.json (`do_sample:
     false` there = greedy), else None: gin's RolloutConfig (a training config's T = 1 for RL
     exploration is not how the model is meant to be evaluated, so it comes last)."""
@@ -198,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
             get_reward(scorers.SCORER_REWARDS.get(args.scorer, args.scorer))
         except (KeyError, ImportError) as e:
             raise EvalError(f"--scorer {args.scorer!r}: {e}") from None
-    records, data_info = _load_data(args, tokenizer, capacity)
+    records, data_info = load_data(args, tokenizer, capacity)
     for r in records:
         # By the row's own data_source only: a file's name says nothing about its prompt format.
         r["scorer"] = scorers.scorer_for((r["meta"] or {}).get("data_source"), args.scorer)
@@ -206,10 +206,10 @@ def main(args: argparse.Namespace) -> int:
           f"scorers: {dict(collections.Counter(r['scorer'] for r in records))}", file=sys.stderr)
 
     from sparrow_jax.evaluation import run_samples
-    sampling = _sampling(args, model_dir)
+    sampling = sampling_settings(args, model_dir)
     fingerprint = results.model_fingerprint(model_dir)
     if step is not None:    # the base model's files + the step's own parameter checksums
-        fingerprint = results.combine(fingerprint, _step_checksums(args.model, step))
+        fingerprint = results.combine(fingerprint, step_checksums(args.model, step))
     settings = {"model": os.path.abspath(args.model), "step": step,
                 "model_fingerprint": fingerprint,
                 "data": data_info["files"], "n": args.n, "seed": args.seed,
@@ -262,7 +262,7 @@ def _run_schedule(run_dir: str, step: int | None) -> str:
     return ControllerState.from_dict(extra["controller"]).schedule.to_json()
 
 
-def _step_checksums(run_dir: str, step: int) -> str:
+def step_checksums(run_dir: str, step: int) -> str:
     """The parameter checksums the train loop stored with checkpoint `step`, as JSON text."""
     from sparrow_jax.runtime import checkpoint as ckpt
     from sparrow_jax.runtime.faults import CHECKSUM_KEY

@@ -48,7 +48,7 @@ __all__ = ["Planned", "CompilePlan", "RunShape", "distinct", "prompt_widths", "r
 # The jitted function each plan name counts (its compile events read "jit(<function>)").
 FUNCTIONS = {"rollout/prefill": "prefill_program", "rollout/decode": "decode_program",
              "rollout/paged_prefill": "prefill_program",
-             "rollout/paged_decode": "decode_chunk_program", "rollout/join": "_join",
+             "rollout/paged_decode": "decode_chunk_program", "rollout/join": "join_program",
              "learner/analyze": "analyze_program", "learner/grads": "grads_program",
              "learner/apply": "apply_program", "distill/update": "distill_program",
              "eval/paged_prefill": "prefill_program", "eval/paged_decode": "decode_chunk_program"}
