@@ -160,8 +160,8 @@ def _compile(fn, args, needle: str) -> str:
 
 def check_tpu() -> None:
     from jax.experimental import topologies
-    from pallas_kernels import tpu
-    view = _views(tpu.paged_block_sparse_decode_tpu, tpu.dense_tiling, interpret=False)
+    from pallas_kernels import pallas_tpu
+    view = _views(pallas_tpu.paged_block_sparse_decode_tpu, pallas_tpu.dense_tiling, interpret=False)
     for topo_name in TPU_TOPOLOGIES:
         topo = topologies.get_topology_desc(topo_name, platform="tpu")
         dev = topo.devices[0]
@@ -181,7 +181,7 @@ def check_tpu() -> None:
         # Negative control: one 32K-token tile (page) per step needs > 32 MiB of VMEM buffers.
         _, b, hq, hkv, d, s, _ = SHAPES[0]
         _check(f"{tag} negative control (VMEM overflow)", lambda: _compile(
-            lambda q, k, v, bi, nb, ln: tpu.paged_block_sparse_decode_tpu(
+            lambda q, k, v, bi, nb, ln: pallas_tpu.paged_block_sparse_decode_tpu(
                 q, k.reshape(1, hkv, 1, s, d), v.reshape(1, hkv, 1, s, d), bi, bi, nb, ln,
                 scale=0.1, blocks_per_step=1),
             _args(sh, 1, hq, hkv, d, s, s, jnp.bfloat16)[:3]
@@ -229,7 +229,7 @@ def check_cuda() -> None:
 
 def _check_cuda(sh: SingleDeviceSharding) -> None:
     from pallas_kernels import dispatch
-    from pallas_kernels import triton as ptriton
+    from pallas_kernels import pallas_triton as ptriton
     tag = "cuda[H100 sm_90]"
     view = _views(ptriton.paged_block_sparse_decode_triton, ptriton.dense_tiling)
     _check(f"{tag} pallas_triton lowering target", _lowering_target)
@@ -246,12 +246,12 @@ def _check_cuda(sh: SingleDeviceSharding) -> None:
         view["paged"], _paged_args(sh), "__gpu$xla.gpu.triton"))
     # Block selection as one kernel: the 1.7B decode rows (batch 4 x 8 KV heads) at an 8K and
     # a 32K cache (513 / 2049 blocks of 16, 64 selected) and 512 rows at 128K (8193 blocks, 256).
-    from pallas_kernels import triton_select
+    from pallas_kernels import pallas_triton_select
     for rows, nb, width, bits in ((32, 513, 64, 1), (32, 2049, 64, 1), (32, 2049, 64, 2),
                                   (32, 2049, 64, 4), (512, 8193, 256, 1)):
         _check(f"{tag} pallas_triton block selection {rows} x {nb} -> {width}, {bits}-bit "
                "digits", lambda: _compile(
-            functools.partial(triton_select.select_ids_triton, width=width, radix_bits=bits),
+            functools.partial(pallas_triton_select.select_ids_triton, width=width, radix_bits=bits),
             (jax.ShapeDtypeStruct((rows, nb), jnp.float32, sharding=sh),
              jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh),
              jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh)), "__gpu$xla.gpu.triton"))
@@ -291,7 +291,7 @@ def check_jax_triton() -> None:
         raise RuntimeError(f"jax_triton is not importable in the compile env: {why}")
     # jax_triton sets TRITON_CACHE_DIR="" at import (no cache); triton.compile needs one.
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparrow-triton-cache-")
-    from pallas_kernels import triton as ptriton
+    from pallas_kernels import pallas_triton as ptriton
     sh = _h100_sharding()
     tag = "cuda[H100 sm_90]"
     view = _views(pjt.paged_block_sparse_decode_jax_triton, ptriton.dense_tiling,
@@ -337,7 +337,7 @@ def _interpret_case(dtype_name: str, shared_pool: bool) -> str:
     import torch
     from pallas_kernels import jax_triton as pjt
     from pallas_kernels.dispatch import block_sparse_decode
-    from pallas_kernels.triton import merge_partials
+    from pallas_kernels.pallas_triton import merge_partials
     b, hkv, g, s, d, kk = 2, 2, 4, 128, 32, 5
     nblk = s // BLOCK
     tdt = {"float32": torch.float32, "float16": torch.float16}[dtype_name]

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import jax_triton as _jt
 from pallas_kernels import reference as _ref
-from pallas_kernels import tpu as _tpu
-from pallas_kernels import triton as _triton
+from pallas_kernels import pallas_tpu as _tpu
+from pallas_kernels import pallas_triton as _triton
 from pallas_kernels.reference import (all_blocks_selection, check_decode_inputs,
                                       check_paged_inputs, contiguous_as_pages, physical_pages)
 

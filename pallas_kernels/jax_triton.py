@@ -1,6 +1,6 @@
 """Block-sparse decode written directly in Triton and called through ``jax_triton.triton_call``.
 
-Same algorithm as ``pallas_kernels.triton`` (one paged kernel over page pools [G, Hkv, N, bs, D],
+Same algorithm as ``pallas_kernels.pallas_triton`` (one paged kernel over page pools [G, Hkv, N, bs, D],
 the contiguous cache being B pools with page id = block id; grid (B, Hkv, n_split), GQA group
 padded to >= 16 rows, P gathered pages per iteration, length mask by logical block id, online
 softmax in f32, split-K partials merged in XLA), but independent of the Pallas Triton lowering,
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.reference import NEG_INF, check_page_ids, default_scale
-from pallas_kernels.triton import (check_triton_shapes, choose_splits, default_blocks_per_step,
+from pallas_kernels.pallas_triton import (check_triton_shapes, choose_splits, default_blocks_per_step,
                                    merge_partials, next_pow2)
 
 try:  # Optional dependency: present on GPU installs and in the CI compile environment.

@@ -27,8 +27,8 @@ HEARTBEAT_SECONDS = 10       # the `kill` role: how soon a dead peer is noticed
 
 def _sabotage(role: str, pid: int, root: Path) -> None:
     """Process 1 misbehaves from its second decode chunk on (the first has run everywhere)."""
-    from sparrow_jax.rollout import scheduler
-    decode, chunks = scheduler.PagedRollout.decode, [0]
+    from sparrow_jax.rollout import continuous
+    decode, chunks = continuous.PagedRollout.decode, [0]
 
     def second_chunk_differs(self, budgets, pending=None):
         chunks[0] += 1
@@ -43,7 +43,7 @@ def _sabotage(role: str, pid: int, root: Path) -> None:
         return decode(self, budgets, pending)
 
     if pid == 1 and role in ("diverge", "kill"):
-        scheduler.PagedRollout.decode = second_chunk_differs
+        continuous.PagedRollout.decode = second_chunk_differs
 
 
 def main(role: str, root: Path, pid: int, nproc: int, port: int) -> None:
@@ -53,7 +53,7 @@ def main(role: str, root: Path, pid: int, nproc: int, port: int) -> None:
                                heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
                                shutdown_timeout_seconds=30)
     from sparrow_jax.model import load_hf
-    from sparrow_jax.rollout import RolloutConfig, generate, scheduler
+    from sparrow_jax.rollout import RolloutConfig, generate, continuous
     from sparrow_jax.runtime import multihost
     from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 
@@ -81,7 +81,7 @@ def main(role: str, root: Path, pid: int, nproc: int, port: int) -> None:
         rows = {k: multihost.local_rows(getattr(traj, k))
                 for k in ("tokens", "logprobs", "budgets", "response_lengths", "mask")}
         np.savez(root / f"{case['name']}_{pid}.npz", **rows)
-        st = scheduler.LAST_STATS
+        st = continuous.LAST_STATS
         (root / f"{case['name']}_{pid}.json").write_text(json.dumps(
             {"global_rows": int(traj.tokens.shape[0]), "chunks": st.chunks,
              "prefills": st.prefills, "preemptions": st.preemptions, "pools": st.pools,

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from hf_fixtures import make_tiny_qwen3  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
-from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler  # noqa: E402
+from sparrow_jax.rollout import RolloutConfig, continuous, generate, page_pool  # noqa: E402
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh  # noqa: E402
 
 BUDGETS = np.asarray([64] + [96] * 19, np.int32)      # 4 then 6 blocks per 48-token bin
@@ -56,8 +56,8 @@ def main(out_dir: str) -> None:
         got = generate(sharded, toks, lens, spec=spec, cfg=cfg, **kw)
         m = np.asarray(ref.mask)
         print(json.dumps({
-            "case": name, "pools": scheduler.LAST_STATS.pools,
-            "preemptions": scheduler.LAST_STATS.preemptions,
+            "case": name, "pools": continuous.LAST_STATS.pools,
+            "preemptions": continuous.LAST_STATS.preemptions,
             "tokens_equal": bool(np.array_equal(np.asarray(ref.tokens), np.asarray(got.tokens))),
             "mask_equal": bool(np.array_equal(m, np.asarray(got.mask))),
             "accepted_equal": bool(np.array_equal(np.asarray(ref.accepted),

@@ -27,7 +27,7 @@ from hf_fixtures import make_tiny_qwen3  # noqa: E402
 from sparrow_jax.model import load_hf  # noqa: E402
 from sparrow_jax.rl import learner_programs  # noqa: E402
 from sparrow_jax.rl.learner import Learner, LearnerBatch, LearnerConfig  # noqa: E402
-from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler  # noqa: E402
+from sparrow_jax.rollout import RolloutConfig, continuous, generate, page_pool  # noqa: E402
 from sparrow_jax.rollout.teacher_forced import build_sequences  # noqa: E402
 from sparrow_jax.runtime.sharding import RESIDUAL_AXES, ShardingSpec, make_mesh  # noqa: E402
 
@@ -104,8 +104,8 @@ def compare(out_dir: str) -> list[dict]:
             got = generate(sharded, toks, lens, spec=spec, **kw)
             results.append({
                 "case": name, "mode": mode, "engine": engine,
-                "preemptions": scheduler.LAST_STATS.preemptions if engine == "paged" else 0,
-                "pools": scheduler.LAST_STATS.pools if engine == "paged" else 0,
+                "preemptions": continuous.LAST_STATS.preemptions if engine == "paged" else 0,
+                "pools": continuous.LAST_STATS.pools if engine == "paged" else 0,
                 "tokens_equal": bool(np.array_equal(np.asarray(ref.tokens),
                                                     np.asarray(got.tokens))),
                 "mask_equal": bool(np.array_equal(np.asarray(ref.mask), np.asarray(got.mask))),

@@ -137,7 +137,7 @@ def test_compile_plan_takes_its_shapes_from_the_engines_bucket_functions():
     import dataclasses
 
     from sparrow_jax.train import compile_plan
-    from sparrow_jax.rollout import scheduler
+    from sparrow_jax.rollout import continuous, continuous_state
     from sparrow_jax.rollout.config import RolloutConfig
     from sparrow_jax.rollout.page_pool import pages_for
     from sparrow_jax.runtime.shapes import bucket_length, default_buckets
@@ -177,7 +177,7 @@ def test_compile_plan_takes_its_shapes_from_the_engines_bucket_functions():
             paged, group_size=4, prompts_per_call=16, calls_per_step=1, longest_prompt=64,
             length_buckets=buckets, fused=True, data_shards=2).programs}
         cap = pages_for(64 + 300 - 1, 16)
-        grid = {(scheduler.slot_bucket(s, 16, paged), scheduler.page_bucket(m, cap, paged))
+        grid = {(continuous_state.slot_bucket(s, 16, paged), continuous_state.page_bucket(m, cap, paged))
                 for s in range(1, 17) for m in range(1, cap + 1)}
         assert by["rollout/paged_decode"].most == len(grid)
     assert cap == 23 and len(grid) == 3 * 2 and {p for _, p in grid} == {3, cap}
@@ -309,7 +309,7 @@ def test_the_warm_up_lists_the_decode_grid_the_scheduler_can_reach():
     """`rollout.warmup.programs`: one prefill (every group admitted at once) and every decode
     shape the scheduler's bucket functions give over 1..live samples x 1..full pages."""
     from sparrow_jax.model.config import qwen3_preset
-    from sparrow_jax.rollout import scheduler, warmup
+    from sparrow_jax.rollout import continuous, continuous_state, warmup
     from sparrow_jax.rollout.config import RolloutConfig
     from sparrow_jax.rollout.page_pool import pool_layout
 
@@ -319,14 +319,14 @@ def test_the_warm_up_lists_the_decode_grid_the_scheduler_can_reach():
         layout = pool_layout(mcfg, rc, "float32", rows=24, prompt_width=64, group_size=4, data=2)
         progs = warmup.programs(rc, layout, rows=24, prompt_width=64, group_size=4,
                                 dtype="float32")
-        grid = {(scheduler.slot_bucket(s, 12, rc) * 2, scheduler.page_bucket(m, 23, rc))
+        grid = {(continuous_state.slot_bucket(s, 12, rc) * 2, continuous_state.page_bucket(m, 23, rc))
                 for s in range(1, 13) for m in range(1, 24)}
         decode = [dict(p.shapes) for p in progs if p.function == "decode_chunk_program"]
         assert {(d["slots"], d["pages_per_slot"]) for d in decode} == grid
         assert len(decode) == len(grid) and layout.max_pages == 23
         [pre] = [dict(p.shapes) for p in progs if p.function == "prefill_program"]
-        assert pre["rows"] == 2 * scheduler.row_bucket(3, 12, rc) and pre["group_size"] == 4
+        assert pre["rows"] == 2 * continuous_state.row_bucket(3, 12, rc) and pre["group_size"] == 4
     assert grid == {(4, 3), (4, 23), (16, 3), (16, 23), (24, 3), (24, 23)}
     # min_slots floors the running slots, not the prefill rows (an empty row prefills its width).
-    assert scheduler.slot_bucket(1, 12, rc) == 2 and scheduler.row_bucket(1, 12, rc) == 1
+    assert continuous_state.slot_bucket(1, 12, rc) == 2 and continuous_state.row_bucket(1, 12, rc) == 1
     assert warmup.distinct_programs(progs, progs) == progs

@@ -54,22 +54,22 @@ def test_doctor_passes_on_cpu(capsys, _restore_logging):
 
 def test_doctor_catches_a_wrong_block_selection(monkeypatch):
     """A selection kernel that picks a wrong block does not crash: the doctor must say so."""
-    from pallas_kernels import triton_select
+    from pallas_kernels import pallas_triton_select
     from sparrow_jax.tools import doctor
-    real = triton_select.select_ids_triton
+    real = pallas_triton_select.select_ids_triton
 
     def off_by_one(*args, **kwargs):
         ids, num = real(*args, **kwargs)
         return ids.at[:, 1].add(1), num
 
-    monkeypatch.setattr(triton_select, "select_ids_triton", off_by_one)
+    monkeypatch.setattr(pallas_triton_select, "select_ids_triton", off_by_one)
     [row] = doctor.check_selection("cpu")
     assert (row.backend, row.status, row.detail) == ("pallas_triton", "FAIL",
                                                      "ids differ from the XLA selection")
 
 
 def test_doctor_fails_loudly_on_a_broken_kernel(capsys, monkeypatch, _restore_logging):
-    import pallas_kernels.triton as triton
+    import pallas_kernels.pallas_triton as triton
 
     real = triton.paged_block_sparse_decode_triton
 

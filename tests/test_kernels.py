@@ -266,7 +266,7 @@ def test_triton_split_k_merge():
     q, k, v, ln = make_inputs(7, b=2, hkv=1, g=2, s=128, d=32, dtype=jnp.float32,
                               lengths=lengths)
     bi, nb = all_blocks_selection(2, 1, 128, ln, BS)
-    from pallas_kernels.triton import paged_block_sparse_decode_triton
+    from pallas_kernels.pallas_triton import paged_block_sparse_decode_triton
     fn = jax.jit(lambda *a: dispatch.contiguous_view(paged_block_sparse_decode_triton, *a,
                                                      blocks_per_step=2, num_splits=3,
                                                      interpret=True))
@@ -277,14 +277,14 @@ def test_tpu_multi_step_online_softmax(monkeypatch):
     """Several grid steps per row (P=2 blocks per step), rows that finish early (steps skipped
     via pl.when, DMA index clamped), a K that is not a multiple of P, and the batch split over
     several pallas_calls (SMEM table budget) with the batch offset in the K/V index_map."""
-    from pallas_kernels import tpu
+    from pallas_kernels import pallas_tpu
     # Two int32 tables (page ids, logical ids) x Hkv=2 x K_pad=8, for 2 rows per call.
-    monkeypatch.setattr(tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 8 * 2)
+    monkeypatch.setattr(pallas_tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 8 * 2)
     lengths = [128, 40, 99]
     q, k, v, ln = make_inputs(8, b=3, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
                               lengths=lengths)
     bi, nb = make_selection(8, lengths, 2, 7)
-    fn = jax.jit(lambda *a: dispatch.contiguous_view(tpu.paged_block_sparse_decode_tpu, *a,
+    fn = jax.jit(lambda *a: dispatch.contiguous_view(pallas_tpu.paged_block_sparse_decode_tpu, *a,
                                                      blocks_per_step=2, interpret=True))
     assert_close(fn(q, k, v, bi, nb, ln), numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
 
@@ -359,8 +359,8 @@ def test_auto_on_gpu_survives_the_triton_deprecation(monkeypatch, caplog, state,
     """backend="auto" on GPU: Pallas Triton while this jax lowers it (saying so when it is
     deprecated), else jax_triton, else XLA - each choice logged with its reason; an explicit
     pallas_triton on a jax without it is an error naming why."""
-    from pallas_kernels import jax_triton, triton
-    monkeypatch.setattr(triton, "status", lambda: state)
+    from pallas_kernels import jax_triton, pallas_triton
+    monkeypatch.setattr(pallas_triton, "status", lambda: state)
     monkeypatch.setattr(jax_triton, "available", lambda: jt)
     dispatch.LOGGED_AUTO_CHOICES.clear()
     with caplog.at_level(logging.INFO, logger="pallas_kernels.dispatch"):
@@ -376,8 +376,8 @@ def test_auto_on_gpu_survives_the_triton_deprecation(monkeypatch, caplog, state,
 
 
 def test_this_jax_reports_its_triton_backend():
-    from pallas_kernels import triton
-    state, why = triton.status()
+    from pallas_kernels import pallas_triton
+    state, why = pallas_triton.status()
     assert state in ("ok", "deprecated") and (state == "ok") == (why == "")
     assert state == ("deprecated" if tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11)
                      else "ok"), (jax.__version__, state)
@@ -482,16 +482,16 @@ def test_paged_all_blocks_equals_dense(backend):
 def test_paged_kernel_knobs(monkeypatch):
     """The tuning paths on two pools of two rows: TPU with 2 pages per grid step and one row per
     pallas_call (the batch offset enters the pool index), Triton with forced split-K."""
-    from pallas_kernels import reference, tpu
-    from pallas_kernels.triton import paged_block_sparse_decode_triton
-    monkeypatch.setattr(tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 8)      # 1 row per call
+    from pallas_kernels import reference, pallas_tpu
+    from pallas_kernels.pallas_triton import paged_block_sparse_decode_triton
+    monkeypatch.setattr(pallas_tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 8)      # 1 row per call
     q, k, v, ln = make_inputs(12, b=4, hkv=2, g=2, s=128, d=32, dtype=jnp.float32,
                               lengths=PAGED_LENGTHS)
     bi, nb = make_selection(12, PAGED_LENGTHS, 2, 7)
     kp, vp, table = make_pages(12, k, v, PAGED_LENGTHS, 2)
     ids = reference.physical_pages(table, bi)
     want = numpy_decode(q, k, v, bi, nb, ln)
-    fns = [lambda *a: tpu.paged_block_sparse_decode_tpu(*a, blocks_per_step=2, interpret=True),
+    fns = [lambda *a: pallas_tpu.paged_block_sparse_decode_tpu(*a, blocks_per_step=2, interpret=True),
            lambda *a: paged_block_sparse_decode_triton(*a, blocks_per_step=2, num_splits=3,
                                                        interpret=True)]
     for fn in fns:
@@ -505,8 +505,8 @@ def test_tpu_paged_loops_over_each_rows_entries_only(monkeypatch):
     (the copy of the next row's first pages overlaps the current row's last step) with batch
     padding, entries no multiple of the pages per step, two pools of 3 rows (pool index by
     division) and the batch split over 2 pallas_calls (the offset enters the pool index)."""
-    from pallas_kernels import reference, tpu
-    monkeypatch.setattr(tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 6 * 4)     # 4 rows per call
+    from pallas_kernels import reference, pallas_tpu
+    monkeypatch.setattr(pallas_tpu, "SMEM_TABLE_BYTES", 2 * 4 * 2 * 6 * 4)     # 4 rows per call
     lengths = [77, 128, 45, 0, 128, 16]
     q, k, v, ln = make_inputs(13, b=6, hkv=2, g=4, s=128, d=32, dtype=jnp.float32,
                               lengths=lengths)
@@ -519,7 +519,7 @@ def test_tpu_paged_loops_over_each_rows_entries_only(monkeypatch):
                     reference.physical_pages(table, bi))
     args = (q, kp, vp, ids, bi, nb, ln)
     want = reference.paged_block_sparse_decode_xla(*args)
-    got = jax.jit(lambda *a: tpu.paged_block_sparse_decode_tpu(
+    got = jax.jit(lambda *a: pallas_tpu.paged_block_sparse_decode_tpu(
         *a, blocks_per_step=2, interpret=True, rows_per_program=4))(*args)
     assert np.isneginf(np.asarray(got[1][3])).all() and not np.asarray(got[0][3]).any()
     assert_close(got, numpy_decode(q, k, v, bi, nb, ln), jnp.float32)
@@ -554,9 +554,9 @@ def test_paged_bad_inputs_raise(backend, mutate, match):
 
 def test_paged_kernels_check_page_ids():
     """The backends' own paged entry points take composed page ids [B, Hkv, K]."""
-    from pallas_kernels import jax_triton, tpu, triton
+    from pallas_kernels import jax_triton, pallas_tpu, pallas_triton
     q, kp, vp, _, bi, nb, ln = _small_paged()
-    for fn in (tpu.paged_block_sparse_decode_tpu, triton.paged_block_sparse_decode_triton,
+    for fn in (pallas_tpu.paged_block_sparse_decode_tpu, pallas_triton.paged_block_sparse_decode_triton,
                jax_triton.paged_block_sparse_decode_jax_triton):
         with pytest.raises(ValueError, match=r"page_ids must be \[B, Hkv, K\]"):
             fn(q, kp, vp, bi[:, :, :2], bi, nb, ln)

@@ -259,13 +259,13 @@ def test_imports_by_name_are_seen(tmp_path):
     assert cycles(room_graph(graph)) == [["sparrow_jax.high", "sparrow_jax.low"]]
 
 
-@pytest.mark.parametrize("engine_module", ["engine", "scheduler", "paged", "compress"])
+@pytest.mark.parametrize("engine_module", ["static", "continuous", "paged", "compress"])
 def test_rollout_engines_do_not_import_each_other(engine_module):
     """Only rollout/api.py knows every engine; shared pieces live in rollout/state.py."""
     graph = module_graph()
-    engines = {f"sparrow_jax.rollout.{m}" for m in ("engine", "scheduler", "compress")}
+    engines = {f"sparrow_jax.rollout.{m}" for m in ("static", "continuous", "compress")}
     mine = f"sparrow_jax.rollout.{engine_module}"
-    allowed = {"sparrow_jax.rollout.paged"} if engine_module == "scheduler" else set()
+    allowed = {"sparrow_jax.rollout.paged"} if engine_module == "continuous" else set()
     assert not (graph[mine] & (engines - {mine} - allowed)), graph[mine]
     assert "sparrow_jax.rollout.api" not in graph[mine]
 
@@ -329,7 +329,7 @@ def test_no_loose_top_level_modules():
 #       `_x` is not defined in this file but is defined in another project module: a private
 #       attribute of another module's class or object.
 # Not a reach: dunders (`__name__`); aliases that bind a private local name to a public thing
-# (`from pallas_kernels import tpu as _tpu`: nothing private is taken); privates of third-party
+# (`from pallas_kernels import pallas_tpu as _tpu`: nothing private is taken); privates of third-party
 # modules (`gin.config._REGISTRY` is gin's business, not this rule's). (c) cannot tell two
 # classes that both define `_x` apart: a file that defines `_x` itself may use any `obj._x`.
 

@@ -10,7 +10,7 @@ import pytest
 
 from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import load_hf
-from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler
+from sparrow_jax.rollout import RolloutConfig, generate, page_pool, continuous
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted
 from sparrow_jax.runtime.shapes import COMPILES
 
@@ -95,12 +95,12 @@ def test_paged_equals_static_with_stop_tokens_groups_and_preemption(tiny, mode):
     assert rl.min() < 120 and rl.max() == 120           # a stop mid-sequence, a row at the cap
     assert int(np.asarray(static.cached_lengths)[np.asarray(static.mask)].max()) > 150
     _assert_same(static, _run(model, cfg, toks, lens, rng=rng))
-    roomy = scheduler.LAST_STATS
+    roomy = continuous.LAST_STATS
     assert roomy.preemptions == 0 and roomy.shared_prompt_pages == 1 + 2 + 2
     # Samples move between slots, wait in the queue, are preempted and recomputed: their
     # tokens stay those of the static engine (keys per sample and token index).
     _assert_same(static, _run(model, cfg, toks, lens, rng=rng, pool_bytes=12 * _page_bytes(model)))
-    tight = scheduler.LAST_STATS
+    tight = continuous.LAST_STATS
     assert tight.preemptions > 0 and tight.peak_pages <= 12
     if mode == "sparse":
         _assert_same(static, _run(model, cfg, toks, lens, rng=rng, max_slots=2))
@@ -131,9 +131,9 @@ def test_overlapped_loop_equals_sync_loop_without_an_empty_last_chunk(tiny):
                         max_budget=128, engine="paged", chunk_steps=8)
     rng = jax.random.key(4)
     sync = _run(model, dataclasses.replace(cfg, overlap_chunks=False), toks, lens, rng=rng)
-    sync_stats = scheduler.LAST_STATS
+    sync_stats = continuous.LAST_STATS
     overlap = _run(model, cfg, toks, lens, rng=rng)
-    stats = scheduler.LAST_STATS
+    stats = continuous.LAST_STATS
     _assert_same(sync, overlap)
     assert (np.asarray(overlap.response_lengths) == 40).all()
     assert sync_stats.overlapped_chunks == 0 and stats.overlapped_chunks > 0
@@ -147,7 +147,7 @@ def test_group_prompt_pages_are_stored_once(tiny):
     cfg = RolloutConfig(temperature=1.0, mode="dense", max_new_tokens=2, backend="xla",
                         engine="paged", chunk_steps=1)
     generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, group_size=8, rng=jax.random.key(0))
-    st = scheduler.LAST_STATS
+    st = continuous.LAST_STATS
     assert st.shared_prompt_pages == 6 * 7
     # Held at once: 6 shared pages + one private page per sample (the partly filled 7th page,
     # which also takes the next token): 14 pages, vs 8 x 7 = 56 for private copies.

@@ -13,7 +13,7 @@ import pytest
 
 from hf_fixtures import make_sharp_tiny_model, run_on_cpu_devices
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.rollout import RolloutConfig, generate, page_pool, scheduler, warmup
+from sparrow_jax.rollout import RolloutConfig, generate, page_pool, continuous, warmup
 from sparrow_jax.rollout.paged_exact import chunk_rounds
 from sparrow_jax.rollout.teacher_forced import replay_logprobs
 from sparrow_jax.runtime.compile_cache import count_compiles
@@ -65,7 +65,7 @@ def test_paged_exact_greedy_equals_dense_greedy_with_groups_and_preemption(sharp
     with count_compiles() as compiled:
         ex = generate(sharp, toks, lens, budgets=BUDGETS, group_size=2, cfg=ecfg)
     assert not [c for c in compiled if "decode_chunk" in c], compiled
-    st = scheduler.LAST_STATS
+    st = continuous.LAST_STATS
     assert st.preemptions > 0 and st.shared_prompt_pages > 0 and st.peak_pages <= 16
     np.testing.assert_array_equal(np.asarray(ex.tokens), np.asarray(dense.tokens))
     np.testing.assert_array_equal(np.asarray(ex.response_lengths),
@@ -93,7 +93,7 @@ def test_paged_exact_samples_equal_static_exact_and_logprobs_are_dense(sharp):
     static = generate(sharp, toks, lens, cfg=cfg, budgets=BUDGETS, group_size=3, rng=rng)
     paged = generate(sharp, toks, lens, budgets=BUDGETS, group_size=3, rng=rng,
                      cfg=dataclasses.replace(cfg, engine="paged", pool_bytes=_tight(sharp, 18)))
-    assert scheduler.LAST_STATS.preemptions > 0
+    assert continuous.LAST_STATS.preemptions > 0
     m = np.asarray(static.mask)
     for name in ("tokens", "response_lengths", "mask", "accepted", "cached_lengths"):
         np.testing.assert_array_equal(np.asarray(getattr(paged, name)),

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from hf_fixtures import make_tiny_qwen3
 from sparrow_jax.model import load_hf
-from sparrow_jax.rollout import RolloutConfig, decode, engine, generate, start
+from sparrow_jax.rollout import RolloutConfig, decode, static, generate, start
 from sparrow_jax.rollout.teacher_forced import replay_logprobs
 
 BIG = np.full(20, 4096, np.int32)
@@ -166,7 +166,7 @@ def test_prefill_state_serves_both_modes_and_decode_updates_cache_in_place(tiny)
         assert fresh.cache.k[0].is_deleted()        # donated
     assert (np.asarray(got.budgets)[np.asarray(got.mask)] == 48).any()   # sparse bound hit
     graphdef, params = nnx.split(model)
-    compiled = engine.decode_program.lower(
+    compiled = static.decode_program.lower(
         graphdef, params, state, jnp.asarray(budgets, jnp.int32), cfg=cfgs["sparse"], bin_size=16,
         spec=None).compile()
     stats = compiled.memory_analysis()

@@ -285,7 +285,7 @@ def test_selection_lowers_to_no_sort_or_topk():
 
 @pytest.mark.parametrize("nb,max_sel,tied", [(40, 12, True), (37, 11, False)])
 def test_triton_selection_kernel_matches_brute_force_and_the_xla_form(nb, max_sel, tied):
-    """pallas_kernels.triton_select (one kernel, interpret mode here) against the brute-force
+    """pallas_kernels.pallas_triton_select (one kernel, interpret mode here) against the brute-force
     rule and the XLA sort-free form: ties, dense rows, empty rows, budgets above the width,
     non-power-of-two block counts and widths, leading [B, Hkv] axes."""
     rng = np.random.default_rng(nb + max_sel)

@@ -40,7 +40,7 @@ from sparrow_jax.model.attention import chunked_causal_attention
 from sparrow_jax.rewards.pool import RewardPool
 from sparrow_jax.rewards.scoring import decode_responses, score
 from sparrow_jax.rollout import RolloutConfig, decode, start
-from sparrow_jax.rollout import compress, engine
+from sparrow_jax.rollout import compress, static
 from sparrow_jax.rollout.teacher_forced import sparse_attention_fn, trajectory_hidden
 from sparrow_jax.sparsity import mismatch
 
@@ -123,7 +123,7 @@ def _precompile(model, state, cfg: RolloutConfig, budgets) -> None:
         compress.compressed_decode_program.lower(graphdef, params, state, cfg=cfg,
                                                  spec=None).compile()
     else:
-        engine.decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
+        static.decode_program.lower(graphdef, params, state, jnp.asarray(budgets, jnp.int32),
                                      cfg=cfg, bin_size=2000, spec=None).compile()
 
 

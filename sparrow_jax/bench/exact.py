@@ -91,7 +91,7 @@ def _time(fn) -> float:
 
 
 def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
-    from sparrow_jax.rollout import engine, exact, start
+    from sparrow_jax.rollout import static, exact, start
     from sparrow_jax.rollout.config import padded_length
     budget = (args.budget or [1024])[0]
     gammas = args.gamma
@@ -109,11 +109,11 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
     budgets = jnp.asarray(np.full(20, budget, np.int32))
     graphdef, params = nnx.split(model)
     progs: dict[str, tuple[Any, Any]] = {
-        "dense": (dataclasses.replace(base_cfg, mode="dense", **common), engine.decode_program)}
+        "dense": (dataclasses.replace(base_cfg, mode="dense", **common), static.decode_program)}
     for layers in _layer_sets(args.dense_layers, base_cfg.dense_layers):
         tag = ",".join(map(str, layers)) or "none"
         progs[f"sparse:{tag}"] = (dataclasses.replace(base_cfg, mode="sparse", dense_layers=layers,
-                                                      **common), engine.decode_program)
+                                                      **common), static.decode_program)
         for g in gammas:
             progs[f"exact:{tag}:{g}"] = (dataclasses.replace(
                 base_cfg, mode="exact_sparse", dense_layers=layers, gamma=g, **common),

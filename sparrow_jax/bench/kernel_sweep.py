@@ -6,7 +6,7 @@
 For each context, dense decode (64-token tiles, every tile selected) and block-sparse decode
 (16-token blocks, `--budget` tokens chosen by the centroid rule) at Qwen3-1.7B heads (16 query /
 8 KV heads, D = 128, bf16), under every combination of num_warps, num_stages, tokens gathered per
-loop iteration and split-K factor ("auto" = `pallas_kernels.triton.choose_splits`, "2x" twice
+loop iteration and split-K factor ("auto" = `pallas_kernels.pallas_triton.choose_splits`, "2x" twice
 that, capped at one iteration per split). Each setting is timed on the device's clock
 (`bench.kernels.seconds_per_call`: chained calls minus one) and printed as it finishes, so a
 run cut short keeps what it measured; a setting the GPU cannot compile (too much shared memory)
@@ -24,7 +24,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import triton as pk_triton
+from pallas_kernels import pallas_triton as pk_triton
 from pallas_kernels.reference import all_blocks_selection, contiguous_as_pages
 from sparrow_jax.bench.kernels import seconds_per_call
 from sparrow_jax.sparsity import block_scores, selection

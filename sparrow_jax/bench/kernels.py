@@ -19,7 +19,7 @@ and sync (tens of microseconds) would otherwise be most of a 0.1 ms kernel.
 --selection times block selection alone (scores -> ids, the 1.7B head shape: 8 KV heads) at
 P = --blocks blocks per row and K = --select selected, the sort-free `select_from_scores` beside
 the former top_k + sort (`select_from_scores_reference`), at each radix width, and on a GPU the
-one-kernel Pallas Triton selection (`pallas_kernels.triton_select`), in one run.
+one-kernel Pallas Triton selection (`pallas_kernels.pallas_triton_select`), in one run.
 """
 
 from __future__ import annotations

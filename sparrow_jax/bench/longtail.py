@@ -99,7 +99,7 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
     """spec: several processes (`--processes`, sparrow_jax.bench.processes): the paged engine
     only, overlapped vs sync, each process passing its block of the prompts."""
     from sparrow_jax.rollout.kv_cache import cache_bytes
-    from sparrow_jax.rollout import scheduler
+    from sparrow_jax.rollout import continuous
     from sparrow_jax.runtime import multihost
     from sparrow_jax.runtime.shapes import COMPILES
     mcfg = model.config
@@ -160,7 +160,7 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
             t0, c0 = time.perf_counter(), time.process_time()
             out = fn(model, tokens, lengths, ecfg, budgets, args.group, wave_prompts, key, **kw)
             cpu[name].append(time.process_time() - c0)
-            return time.perf_counter() - t0, out, dataclasses.replace(scheduler.LAST_STATS)
+            return time.perf_counter() - t0, out, dataclasses.replace(continuous.LAST_STATS)
 
         warm, programs = {}, {}
         cpu: dict[str, list[float]] = {name: [] for name in engines}   # process CPU s per run

@@ -152,10 +152,10 @@ def _precompile(model, state, cfg, budgets, bin_size: int) -> tuple[float, Any]:
     compiled program). Arguments mirror what `rollout.decode` passes, so the timed calls hit
     this compilation."""
     from flax import nnx
-    from sparrow_jax.rollout import engine
+    from sparrow_jax.rollout import static
     graphdef, params = nnx.split(model)
     t0 = time.perf_counter()
-    compiled = engine.decode_program.lower(graphdef, params, state,
+    compiled = static.decode_program.lower(graphdef, params, state,
                                            jnp.asarray(budgets, jnp.int32), cfg=cfg,
                                            bin_size=bin_size, spec=None).compile()
     return time.perf_counter() - t0, compiled

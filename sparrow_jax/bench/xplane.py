@@ -13,7 +13,7 @@ a *share* per phase, to be scaled by a wall-clock time (the gaps between ops are
 
 reads what `sparrow bench rollout --profile` leaves in each DIR (the profiler's trace.json.gz and
 the program's optimized hlo.txt) and prints where the program's device time went: per decode-step
-phase (`DECODE_SCOPES`, the `jax.named_scope`s of rollout/engine.py and model/qwen3.py; a kernel
+phase (`DECODE_SCOPES`, the `jax.named_scope`s of rollout/static.py and model/qwen3.py; a kernel
 outside them is listed by name), its kernel time, launches and share, and how busy the device
 was (kernel time over the program's span: the rest is launch gaps and host waits).
 """
@@ -159,7 +159,7 @@ def profile(call: Callable[[], object], hlo_text: str, scopes: Sequence[str]
     return phase_shares(space, hlo_text, scopes)
 
 
-# The decode step's named scopes (rollout/engine.py, model/qwen3.py), most specific first.
+# The decode step's named scopes (rollout/static.py, model/qwen3.py), most specific first.
 DECODE_SCOPES = ("block_select", "centroid_update", "sparse_attention", "dense_attention",
                  "kv_write", "qkv_proj", "o_proj", "mlp", "lm_head", "sample")
 

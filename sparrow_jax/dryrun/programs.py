@@ -32,7 +32,8 @@ from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rl import learner
 from sparrow_jax.rl import learner_programs as learner_programs_mod
-from sparrow_jax.rollout import batching, engine, exact, page_pool, paged, paged_exact, scheduler
+from sparrow_jax.rollout import (batching, continuous, continuous_state, exact, page_pool, paged,
+                                 paged_exact, static)
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache
 from sparrow_jax.rollout.state import Trajectories
@@ -149,11 +150,11 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
     budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))
     traj = device_bytes(abstract_trajectories(shape, rows, spec))
     prompts = (sds((rows // n, shape.prompt_len), jnp.int32, spec), sds((rows // n,), jnp.int32, spec))
-    return [Program("rollout.prefill", engine.prefill_program, (graphdef, state, *prompts, rng),
+    return [Program("rollout.prefill", static.prefill_program, (graphdef, state, *prompts, rng),
                     ("static", "state", "local", "local", "local"),
                     dict(cfg=rc, group_size=n, spec=spec), traj),
             Program("rollout.decode", exact.decode_program if rc.mode == "exact_sparse"
-                    else engine.decode_program, (graphdef, state, None, budgets),
+                    else static.decode_program, (graphdef, state, None, budgets),
                     ("static", "state", "local", "local"),
                     dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
 
@@ -209,10 +210,10 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
 
     # The scheduler's largest prefills: every slot's group at once (rows per pool on the slot
     # ladder), and one resumed sample per pool of prompt + all but one new token.
-    groups_per_pool = scheduler.row_bucket(max(1, layout.slots_per_pool // n),
+    groups_per_pool = continuous_state.row_bucket(max(1, layout.slots_per_pool // n),
                                             layout.slots_per_pool, rc)
     longest = shape.prompt_len + rc.max_new_tokens - 1
-    widest = scheduler.prefill_width(rc, longest, longest)
+    widest = continuous_state.prefill_width(rc, longest, longest)
     s = layout.slots_per_pool * data
     slots = paged.Slots(sds((s,), i32, spec), sds((s,), i32, spec), sds((s,), i32, spec),
                         sds((s,), jnp.bool_, spec), sds((s,), i32, spec),

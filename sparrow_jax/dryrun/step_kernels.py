@@ -28,7 +28,7 @@ import re
 from typing import Callable
 
 # The decode step's conditionals are the sparse layers' `lax.cond(every row covered by its budget,
-# dense, lax.cond(some row covered, mixed, sparse))` (rollout/paged.py, rollout/engine.py): rows
+# dense, lax.cond(some row covered, mixed, sparse))` (rollout/paged.py, rollout/static.py): rows
 # longer than their budget - at the shipped budgets (512-8192 tokens against 2K-34K token
 # contexts) most of a long rollout - take the false branch (index 0) of both: the sparse path.
 TAKEN_BRANCH = 0
@@ -37,7 +37,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "add-dependency", "opt-barrier", "domain", "partition-id", "replica-id"}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s")
-# Named scopes of the decode step (model/qwen3.py, rollout/engine.py, rollout/exact.py): a
+# Named scopes of the decode step (model/qwen3.py, rollout/static.py, rollout/exact.py): a
 # kernel under one is named after it, the most specific first.
 _SCOPES = ("block_select", "centroid_update", "sparse_attention", "dense_attention", "kv_write",
            "qkv_proj", "o_proj", "mlp", "lm_head", "sample", "exact_draft", "exact_verify",

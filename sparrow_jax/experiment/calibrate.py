@@ -304,7 +304,7 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
                                temperature=cfg.temperature, stop_token_ids=tuple(map(int, stop)),
                                pad_token_id=int(pad))
     # Same static selection width as the engine's decode loop, so the replay selects the same
-    # blocks (see engine.decode_program).
+    # blocks (see static.decode_program).
     s_max = padded_length(batches[0][0].shape[1] + rcfg.max_new_tokens, rcfg.block_size)
     replay = SparseReplay(bin_size=cfg.bin_size, block_size=rcfg.block_size,
                           max_selected=min(rcfg.max_budget, s_max) // rcfg.block_size,

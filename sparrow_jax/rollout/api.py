@@ -1,7 +1,7 @@
 """The rollout entry points: `start`, `decode`, `generate` pick the engine from `RolloutConfig`.
 
-- static engine (engine.py): a cache row per sample, one decode `while_loop` per call;
-- paged engine (scheduler.py over paged.py): page pools and continuous batching,
+- static engine (static.py): a cache row per sample, one decode `while_loop` per call;
+- paged engine (continuous.py over paged.py): page pools and continuous batching,
   `RolloutConfig.engine = "paged"`;
 - compress mode (compress.py): KV eviction on the static engine's prefill, `mode = "compress"`;
 - exact sparse mode: sparse drafts verified densely, `mode = "exact_sparse"` (static engine:
@@ -16,9 +16,9 @@ import time
 import jax
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import compress, engine, exact, scheduler
+from sparrow_jax.rollout import compress, static, exact, continuous
 from sparrow_jax.rollout.config import RolloutConfig
-from sparrow_jax.rollout.engine import start
+from sparrow_jax.rollout.static import start
 from sparrow_jax.rollout.state import DecodeState, Trajectories, check_budgets
 from sparrow_jax.runtime.sharding import ShardingSpec
 
@@ -44,7 +44,7 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     """
     check_budgets(cfg, budgets)          # before the (long) prefill
     if cfg.engine == "paged":
-        return scheduler.generate(model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
+        return continuous.generate(model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
                                   bin_size=bin_size, group_size=group_size, rng=rng, spec=spec,
                                   first_sample=first_sample)
     state = start(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
@@ -62,7 +62,7 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
         return compress.decode(model, state, cfg=cfg, spec=spec)
     if cfg.mode == "exact_sparse":
         return exact.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
-    return engine.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
+    return static.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
 
 
 def generate_timed(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,

@@ -26,8 +26,8 @@ class RolloutMode(Choice):
 
 
 class Engine(Choice):
-    STATIC = "static"                # one cache row per sample (rollout/engine.py)
-    PAGED = "paged"                  # page pools, continuous batching (rollout/scheduler.py)
+    STATIC = "static"                # one cache row per sample (rollout/static.py)
+    PAGED = "paged"                  # page pools, continuous batching (rollout/continuous.py)
 
 
 class SelectionBackend(Choice):
@@ -82,17 +82,17 @@ class RolloutConfig:
     window: int = 8
     compress_scorer: str = "rkv"
     rkv_lambda: float = 0.1
-    # engine = "paged" (sparrow_jax.rollout.scheduler, docs/rollout.md): KV in pages of block_size
+    # engine = "paged" (sparrow_jax.rollout.continuous, docs/rollout.md): KV in pages of block_size
     # tokens, continuous batching in compiled decode chunks of `chunk_steps` steps, GRPO groups
     # share their prompt's pages, preemption when the pool runs out. "static": one cache row per
     # sample sized for the longest possible row, one while_loop until the slowest row ends.
     engine: Engine = Engine.STATIC
     max_slots: int = 0           # samples decoded at once (0 = all); a multiple of the data axis
     chunk_steps: int = 32
-    overlap_chunks: bool = True  # dispatch chunk i+1 before reading chunk i back (scheduler.py)
+    overlap_chunks: bool = True  # dispatch chunk i+1 before reading chunk i back (rollout/continuous.py)
     pool_bytes: int = 0          # page pool bytes per device (0 and pool_fraction 0: enough for
     pool_fraction: float = 0.0   # every row at full length); or a fraction of device memory
-    # Shape ladders of the paged engine's programs (rollout/schedule_state.py; the compile plan,
+    # Shape ladders of the paged engine's programs (rollout/continuous_state.py; the compile plan,
     # train/compile_plan.py, counts them): running slots and prefill rows per pool in powers of
     # `slot_ladder`; page-table widths in powers of `page_ladder` from `min_table_pages`.
     # Coarser ladders: fewer programs (minutes each at full depth), more padded work. A

@@ -15,7 +15,7 @@ policy's (from the verify pass), so the learner's TIS weight of every token is 1
 rounding, and `budgets` records 0 (dense). Per token the trajectories carry `accepted` and
 `alpha` (state.Trajectories).
 
-This mode extends the static engine: it reuses engine.py's prefill and per-layer decode
+This mode extends the static engine: it reuses static.py's prefill and per-layer decode
 attention; what does not touch the cache (the verify's cascade attention, draft sampling, the
 round's acceptance and records) is rollout/verify.py's, shared with the paged engine's mode
 (paged_exact.py).
@@ -36,7 +36,7 @@ import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import speculative
 from sparrow_jax.rollout.config import RolloutConfig
-from sparrow_jax.rollout.engine import layer_attention_fns
+from sparrow_jax.rollout.static import layer_attention_fns
 from sparrow_jax.rollout.kv_cache import KVCache, write_token
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain)
 from sparrow_jax.runtime.shapes import COMPILES
@@ -141,7 +141,7 @@ def verify_forward(model: Qwen3ForCausalLM, ks: list, vs: list, starts, seq, *,
 def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
                    bin_size: int, spec: ShardingSpec | None):
     """The exact-sparse decode `while_loop` (one draft + verify round per iteration).
-    Returns (Trajectories, final carry) as engine.decode_program does."""
+    Returns (Trajectories, final carry) as static.decode_program does."""
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
     mcfg = model.config
     bs = cfg.block_size

@@ -3,7 +3,7 @@
 KV lives in page pools, per layer `[G, Hkv, N, bs, D]` (a page = one selection block of bs
 tokens; G pools = one per data shard, each owning its shard's slots) plus the key centroid of
 every page `[G, Hkv, N, D]`. A slot reads its pages through its page table `[S, P]` (logical
-block -> physical page). The host scheduler (`rollout/scheduler.py`) owns the tables, the page
+block -> physical page). The host scheduler (`rollout/continuous.py`) owns the tables, the page
 allocator (`rollout/page_pool.py`) and the samples; these programs only read and write pages.
 
 Shapes are bucketed by the scheduler (slots S, pages per slot P, prefill rows R and width W), so

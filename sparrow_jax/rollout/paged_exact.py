@@ -1,6 +1,6 @@
 """Exact sparse rollout on the paged engine (`mode = "exact_sparse"`, `engine = "paged"`).
 
-The decode chunk program of this mode; the scheduler (rollout/scheduler.py) runs it in place of
+The decode chunk program of this mode; the scheduler (rollout/continuous.py) runs it in place of
 `paged.decode_chunk_program`. A chunk is `chunk_rounds` rounds of, per active slot:
 1. draft: gamma one-token decode steps through the paged engine's own per-layer attention
    (`paged.layer_attention_fns`: the bin's sparse budget, the draft's K/V written into the slot's

@@ -2,7 +2,7 @@
 
 Design (docs/rollout.md#several-hosts): every process gathers the step's *global* prompts (each
 process's prompt rows, integer arrays, in process order), runs the identical scheduler
-(`rollout/scheduler.py`: integer state, order-stable decisions, no set/dict iteration order,
+(`rollout/continuous.py`: integer state, order-stable decisions, no set/dict iteration order,
 no float ties) and dispatches the same global programs over the global mesh. What a program
 returns and the scheduler needs (tokens, log-probs, recorded flags) is read back fully replicated
 (`multihost.to_host`), so every process records the same values and takes the same next

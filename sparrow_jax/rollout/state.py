@@ -1,6 +1,6 @@
 """What every rollout engine shares: the trajectories it returns, the decode state, budgets per
-length, per-token sampling and recording, prompt validation. The engines (engine.py static,
-scheduler.py + paged.py paged, compress.py KV eviction) import this module, never each other."""
+length, per-token sampling and recording, prompt validation. The engines (static.py,
+continuous.py + paged.py paged, compress.py KV eviction) import this module, never each other."""
 
 from __future__ import annotations
 

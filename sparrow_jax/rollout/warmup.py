@@ -25,7 +25,7 @@ import numpy as np
 from sparrow_jax.rollout import paged, paged_exact
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PoolLayout, pool_layout
-from sparrow_jax.rollout.schedule_state import (distinct, page_bucket, prefill_config,
+from sparrow_jax.rollout.continuous_state import (distinct, page_bucket, prefill_config,
                                                 program_config, row_bucket, slot_bucket)
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec
@@ -94,7 +94,7 @@ def distinct_programs(*lists: Sequence[Program]) -> list[Program]:
 
 def layout_for(model, cfg: RolloutConfig, *, rows: int, prompt_width: int, group_size: int,
                spec: ShardingSpec | None) -> PoolLayout:
-    """The pool the scheduler builds for this rollout (`scheduler.PagedRollout.__init__`)."""
+    """The pool the scheduler builds for this rollout (`continuous.PagedRollout.__init__`)."""
     data = heads = 1
     if spec is not None:
         data_axis, heads_axis = paged.mesh_axes(spec, model.config.num_key_value_heads)
@@ -105,7 +105,7 @@ def layout_for(model, cfg: RolloutConfig, *, rows: int, prompt_width: int, group
 
 
 def _rows(x: np.ndarray, spec: ShardingSpec | None) -> jax.Array:
-    """As the scheduler places its host rows (`scheduler._place`): the same shardings."""
+    """As the scheduler places its host rows (`continuous.PagedRollout`): the same shardings."""
     if spec is None:
         return jnp.asarray(x)
     from sparrow_jax.runtime import multihost

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import dispatch, triton_select
+from pallas_kernels import dispatch, pallas_triton_select
 from sparrow_jax.sparsity.block_scores import centroid_scores, quest_scores
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ NUM_RESERVED = 3
 # keys: H100 compile of 512 rows x 2176 blocks, XLA's count: 169 / 102 / 67 MB at 1 / 2 / 4 bits);
 # XLA:CPU by the compares (one count per pass is fastest there, bench/kernels.py --selection).
 RADIX_BITS = {"cpu": 1, "gpu": 4, "tpu": 4}
-# The one-kernel GPU selection's digits per pass (pallas_kernels.triton_select): one bit was the
+# The one-kernel GPU selection's digits per pass (pallas_kernels.pallas_triton_select): one bit was the
 # fastest on an H200 (0.019 ms vs 0.028 / 0.039 for 2 / 4 bits, 2026-11-28, docs/devices/).
 TRITON_RADIX_BITS = 1
 
@@ -204,7 +204,7 @@ def _kept_blocks(scores: jax.Array, lengths: jax.Array, budget_blocks: jax.Array
 
 def selection_backend(backend: str, *, interpret: bool = False) -> str:
     """Where block selection runs for a decode kernel backend: "pallas_triton" (one fused
-    kernel, `pallas_kernels.triton_select`) when the attention runs on Pallas Triton, else "xla"
+    kernel, `pallas_kernels.pallas_triton_select`) when the attention runs on Pallas Triton, else "xla"
     (the sort-free form below). Logged once per choice."""
     if backend == "xla" and not interpret:
         return "xla"
@@ -256,7 +256,7 @@ def select_from_scores(scores: jax.Array, lengths: jax.Array, budget_blocks: jax
     if selection_backend(backend, interpret=interpret) == "pallas_triton":
         budget, total = _budget_and_total(scores, lengths, budget_blocks,
                                           max_selected=max_selected, block_size=block_size)
-        ids, num = triton_select.select_ids_triton(
+        ids, num = pallas_triton_select.select_ids_triton(
             scores.reshape(rows, nb), total.reshape(rows), budget.reshape(rows),
             width=max_selected, radix_bits=radix_bits or TRITON_RADIX_BITS, interpret=interpret)
         return ids.reshape(lead + (max_selected,)), num.reshape(lead)

@@ -18,7 +18,7 @@ samples pass through, about one per slot bucket plus one per page bucket.
 The shapes come from the functions the engines themselves call: prompt widths from
 `RolloutConfig.prompt_width`, the learner's response lengths from `bucket_length` over its
 length buckets (`rollout.batching.trim_to_bucket`), the paged engine's row, prefill-width and
-page-table buckets from `rollout.scheduler` and its pool layout from `rollout.page_pool`.
+page-table buckets from `rollout.continuous` and its pool layout from `rollout.page_pool`.
 Prompt widths range over what the run can take (up to the longest prompt it keeps); a data set
 of short prompts touches only the first few.
 """
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import pages_for
-from sparrow_jax.rollout.schedule_state import (distinct, page_bucket, prefill_width, row_bucket,
+from sparrow_jax.rollout.continuous_state import (distinct, page_bucket, prefill_width, row_bucket,
                                                 slot_bucket)
 from sparrow_jax.runtime.shapes import bucket_length, default_buckets
 
@@ -120,7 +120,7 @@ def _span(values: Sequence[int]) -> str:
 
 def _paged(rc: RolloutConfig, widths: Sequence[int], rows: int, group_size: int, data: int,
            prompts: int = 0, pool_pages: int | None = None) -> tuple[Planned, Planned]:
-    """The paged engine's prefill and decode programs (`rollout.scheduler`) for rollouts of
+    """The paged engine's prefill and decode programs (`rollout.continuous`) for rollouts of
     `rows` samples at the prompt `widths`. Decode: one program per (running-slot bucket,
     page-table bucket); a rollout's slots only shrink while its rows grow, so one rollout
     touches about slots + pages - 1 of them. Prefill: one per prompt width and group-row
@@ -235,7 +235,7 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
                 shared = (mode in (rc.mode, "dense" if rc.mode == "sparse" else rc.mode)
                           and eval_width in widths
                           and eval_temperature in (None, rc.temperature))
-                # One prefill program for every mode (schedule_state.prefill_config).
+                # One prefill program for every mode (continuous_state.prefill_config).
                 once = mode == eval_modes[0]
                 first += (p.first if once else 0) + (0 if shared else d.first)
                 most += (p.most if once else 0) + (0 if shared else d.most)

@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import triton as _triton
+from pallas_kernels import pallas_triton as _triton
 
 NUM_RESERVED = 3                      # sink + the two most recent blocks (selection.NUM_RESERVED)
 _SIGN = np.int32(-2**31)

@@ -1,4 +1,4 @@
-"""The paged scheduler's host records (`rollout/scheduler.py`): a sample, its recorded tokens
+"""The paged scheduler's host records (`rollout/continuous.py`): a sample, its recorded tokens
 (`Records`), a dispatched decode chunk, what a rollout did (`PagedStats`), and the shape buckets
 that bound its compiles."""
 

@@ -42,7 +42,7 @@ from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import paged, paged_exact, paged_multihost
 from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
-from sparrow_jax.rollout.schedule_state import (Chunk, PagedStats, Records, Sample,
+from sparrow_jax.rollout.continuous_state import (Chunk, PagedStats, Records, Sample,
                                                 decode_budgets, page_bucket, prefill_config,
                                                 prefill_width, program_config, recorded_budgets,
                                                 row_bucket, slot_bucket)
