@@ -173,3 +173,11 @@ def test_prefill_state_serves_both_modes_and_decode_updates_cache_in_place(tiny)
     whole_cache = cache_bytes(model.config, 4, state.cache.max_length, jnp.float32)
     assert stats.alias_size_in_bytes >= whole_cache
     assert stats.temp_size_in_bytes < whole_cache / 2
+
+
+def test_every_engine_and_mode_has_its_implementation():
+    """rollout/api.py: one `Generator` per engine and one `Decoder` per mode of the static
+    engine, so a new engine or mode without one fails here, not in a user's run."""
+    from sparrow_jax.rollout import api
+    from sparrow_jax.rollout.config import Engine, RolloutMode
+    assert set(api.ENGINES) == set(Engine) and set(api.DECODERS) == set(RolloutMode)

@@ -7,22 +7,42 @@
 - exact sparse mode: sparse drafts verified densely, `mode = "exact_sparse"` (static engine:
   exact.py; paged engine: paged_exact.py, dispatched by the scheduler; shared: verify.py).
 The engines share rollout/state.py and never import each other; only this module knows them all.
+Each engine is a `Generator` (`ENGINES`), each decode mode of the static engine a `Decoder`
+(`DECODERS`): one contract each, so a new engine or mode is one entry.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Mapping, Protocol
 
 import jax
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import compress, static, exact, continuous
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout import compress, continuous, exact, static
+from sparrow_jax.rollout.config import Engine, RolloutConfig, RolloutMode
 from sparrow_jax.rollout.static import start
 from sparrow_jax.rollout.state import DecodeState, Trajectories, check_budgets
 from sparrow_jax.runtime.sharding import ShardingSpec
 
-__all__ = ["decode", "generate", "generate_timed", "start"]
+__all__ = ["decode", "generate", "generate_timed", "start", "Generator", "Decoder", "ENGINES",
+           "DECODERS"]
+
+
+class Generator(Protocol):
+    """A rollout engine: `group_size` samples per prompt, as `generate` documents."""
+    def __call__(self, model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *,
+                 cfg: RolloutConfig, budgets, bin_size: int = 2000, group_size: int = 1,
+                 rng: jax.Array | None = None, spec: ShardingSpec | None = None,
+                 first_sample: int = 0) -> Trajectories: ...
+
+
+class Decoder(Protocol):
+    """A decode mode of the static engine: runs a prefilled `DecodeState` (consumed) to the
+    end, as `decode` documents."""
+    def __call__(self, model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig,
+                 budgets, bin_size: int = 2000,
+                 spec: ShardingSpec | None = None) -> Trajectories: ...
 
 
 def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
@@ -43,10 +63,16 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
     same samples as one call, on either engine.
     """
     check_budgets(cfg, budgets)          # before the (long) prefill
-    if cfg.engine == "paged":
-        return continuous.generate(model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
-                                  bin_size=bin_size, group_size=group_size, rng=rng, spec=spec,
-                                  first_sample=first_sample)
+    return ENGINES[cfg.engine](model, prompt_tokens, prompt_lengths, cfg=cfg, budgets=budgets,
+                               bin_size=bin_size, group_size=group_size, rng=rng, spec=spec,
+                               first_sample=first_sample)
+
+
+def generate_static(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *,
+                    cfg: RolloutConfig, budgets, bin_size: int = 2000, group_size: int = 1,
+                    rng: jax.Array | None = None, spec: ShardingSpec | None = None,
+                    first_sample: int = 0) -> Trajectories:
+    """The static engine's `Generator`: `start` (the prefill), then `decode` in cfg.mode."""
     state = start(model, prompt_tokens, prompt_lengths, cfg=cfg, group_size=group_size, rng=rng,
                   spec=spec, first_sample=first_sample)
     return decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
@@ -58,11 +84,15 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     or reached cfg.max_new_tokens. budgets [num_bins] int32 as in `generate`; the decode `cfg`
     may differ from the prefill's in mode, dense layers and max_budget only."""
     budgets = check_budgets(cfg, budgets)
-    if cfg.mode == "compress":
-        return compress.decode(model, state, cfg=cfg, spec=spec)
-    if cfg.mode == "exact_sparse":
-        return exact.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
-    return static.decode(model, state, cfg=cfg, budgets=budgets, bin_size=bin_size, spec=spec)
+    return DECODERS[cfg.mode](model, state, cfg=cfg, budgets=budgets, bin_size=bin_size,
+                              spec=spec)
+
+
+ENGINES: Mapping[Engine, Generator] = {Engine.STATIC: generate_static,
+                                       Engine.PAGED: continuous.generate}
+DECODERS: Mapping[RolloutMode, Decoder] = {
+    RolloutMode.SPARSE: static.decode, RolloutMode.DENSE: static.decode,
+    RolloutMode.COMPRESS: compress.decode, RolloutMode.EXACT_SPARSE: exact.decode}
 
 
 def generate_timed(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,

@@ -159,10 +159,12 @@ def compressed_decode_program(graphdef, params, state: DecodeState, *, cfg: Roll
     return traj, (st.cache, st.step, st.token, st.done, st.rng, st.sample_ids)
 
 
-def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig,
-           spec: ShardingSpec | None = None, return_cache: bool = False):
+def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, budgets=None,
+           bin_size: int = 2000, spec: ShardingSpec | None = None, return_cache: bool = False):
     """Runs a compress-mode prefill `state` (from `rollout.start` with this cfg; consumed) to the
-    end. Returns Trajectories (with `evicted_at`), and the final KVCache if return_cache."""
+    end (a `rollout.api.Decoder`: the cache bound is `cfg.kv_budget`, so `budgets` and
+    `bin_size` are not read). Returns Trajectories (with `evicted_at`), and the final KVCache if
+    return_cache."""
     plen = state.prompt_tokens.shape[1]
     if (state.cache.max_length != cfg.cache_slots(plen) or state.cache.centroids[0].shape[2]
             or state.tokens.shape[1] != cfg.max_new_tokens):
