@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.bench import xplane
+from sparrow_jax.rollout.config import RolloutMode
 
 PHASES = ("exact_draft", "exact_verify", "exact_accept")     # rollout/exact.py's named scopes
 
@@ -153,7 +154,7 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
     verify_ms = {g: _verify_ms(model, state, g, args.repeats) for g in gammas}
     shares = {}
     for name, (cfg, _) in progs.items():
-        if cfg.mode == "exact_sparse":        # untimed: the profiler slows the run down
+        if cfg.mode == RolloutMode.EXACT_SPARSE:        # untimed: the profiler slows the run down
             shares[name] = xplane.profile(run(name), compiled[name].as_text(), PHASES)
 
     steps = args.batch * (args.new_tokens - 1)
@@ -175,7 +176,7 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
                    ":kernel") else ""), "budget": budget,
                "dense_layers": list(layers), "tok_s": steps / med[name],
                "ratio": med["dense"] / med[name]}
-        if cfg.mode == "sparse":
+        if cfg.mode == RolloutMode.SPARSE:
             row.update(ms_per_step=1e3 * med[name] / (args.new_tokens - 1),
                        kv_bytes_per_token=sparse_kv)
         else:

@@ -9,6 +9,7 @@ from sparrow_jax.dryrun.programs import (Program, StepShape, decode_state, kerne
                                          paged_layout, paged_rollout_programs, rollout_programs)
 from sparrow_jax.dryrun.targets import Target
 from sparrow_jax.runtime.sharding import ShardingSpec
+from sparrow_jax.rollout.config import Engine
 
 
 @dataclasses.dataclass
@@ -29,11 +30,11 @@ def decode_call(shape: StepShape, spec: ShardingSpec, target: Target, layers: in
     rc, per_dev = shape.rollout, shape.rows_call / spec.mesh.shape["data"]
     full_pages = None
     if layers:
-        if rc.engine == "paged":
+        if rc.engine == Engine.PAGED:
             full_pages = paged_layout(shape, spec, shape.rows_call, target.hbm_bytes).pages_per_pool
         shape = dataclasses.replace(shape, model=dataclasses.replace(
             shape.model, num_hidden_layers=layers))
-    if rc.engine == "paged":
+    if rc.engine == Engine.PAGED:
         progs, layout = paged_rollout_programs(shape, spec, shape.rows_call, target.hbm_bytes,
                                                full_pages)
         pool_layer = layout.bytes_per_device // (2 * shape.model.num_hidden_layers)

@@ -34,10 +34,11 @@ from sparrow_jax.rl import learner
 from sparrow_jax.rl import learner_programs as learner_programs_mod
 from sparrow_jax.rollout import (batching, continuous, continuous_state, exact, page_pool, paged,
                                  paged_exact, static)
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.runtime.sharding import ShardingSpec, state_shardings
+from sparrow_jax.sparsity.mismatch import AlphaMode
 
 if TYPE_CHECKING:
     from sparrow_jax.train.plan import RunPlan
@@ -153,7 +154,7 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
     return [Program("rollout.prefill", static.prefill_program, (graphdef, state, *prompts, rng),
                     ("static", "state", "local", "local", "local"),
                     dict(cfg=rc, group_size=n, spec=spec), traj),
-            Program("rollout.decode", exact.decode_program if rc.mode == "exact_sparse"
+            Program("rollout.decode", exact.decode_program if rc.mode == RolloutMode.EXACT_SPARSE
                     else static.decode_program, (graphdef, state, None, budgets),
                     ("static", "state", "local", "local"),
                     dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
@@ -219,14 +220,14 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
                         sds((s,), jnp.bool_, spec), sds((s,), i32, spec),
                         sds((s, layout.max_pages), i32, spec))
     # exact_sparse: the chunk of draft + verify rounds (rollout/paged_exact.py), named so.
-    exact_mode = rc.mode == "exact_sparse"
+    exact_mode = rc.mode == RolloutMode.EXACT_SPARSE
     decode = Program("rollout.paged_decode" + ("[exact_sparse]" if exact_mode else ""),
                      paged_exact.decode_chunk_program if exact_mode else paged.decode_chunk_program,
                      (graphdef, state, kv, slots, budgets, rng),
                      ("static", "state", "local", "local", "local", "local"),
                      dict(cfg=cfg, steps=rc.chunk_steps, bin_size=shape.bin_size, spec=spec))
     return [prefill("rollout.paged_prefill", groups_per_pool, shape.prompt_len, n, False),
-            prefill("rollout.paged_prefill[resume]", 1, widest, 1, rc.mode == "sparse"),
+            prefill("rollout.paged_prefill[resume]", 1, widest, 1, rc.mode == RolloutMode.SPARSE),
             decode], layout
 
 
@@ -249,7 +250,7 @@ def learner_programs(shape: StepShape, spec: ShardingSpec, micro: int) -> list[P
     traj = abstract_trajectories(shape, shape.rows_step, spec)
     rows, t = shape.rows_step, shape.rollout.max_new_tokens
     budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))
-    replay = shape.replay if lc.alpha_mode == "full" else None
+    replay = shape.replay if lc.alpha_mode == AlphaMode.FULL else None
     fused, num_mini = lrn.fused(rows), lrn.num_mini_batches(rows)
     batch = learner.LearnerBatch(traj=traj, advantages=sds((rows,), jnp.float32, spec),
                                  logp_old=None if fused else sds((rows, t), jnp.float32, spec))

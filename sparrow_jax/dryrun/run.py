@@ -57,7 +57,7 @@ from sparrow_jax.dryrun.targets import (TARGETS, Target, get_target, target_devi
 from sparrow_jax.model.config import QWEN3_PRESETS, Qwen3Config, qwen3_preset
 from sparrow_jax.dryrun import kernel_census, selection_cost
 from sparrow_jax.dryrun import report as report_text
-from sparrow_jax.rollout.config import padded_length
+from sparrow_jax.rollout.config import Engine, RolloutMode, padded_length
 from sparrow_jax.runtime import multihost
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 from sparrow_jax.sparsity import cost_model
@@ -75,12 +75,12 @@ def measure_rollout(shape: StepShape, spec: ShardingSpec, target: Target, rows: 
     analysis is one decode step (+ a small prologue/epilogue). pages_per_pool: the paged
     engine's pool size (see `paged_rollout_programs`)."""
     per_dev = rows / spec.mesh.shape["data"]
-    if shape.rollout.engine == "paged":
+    if shape.rollout.engine == Engine.PAGED:
         progs, _ = paged_rollout_programs(shape, spec, rows, target.hbm_bytes, pages_per_pool)
         out = [compile_program(p, target.kernel_platform, per_dev)[0] for p in progs]
         if probe:                       # one decode step: its cost analysis is one token's
             d = progs[-1]               # (exact_sparse: one round, gamma + 1 tokens at most)
-            steps = shape.rollout.gamma + 1 if shape.rollout.mode == "exact_sparse" else 1
+            steps = shape.rollout.gamma + 1 if shape.rollout.mode == RolloutMode.EXACT_SPARSE else 1
             d.name, d.static = d.name + f"[{steps}-step cost probe]", {**d.static, "steps": steps}
             out.append(compile_program(d, target.kernel_platform, per_dev)[0])
         return out
@@ -177,7 +177,7 @@ def fit_max_batches(shape: StepShape, spec: ShardingSpec, target: Target,
     data, out = spec.mesh.shape["data"], {}
     unit = math.lcm(shape.group_size * shape.hosts, data)
     # The paged engine's memory is its pool (RolloutConfig), not its rows: nothing to fit.
-    rows2 = None if shape.rollout.engine == "paged" else _other_size(shape.rows_call, unit,
+    rows2 = None if shape.rollout.engine == Engine.PAGED else _other_size(shape.rows_call, unit,
                                                                      shape.rows_step)
     if rows2:
         fits = [_fit(a, b, room) for a, b in zip(rollout[:2], at_depth(
@@ -251,7 +251,7 @@ def run_dryrun(target_name: str, model: Qwen3Config, *, headroom: float = 0.1,
     data, limit = spec.mesh.shape["data"], (1 - headroom) * target.hbm_bytes
     rollout_depth = depth if rollout_depth is None else rollout_depth
     pool = None
-    if shape.rollout.engine == "paged":
+    if shape.rollout.engine == Engine.PAGED:
         pool = paged_layout(shape, spec, shape.rows_call, target.hbm_bytes)
     rollout = at_depth(measure_rollout, shape, rollout_depth, spec, target, shape.rows_call,
                        probe=cost, pages_per_pool=pool and pool.pages_per_pool)

@@ -28,6 +28,7 @@ from flax import nnx
 
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.rollout.teacher_forced import map_time_chunks, replay_hidden
+from sparrow_jax.rollout.config import RolloutMode
 
 __all__ = ["ReferenceEvalConfig", "reference_batch", "score_references", "summarize"]
 
@@ -172,7 +173,7 @@ class ReferenceEvaluator:
         key = (step, mode)
         if key not in self._cache:
             scores = score_references(
-                model, self.batch, budgets=None if mode == "dense" else budgets,
+                model, self.batch, budgets=None if mode == RolloutMode.DENSE else budgets,
                 bin_size=bin_size, max_budget=max_budget, block_size=block_size,
                 dense_layers=dense_layers, rows_per_call=self.config.rows_per_call,
                 query_chunk=self.config.query_chunk)

@@ -26,20 +26,14 @@ from flax import nnx
 from sparrow_jax.model.attention import chunked_causal_attention
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, RematMode
 from sparrow_jax.rl import grpo
+from sparrow_jax.rollout.config import RolloutMode
 from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.rollout.teacher_forced import (map_time_chunks, sparse_attention_fn,
                                                 trajectory_hidden)
-from sparrow_jax.runtime.choices import Choice
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import mismatch
-
-
-class AlphaMode(Choice):
-    """How the learner measures alpha, the sparse actor's per-token acceptance rate."""
-    FULL = "full"    # exact, full-vocabulary: a teacher-forced replay of the sparse actor
-    TOPK = "topk"    # the paper's lower bound from the rollout's recorded top-k (no extra forward)
-    NONE = "none"    # no mismatch statistic
+from sparrow_jax.sparsity.mismatch import AlphaMode
 
 
 @jax.tree_util.register_dataclass
@@ -76,7 +70,9 @@ class SparseReplay:
     max_selected: int
     block_size: int = 16
     dense_layers: tuple[int, ...] = (0, 1)
-    mode: str = "sparse"     # "compress": replay a KV-compressed rollout (traj.evicted_at)
+    # The rollout mode replayed: "sparse" (block top-k), or "compress" (a KV-compressed
+    # rollout: traj.evicted_at)
+    mode: RolloutMode = RolloutMode.SPARSE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +112,7 @@ def _sparse_hidden(model, traj: Trajectories, budgets, replay: SparseReplay | No
     """The teacher-forced replay of the sparse actor, [B, T, H], or None (no alpha replay)."""
     if opts.alpha_mode != AlphaMode.FULL or replay is None:
         return None
-    if replay.mode == "compress":
+    if replay.mode == RolloutMode.COMPRESS:
         from sparrow_jax.rollout.compress import replay_attention_fn
         fn = replay_attention_fn(traj.evicted_at, query_chunk=opts.attention_chunk)
         return jax.lax.stop_gradient(trajectory_hidden(model, traj, attention_fn=fn))

@@ -12,8 +12,9 @@ import numpy as np
 from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.runtime.choices import Choice
 from sparrow_jax.runtime.shapes import bucket_length, default_buckets
-from sparrow_jax.sparsity.compression import SCORERS
+from sparrow_jax.sparsity.compression import CompressScorer
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
+from sparrow_jax.sparsity.mismatch import AlphaMode
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class RolloutConfig:
     kv_budget: int = 512
     compress_every: int = 128
     window: int = 8
-    compress_scorer: str = "rkv"
+    compress_scorer: CompressScorer = CompressScorer.RKV
     rkv_lambda: float = 0.1
     # engine = "paged" (sparrow_jax.rollout.continuous, docs/rollout.md): KV in pages of block_size
     # tokens, continuous batching in compiled decode chunks of `chunk_steps` steps, GRPO groups
@@ -115,20 +116,20 @@ class RolloutConfig:
     def __post_init__(self):
         # gin binds plain strings: each mode becomes its enum here, or fails naming the choices.
         for name, choice in (("mode", RolloutMode), ("engine", Engine),
-                             ("selection", SelectionBackend)):
+                             ("selection", SelectionBackend), ("compress_scorer", CompressScorer)):
             object.__setattr__(self, name, choice.parse(getattr(self, name),
                                                         f"RolloutConfig.{name}"))
         if self.gamma < 1:
             raise ValueError(f"RolloutConfig.gamma (tokens drafted per verify) must be >= 1, "
                              f"got {self.gamma}")
-        if self.mode == "compress":
+        if self.mode == RolloutMode.COMPRESS:
             self._check_compress()
-        if self.mode == "exact_sparse" and self.gamma_by_bin:
+        if self.mode == RolloutMode.EXACT_SPARSE and self.gamma_by_bin:
             self._check_gamma_by_bin()
-        if self.engine == "paged" and self.mode == "compress":
+        if self.engine == Engine.PAGED and self.mode == RolloutMode.COMPRESS:
             raise ValueError(f"mode={self.mode!r} runs on the static engine only (the paged "
                              "engine does not implement it); set engine='static'")
-        if self.engine == "paged" and self.mode == "exact_sparse" and \
+        if self.engine == Engine.PAGED and self.mode == RolloutMode.EXACT_SPARSE and \
                 self.chunk_steps < self.gamma + 1:
             raise ValueError(f"paged exact_sparse: chunk_steps={self.chunk_steps} must be >= "
                              f"gamma + 1 = {self.gamma + 1} (a chunk runs chunk_steps // "
@@ -163,9 +164,6 @@ class RolloutConfig:
 
     def _check_compress(self) -> None:
         """Raises on compress-mode settings that cannot work (rollout/compress.py runs them)."""
-        if self.compress_scorer not in SCORERS:
-            raise ValueError(f"RolloutConfig.compress_scorer must be one of {SCORERS}, "
-                             f"got {self.compress_scorer!r}")
         if self.window < 1 or self.kv_budget <= self.window:
             raise ValueError(f"compress mode needs 1 <= window < kv_budget, got "
                              f"window={self.window}, kv_budget={self.kv_budget}")
@@ -182,7 +180,7 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.gamma_by_bin={plan}: entries must be >= 0 and "
                              f"gamma={self.gamma} must be their largest ({max(plan)}; it sizes "
                              "the cache slack)")
-        if self.engine != "static":
+        if self.engine != Engine.STATIC:
             raise ValueError(f"RolloutConfig.gamma_by_bin={plan} runs on the static engine only "
                              f"(engine={self.engine!r}); set engine='static' or a fixed gamma")
 
@@ -200,7 +198,8 @@ class RolloutConfig:
     def sparse_layer(self, i: int) -> bool:
         """Whether decoder layer i decodes block-sparse (sparse mode, or exact_sparse's draft;
         not in dense_layers)."""
-        return self.mode in ("sparse", "exact_sparse") and i not in self.dense_layers
+        return (self.mode in (RolloutMode.SPARSE, RolloutMode.EXACT_SPARSE)
+                and i not in self.dense_layers)
 
     def num_sparse_layers(self, num_layers: int) -> int:
         return sum(self.sparse_layer(i) for i in range(num_layers))
@@ -210,7 +209,7 @@ class RolloutConfig:
         `LearnerConfig.alpha_mode == "topk"` (the paper's lower bound) keeps `record_topk`; "full"
         and "none" never read it, so they record width 0 (a top-k over the vocabulary every
         decode step is a full sort on GPU, and its [B, T, k] record a host copy)."""
-        if alpha_mode == "topk":
+        if alpha_mode == AlphaMode.TOPK:
             if self.record_topk <= 0:
                 raise ValueError("LearnerConfig.alpha_mode='topk' needs RolloutConfig.record_topk"
                                  f" > 0, got {self.record_topk}")
@@ -254,9 +253,9 @@ class RolloutConfig:
     def cache_slots(self, prompt_width: int) -> int:
         """KV slots per row: prompt + generation; compress mode: its bound (see compress.py);
         exact_sparse: gamma more (a draft runs gamma tokens past the last recorded one)."""
-        extra = self.gamma if self.mode == "exact_sparse" else 0
+        extra = self.gamma if self.mode == RolloutMode.EXACT_SPARSE else 0
         dense = padded_length(prompt_width + self.max_new_tokens + extra, self.block_size)
-        if self.mode != "compress":
+        if self.mode != RolloutMode.COMPRESS:
             return dense
         bound = max(prompt_width, self.kv_budget) + self.compress_every
         return min(padded_length(bound, self.block_size), dense)
@@ -291,7 +290,7 @@ def rollout_config(schedule: Schedule, stop_ids: tuple[int, ...], pad_id: int, p
     if max_new_tokens is not None:
         overrides["max_new_tokens"] = max_new_tokens
     mode = mode or ("dense" if schedule.is_dense else cfg.mode)
-    if mode == "sparse" and schedule.is_dense:
+    if mode == RolloutMode.SPARSE and schedule.is_dense:
         raise ValueError("--mode sparse needs a sparse schedule (--schedule NAME|JSON or gin "
                          "make_schedule.name); the current schedule is dense")
     try:
@@ -300,7 +299,7 @@ def rollout_config(schedule: Schedule, stop_ids: tuple[int, ...], pad_id: int, p
         raise ValueError(f"bad RolloutConfig: {e}") from None
     budgets = np.asarray(schedule.budgets, np.int64)
     max_context = prompt_width + cfg.max_new_tokens
-    if mode == "dense":
+    if mode == RolloutMode.DENSE:
         return cfg, np.minimum(budgets, np.iinfo(np.int32).max).astype(np.int32)
     if schedule.block_size != cfg.block_size:
         raise ValueError(f"schedule block_size {schedule.block_size} != RolloutConfig.block_size "

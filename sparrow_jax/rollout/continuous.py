@@ -40,7 +40,7 @@ from flax import nnx
 
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import paged, paged_exact, paged_multihost
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted, pages_for, pool_layout
 from sparrow_jax.rollout.continuous_state import (Chunk, PagedStats, Records, Sample,
                                                 decode_budgets, page_bucket, prefill_config,
@@ -93,7 +93,7 @@ class PagedRollout:
         self.program_cfg, self.prefill_cfg = program_config(cfg), prefill_config(cfg)
         self.rng = jax.random.key(0) if rng is None else rng
         self.rec = Records(self.rows, self.t, cfg.record_topk, cfg.pad_token_id,
-                           exact=cfg.mode == "exact_sparse")
+                           exact=cfg.mode == RolloutMode.EXACT_SPARSE)
         self.samples = [Sample(i, i // group_size) for i in range(self.rows)]
         self.first_sample = first_sample
         self.queue = collections.deque(("group", g) for g in range(bp))
@@ -239,7 +239,7 @@ class PagedRollout:
                 sample_ids[r, j] = self.first_sample + s.index
                 index[r, j] = s.generated
         # A resumed sample's generated tokens replay their sparse attention (sparse mode).
-        replay = cfg.mode == "sparse" and units[0][0] == "resume"
+        replay = cfg.mode == RolloutMode.SPARSE and units[0][0] == "resume"
         COMPILES.note("rollout/paged_prefill", rows=rows, width=width, group_size=n,
                       pages=self.pages_per_pool, replay=replay,
                       dtype=jnp.dtype(self.model.dtype).name)
@@ -335,7 +335,7 @@ class PagedRollout:
                       mode=self.program_cfg.mode, pages=self.pages_per_pool,
                       dtype=jnp.dtype(self.model.dtype).name)
         self._note_dispatch()
-        program = (paged_exact.decode_chunk_program if cfg.mode == "exact_sparse"
+        program = (paged_exact.decode_chunk_program if cfg.mode == RolloutMode.EXACT_SPARSE
                    else paged.decode_chunk_program)
         self.kv, out_slots, rec = program(
             self.graphdef, self.params, self.kv, slots, jnp.asarray(decode_budgets(cfg, budgets)),

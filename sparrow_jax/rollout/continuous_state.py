@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from sparrow_jax.rollout import paged
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET
 
 
@@ -61,7 +61,7 @@ def program_config(cfg: RolloutConfig) -> RolloutConfig:
 
 def dense_rung(cfg: RolloutConfig) -> bool:
     """Dense decoding in the sparse programs (`RolloutConfig.dense_via_sparse`)."""
-    return cfg.dense_via_sparse and cfg.mode == "dense"
+    return cfg.dense_via_sparse and cfg.mode == RolloutMode.DENSE
 
 
 def decode_budgets(cfg: RolloutConfig, budgets: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.rollout.config import RolloutMode
 
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def pool_layout(mcfg: Qwen3Config, cfg, dtype, *, rows: int, prompt_width: int, 
                          f"multiple of {data} that is >= {data * group_size}")
     # The last sampled token is never fed, so never written; exact_sparse's last round writes
     # up to gamma positions past the last fed token (drafts it may not keep).
-    extra = cfg.gamma if cfg.mode == "exact_sparse" else 0
+    extra = cfg.gamma if cfg.mode == RolloutMode.EXACT_SPARSE else 0
     max_pages = pages_for(prompt_width + cfg.max_new_tokens - 1 + extra, bs)
     heads_split = model if mcfg.num_key_value_heads % model == 0 else 1
     full = page_bytes(mcfg, dtype, bs)

@@ -26,7 +26,7 @@ from pallas_kernels.reference import all_blocks_selection
 from sparrow_jax.model.attention import masked_gqa_attention
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.prefill import prefill, prefill_attention
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.rollout.state import budget_for_lengths, sample_tokens
@@ -356,7 +356,7 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
         tok, lp, top_v, top_i = sample_tokens(rng, model.logits(hidden[:, 0]), sl.sample_id,
                                               sl.generated, cfg)
         act = sl.active
-        used = budget if cfg.mode == "sparse" else jnp.zeros_like(budget)
+        used = budget if cfg.mode == RolloutMode.SPARSE else jnp.zeros_like(budget)
         rec = (rec[0].at[:, j].set(jnp.where(act, tok, cfg.pad_token_id)),
                rec[1].at[:, j].set(jnp.where(act, lp, 0.0)),
                rec[2].at[:, j].set(jnp.where(act, used, 0)),

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.kv_cache import KVCache
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.runtime import multihost
@@ -105,7 +105,8 @@ def check_budgets(cfg: RolloutConfig, budgets) -> np.ndarray:
     # take the dense path whatever the selection width. A finite budget above the width
     # would be silently capped to it.
     finite = budgets[budgets < DENSE_BUDGET]
-    if cfg.mode in ("sparse", "exact_sparse") and finite.size and finite.max() > cfg.max_budget:
+    if (cfg.mode in (RolloutMode.SPARSE, RolloutMode.EXACT_SPARSE) and finite.size
+            and finite.max() > cfg.max_budget):
         raise ValueError(f"schedule budget {finite.max()} exceeds RolloutConfig.max_budget="
                          f"{cfg.max_budget} (the static selection width); raise max_budget "
                          f"(DENSE_BUDGET = {DENSE_BUDGET} is always allowed: dense)")

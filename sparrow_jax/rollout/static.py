@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
 from sparrow_jax.rollout.prefill import prefill
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain,
@@ -112,7 +112,8 @@ def prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first_
     k_layers = [constrain(jnp.pad(rep(k), pad), CACHE_AXES, spec) for k in ks]
     v_layers = [constrain(jnp.pad(rep(v), pad), CACHE_AXES, spec) for v in vs]
     cents = [constrain(block_scores.block_centroids(k, cfg.block_size), CACHE_AXES, spec)
-             if cfg.mode != "compress" else k[:, :, :0] for k in k_layers]  # compress: no blocks
+             if cfg.mode != RolloutMode.COMPRESS else k[:, :, :0]    # compress: no blocks
+             for k in k_layers]
     lengths = rep(prompt_lengths)
     k_rec = cfg.record_topk
     state = DecodeState(
@@ -174,7 +175,7 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
             logits = model.logits(hidden[:, 0])
         with jax.named_scope("sample"):
             st = record(st, logits, cfg, active)
-        used = budget if cfg.mode == "sparse" else jnp.zeros_like(budget)
+        used = budget if cfg.mode == RolloutMode.SPARSE else jnp.zeros_like(budget)
         new_len = jnp.where(active, lengths, cache.lengths)
         done = st.done | (active & (jnp.isin(st.token, stop_ids) | (new_len + 1 > s_max)))
         return dataclasses.replace(

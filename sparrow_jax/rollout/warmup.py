@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.rollout import paged, paged_exact
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.page_pool import PoolLayout, pool_layout
 from sparrow_jax.rollout.continuous_state import (distinct, page_bucket, prefill_config,
                                                 program_config, row_bucket, slot_bucket)
@@ -147,7 +147,7 @@ def _lower(model, p: Program, *, spec, budgets, bin_size: int, rng):
     slots = paged.Slots(*(_rows(np.zeros(s, t), spec) for t in (i32, i32, i32, bool, i32)),
                         _rows(np.zeros((s, width), i32), spec))
     # exact_sparse: the chunk of draft + verify rounds the scheduler dispatches in that mode.
-    chunk = (paged_exact.decode_chunk_program if p.cfg.mode == "exact_sparse"
+    chunk = (paged_exact.decode_chunk_program if p.cfg.mode == RolloutMode.EXACT_SPARSE
              else paged.decode_chunk_program)
     return chunk.lower(
         graphdef, params, kv, slots, jnp.asarray(np.asarray(budgets, np.int32)), rng,

@@ -32,10 +32,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["window_attention", "pool_tokens", "redundancy", "rkv_scores", "snapkv_scores",
-           "scores", "kept_slots", "SCORERS"]
+from sparrow_jax.runtime.choices import Choice
 
-SCORERS = ("rkv", "snapkv")
+__all__ = ["window_attention", "pool_tokens", "redundancy", "rkv_scores", "snapkv_scores",
+           "scores", "kept_slots", "SCORERS", "CompressScorer"]
+
+
+class CompressScorer(Choice):
+    """How compress mode scores the cached tokens it keeps (`RolloutConfig.compress_scorer`)."""
+    RKV = "rkv"            # R-KV: importance minus redundancy
+    SNAPKV = "snapkv"      # SnapKV: the observation window's attention
+
+
+SCORERS = CompressScorer.values()
 DUPLICATE_THRESHOLD = 0.5
 POOL_KERNEL = 7
 
@@ -141,9 +150,9 @@ def rkv_scores(q_win: jax.Array, keys: jax.Array, lengths: jax.Array, *, window:
 def scores(scorer: str, q_win: jax.Array, keys: jax.Array, lengths: jax.Array, *, window: int,
            lam: float = 0.1) -> jax.Array:
     """`rkv_scores` or `snapkv_scores` by name ("rkv" | "snapkv")."""
-    if scorer == "rkv":
+    if scorer == CompressScorer.RKV:
         return rkv_scores(q_win, keys, lengths, window=window, lam=lam)
-    if scorer == "snapkv":
+    if scorer == CompressScorer.SNAPKV:
         return snapkv_scores(q_win, keys, lengths, window=window)
     raise ValueError(f"compression scorer must be one of {SCORERS}, got {scorer!r}")
 

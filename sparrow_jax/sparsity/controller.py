@@ -38,11 +38,24 @@ from typing import Any
 import gin
 import numpy as np
 
+from sparrow_jax.runtime.choices import Choice
 from sparrow_jax.sparsity.evidence import Evidence, lower_bound, upper_bound
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, NUM_RESERVED_BLOCKS, Schedule
 
-__all__ = ["ControllerConfig", "ControllerState", "controller_update", "ScheduleController",
+__all__ = ["ControllerConfig", "EvidenceUnit", "RaiseOn", "ControllerState", "controller_update", "ScheduleController",
            "bin_ladders", "certify_tokens", "certifies"]
+
+
+class EvidenceUnit(Choice):
+    """The controller's independent statistical unit (`ControllerConfig.unit`)."""
+    ROW = "row"            # each sampled row
+    PROMPT = "prompt"      # a GRPO group's rows summed (they share a prompt)
+
+
+class RaiseOn(Choice):
+    """When a held rung counts as failing (`ControllerConfig.raise_on`)."""
+    UPPER = "upper"        # its upper bound exceeds q (no longer certified)
+    LOWER = "lower"        # its lower bound exceeds q (shown failing): the certified rule
 
 
 @gin.configurable
@@ -90,7 +103,7 @@ class ControllerConfig:
     decay: float = 0.8
     min_rows: int = 16
     min_tokens: int = 256
-    unit: str = "row"
+    unit: EvidenceUnit = EvidenceUnit.ROW
     min_budget: int = 256
     max_budget: int = 16384
     step_factor: float = 1.25
@@ -98,7 +111,7 @@ class ControllerConfig:
     fail_memory: int = 10
     probe: bool = True
     lower_margin: float = 1.0
-    raise_on: str = "lower"
+    raise_on: RaiseOn = RaiseOn.LOWER
 
     def __post_init__(self):
         if not 0.0 < self.target <= 1.0:
@@ -111,14 +124,13 @@ class ControllerConfig:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
         if self.min_rows < 1 or self.min_tokens < 0 or self.fail_memory < 0:
             raise ValueError(f"min_rows >= 1, min_tokens >= 0, fail_memory >= 0 needed: {self}")
-        if self.unit not in ("row", "prompt"):
-            raise ValueError(f"unit must be 'row' or 'prompt', got {self.unit!r}")
+        for name, choice in (("unit", EvidenceUnit), ("raise_on", RaiseOn)):
+            object.__setattr__(self, name, choice.parse(getattr(self, name),
+                                                        f"ControllerConfig.{name}"))
         if self.min_budget > self.max_budget:
             raise ValueError(f"min_budget {self.min_budget} > max_budget {self.max_budget}")
         if not 0.0 < self.lower_margin <= 1.0:
             raise ValueError(f"lower_margin must be in (0, 1], got {self.lower_margin}")
-        if self.raise_on not in ("upper", "lower"):
-            raise ValueError(f"raise_on must be 'upper' or 'lower', got {self.raise_on!r}")
         if self.step_factor <= 1.0:
             raise ValueError(f"step_factor must be > 1, got {self.step_factor}")
         if self.ladder is not None:
@@ -260,7 +272,7 @@ def _failing(ev: Evidence, config: ControllerConfig) -> tuple[np.ndarray, np.nda
     certified at q (the bound of ``_judge``), "lower" = the lower bound above q (min_rows units
     and min_tokens tokens suffice: failure needs no certification volume)."""
     ub, enough, above = _judge(ev, config)
-    if config.raise_on == "upper":
+    if config.raise_on == RaiseOn.UPPER:
         return ub, enough, above
     basic = (np.asarray(ev.units) >= config.min_rows) & (np.asarray(ev.tokens) >= config.min_tokens)
     return ub, enough, basic & (lower_bound(ev, config.confidence) > config.quantile)

@@ -23,9 +23,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sparrow_jax.runtime.choices import Choice
+
 Array = jax.Array
 
+
+class AlphaMode(Choice):
+    """How the learner measures alpha, the sparse actor's per-token acceptance rate
+    (`LearnerConfig.alpha_mode`)."""
+    FULL = "full"    # exact, full-vocabulary: a teacher-forced replay of the sparse actor
+    TOPK = "topk"    # the paper's lower bound from the rollout's recorded top-k (no extra forward)
+    NONE = "none"    # no mismatch statistic
+
+
 __all__ = [
+    "AlphaMode",
     "acceptance_rate",
     "acceptance_rate_from_logprobs",
     "acceptance_rate_topk",

@@ -28,7 +28,7 @@ import pallas_kernels
 from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.model import stop_token_ids
 from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
-from sparrow_jax.rollout.config import padded_length, rollout_config
+from sparrow_jax.rollout.config import RolloutMode, padded_length, rollout_config
 from sparrow_jax.sparsity.schedule import resolve_schedule
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def _budget_summary(budgets: np.ndarray, cached: np.ndarray, block_size: int, mo
                     ) -> dict[str, Any]:
     """Per-sample summary. A token is really sparse when its budget held fewer blocks than the
     context it attended to (otherwise block selection picks every block: exact dense)."""
-    if mode == "dense":
+    if mode == RolloutMode.DENSE:
         return {"mode": "dense"}
     live = budgets[budgets > 0]  # 0 = the first token, sampled from the dense prefill
     blocks = -(-cached // block_size)

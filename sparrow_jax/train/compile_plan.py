@@ -30,7 +30,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout.config import Engine, RolloutConfig, RolloutMode
 from sparrow_jax.rollout.page_pool import pages_for
 from sparrow_jax.rollout.continuous_state import (distinct, page_bucket, prefill_width, row_bucket,
                                                 slot_bucket)
@@ -196,7 +196,7 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
     w, r = len(widths), len(responses)
     engine = f"{rc.engine} engine, {rc.mode}"
     out = []
-    if rc.engine == "paged":
+    if rc.engine == Engine.PAGED:
         out += _paged(rc, widths, rows, group_size, data_shards, pool_pages=pool_pages)
     else:
         per = f"{engine}; {rows} rows; per prompt width ({_span(widths)})"
@@ -224,7 +224,7 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
                 if k:
                     out.append(Planned(name, "the evaluation's own (warmed up), at prompt width "
                                        f"{eval_width}", k, k))
-        elif rc.engine == "paged":
+        elif rc.engine == Engine.PAGED:
             # In the training rollout's slots (Trainer.train_slots): the training mode's decode
             # programs are shared; prefill (one sample per prompt) is its own.
             first = most = 0
@@ -232,7 +232,8 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
                 p, d = _paged(dataclasses.replace(rc, mode=mode), (eval_width,), rows, 1,
                               data_shards, prompts=eval_rows or rows, pool_pages=pool_pages)
                 # Dense decoding of a sparse run runs in its sparse programs (dense_via_sparse).
-                shared = (mode in (rc.mode, "dense" if rc.mode == "sparse" else rc.mode)
+                shared = (mode in (rc.mode, RolloutMode.DENSE if rc.mode == RolloutMode.SPARSE
+                                   else rc.mode)
                           and eval_width in widths
                           and eval_temperature in (None, rc.temperature))
                 # One prefill program for every mode (continuous_state.prefill_config).
@@ -274,7 +275,7 @@ def warm_list(rc: RolloutConfig, mcfg, dtype, *, rows: int, group_size: int, dat
     from sparrow_jax.rollout import warmup
     from sparrow_jax.rollout.page_pool import pool_layout
 
-    if rc.engine != "paged":
+    if rc.engine != Engine.PAGED:
         return []
 
     def listed(rc_, rows_, width, n, name):
@@ -289,7 +290,7 @@ def warm_list(rc: RolloutConfig, mcfg, dtype, *, rows: int, group_size: int, dat
         for mode in eval_modes:
             erc = dataclasses.replace(rc, mode=mode, temperature=temp,
                                       max_slots=train_slots or rc.max_slots,
-                                      dense_via_sparse=rc.mode == "sparse")   # as Trainer
+                                      dense_via_sparse=rc.mode == RolloutMode.SPARSE)   # as Trainer
             lists.append(listed(erc, eval_rows * eval_samples, eval_width, eval_samples,
                                 "eval"))
     return warmup.distinct_programs(*lists)

@@ -42,6 +42,7 @@ from sparrow_jax.runtime.shapes import default_buckets
 from sparrow_jax.sparsity.controller import ControllerConfig
 from sparrow_jax.sparsity.schedule import Schedule, make_schedule
 from sparrow_jax.train.config import ConfigError, TrainConfig, gin_value
+from sparrow_jax.sparsity.mismatch import AlphaMode
 
 __all__ = ["RunPlan", "resolve", "from_gin", "run_mode", "log_plan"]
 
@@ -167,7 +168,8 @@ def resolve(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig,
                      f"exact_sparse rollout: gamma {rollout.gamma} drafts per dense verify "
                      f"pass, draft budgets {sorted(set(schedule.budgets))}")
     # Dense and exact-sparse samples are the dense policy's: no sparse replay to compare.
-    if mode in (RolloutMode.DENSE, RolloutMode.EXACT_SPARSE) and learner.alpha_mode == "full":
+    if (mode in (RolloutMode.DENSE, RolloutMode.EXACT_SPARSE)
+            and learner.alpha_mode == AlphaMode.FULL):
         learner = dataclasses.replace(learner, alpha_mode="none")
     # The vocabulary top-k is recorded per token only when the learner's alpha reads it.
     rollout = rollout.for_alpha_mode(learner.alpha_mode)
@@ -178,7 +180,8 @@ def resolve(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig,
     replay = SparseReplay(bin_size=schedule.bin_size,
                           max_selected=rollout.max_budget // rollout.block_size,
                           block_size=rollout.block_size, dense_layers=tuple(rollout.dense_layers),
-                          mode="compress" if mode == RolloutMode.COMPRESS else "sparse")
+                          mode=RolloutMode.COMPRESS if mode == RolloutMode.COMPRESS
+                          else RolloutMode.SPARSE)
     actor = mode if mode in (RolloutMode.COMPRESS, RolloutMode.EXACT_SPARSE) else RolloutMode.SPARSE
     return RunPlan(
         train=train, rollout=rollout, learner=learner, loss=loss, schedule=schedule,
@@ -186,7 +189,7 @@ def resolve(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig,
         length_buckets=tuple(learner.length_buckets or default_buckets(
             rollout.max_new_tokens, multiple=rollout.block_size)),
         eval_modes=(RolloutMode.DENSE, actor), adapts=adapts,
-        probes=adapts and learner.alpha_mode == "full", distills=distills,
+        probes=adapts and learner.alpha_mode == AlphaMode.FULL, distills=distills,
         notes=tuple(notes), warnings=tuple(warnings))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from sparrow_jax.runtime import multihost
-from sparrow_jax.sparsity.controller import ScheduleController
+from sparrow_jax.sparsity.controller import EvidenceUnit, ScheduleController
 from sparrow_jax.sparsity.evidence import exceedance_counts, group_units
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, Schedule
 
@@ -35,7 +35,7 @@ def counts(ctrl: ScheduleController, alpha, traj, group_size: int
     hits, tokens = exceedance_counts(_host(alpha), _host(traj.cached_lengths), _host(traj.mask),
                                      target=ctrl.config.target, bin_size=sched.bin_size,
                                      num_bins=sched.num_bins)
-    if ctrl.config.unit == "prompt":
+    if ctrl.config.unit == EvidenceUnit.PROMPT:
         hits, tokens = group_units(hits, tokens, group_size)
     return hits, tokens
 

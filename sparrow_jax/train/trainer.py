@@ -46,6 +46,7 @@ from sparrow_jax.train import compile_plan, resume_config, schedule_step, step
 from sparrow_jax.train.config import TrainConfig, gin_value
 from sparrow_jax.train.plan import RunPlan, log_plan
 from sparrow_jax.train.plan import from_gin as plan_from_gin
+from sparrow_jax.rollout.config import RolloutMode
 
 __all__ = ["Trainer"]
 
@@ -258,22 +259,23 @@ class Trainer:
             rc = dataclasses.replace(self.rollout_cfg, mode=mode,
                                      temperature=self.cfg.eval_temperature,
                                      max_slots=self.train_slots(),
-                                     dense_via_sparse=self.rollout_cfg.mode == "sparse")
+                                     dense_via_sparse=self.rollout_cfg.mode == RolloutMode.SPARSE)
             # Dense decoding evaluates the policy itself, never the sparse actor's adapter.
-            model = (compute_copy(self.model) if self.distiller and mode == "dense"
+            model = (compute_copy(self.model) if self.distiller and mode == RolloutMode.DENSE
                      else self.rollout_model())
             # Long generations make this minutes of silence otherwise (4.5K tokens: ~10 min on CPU).
             t0 = time.perf_counter()
             log.info("held-out evaluation at step %d: %s decoding of %d prompts, up to %d new "
                      "tokens%s", self.step, mode, int(np.sum(self.eval_batch.valid)),
                      rc.max_new_tokens, ", then the teacher-forced references"
-                     if self.reference is not None and mode in ("dense", "sparse") else "")
+                     if self.reference is not None
+                     and mode in (RolloutMode.DENSE, RolloutMode.SPARSE) else "")
             r = evaluation.evaluate(model, self.tokenizer, self.pool, self.eval_batch, cfg=rc,
                                     budgets=np.asarray(sched.budgets), bin_size=sched.bin_size,
                                     rng=rng, spec=self.spec, diagnostics=self.diagnostics,
                                     samples=self.cfg.eval_samples)
             out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
-            if self.reference is not None and mode in ("dense", "sparse"):
+            if self.reference is not None and mode in (RolloutMode.DENSE, RolloutMode.SPARSE):
                 rc = self.rollout_cfg
                 r = self.reference(model, mode, self.step, budgets=np.asarray(sched.budgets),
                                    bin_size=sched.bin_size, max_budget=rc.max_budget,
