@@ -120,14 +120,18 @@ def test_a_wrong_mode_fails_at_config_time_naming_the_choices():
         _train(rollout_mode="exact")
     with pytest.raises(ValueError, match="RolloutConfig.engine must be one of"):
         RolloutConfig(engine="page")
-    # A bad gin binding is named before anything is built (runtime.config_check).
+    # A binding that is not even a string is named before anything is built
+    # (runtime.config_check); a wrong string, by the config with the run's other problems.
     from sparrow_jax.runtime import config_check
     gin.clear_config()
     try:
-        gin.parse_config("RolloutConfig.mode = 'sprase'")
-        with pytest.raises(TypeError, match=r"RolloutConfig.mode = 'sprase': expected one of "
+        gin.parse_config("RolloutConfig.mode = 3")
+        with pytest.raises(TypeError, match=r"RolloutConfig.mode = 3: expected one of "
                                             r"\('sparse', 'dense', 'compress', 'exact_sparse'\)"):
             config_check.check_bindings()
+        gin.clear_config()
+        gin.parse_config("RolloutConfig.mode = 'sprase'")
+        config_check.check_bindings()
     finally:
         gin.clear_config()
 

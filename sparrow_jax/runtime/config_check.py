@@ -71,7 +71,9 @@ def _fits(value: Any, tp: Any) -> bool | object:
     if origin is typing.Literal:
         return value in args
     if isinstance(tp, type) and issubclass(tp, enum.Enum):     # a mode (runtime.choices)
-        return isinstance(value, tp) or value in [m.value for m in tp]
+        # The type is a string; which strings the config takes it says itself when built,
+        # naming the choices, with the run's other problems (train.preflight).
+        return isinstance(value, (tp, str))
     if origin in (tuple, list, collections.abc.Sequence):
         if not isinstance(value, (tuple, list)):
             return False
