@@ -3,6 +3,7 @@ dense policy's distribution (chi-square at scale on a toy autoregressive model, 
 test rejects a planted bug), greedy tokens equal dense greedy, sampled tokens pass a PIT test
 against a teacher-forced dense pass, and recorded logprobs equal that pass to 1e-5."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from scipy import stats
 
 from hf_fixtures import make_sharp_tiny_model, random_prompts
-from sparrow_jax.rollout import RolloutConfig, exact, generate, speculative
+from sparrow_jax.rollout import RolloutConfig, dense_attention, exact, generate, speculative
 from sparrow_jax.rollout.sampling import sampling_logprobs
 from sparrow_jax.rollout.teacher_forced import replay_logprobs, trajectory_hidden
 
@@ -149,7 +150,7 @@ def test_verify_attention_cascade_equals_causal_attention(one_pass, monkeypatch)
     kernel, + causal attention among the new tokens, merged by log-sum-exp) == plain masked
     causal attention over the cache; an empty prefix (row 0) too."""
     if not one_pass:
-        monkeypatch.setattr(exact, "ONE_PASS_BYTES", 0)
+        monkeypatch.setattr(dense_attention, "ONE_PASS_BYTES", 0)
     b, c, hq, hkv, d, s = 3, 5, 4, 2, 16, 64
     r = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(r[0], (b, c, hq, d))
@@ -209,6 +210,52 @@ def test_greedy_exact_sparse_equals_dense_greedy(sharp):
 
 
 @pytest.mark.slow
+def test_verify_guided_drafts_and_a_mixed_plan_keep_verified_tokens_dense_greedy(sharp):
+    """Verify-guided drafts (the blocks the last verify pass attended most): greedy tokens
+    still equal dense greedy, and the drafts differ from the centroid-scored ones (other
+    alphas). A mixed plan - bin 0 dense steps, bin 1 gamma 2, bins 2+ approximate
+    sparse - keeps every token before a row's first approximate bin dense greedy's; the
+    approximate tokens are unverified drafts recording their budget, no acceptance, no
+    alpha."""
+    toks, lens = random_prompts([40, 70, 9, 23], seed=2)
+    kw = dict(max_new_tokens=48, temperature=0.0, stop_token_ids=(18,), **KW)
+    dense = generate(sharp, toks, lens, cfg=RolloutConfig(mode="dense", **kw), budgets=BUDGETS)
+    cfg = RolloutConfig(mode="exact_sparse", gamma=2, **kw)
+    four = np.full(8, 64, np.int32)        # 4 blocks: one chosen besides sink + 2 local
+    centroid = generate(sharp, toks, lens, budgets=four, cfg=cfg)
+    guided = generate(sharp, toks, lens, budgets=four,
+                      cfg=dataclasses.replace(cfg, draft_scorer="verify"))
+    np.testing.assert_array_equal(np.asarray(guided.tokens), np.asarray(dense.tokens))
+    np.testing.assert_allclose(np.asarray(guided.logprobs), np.asarray(dense.logprobs),
+                               atol=1e-5)
+    fin = np.isfinite(np.asarray(centroid.alpha))      # the drafts' distributions differ
+    assert np.abs(np.asarray(guided.alpha)[fin] - np.asarray(centroid.alpha)[fin]).max() > 1e-3
+    mixed = generate(sharp, toks, lens, budgets=BUDGETS, bin_size=32, cfg=dataclasses.replace(
+        cfg, gamma_by_bin=(0, 2, 1), approximate_from_bin=2, draft_scorer="verify"))
+    plen = np.asarray(lens)
+    t = np.arange(48)[None]
+    m = np.asarray(mixed.mask)
+    approx = ((plen[:, None] + t) // 32 >= 2) & m        # cached length at the token's round
+    budgets = np.asarray(mixed.budgets)
+    first = np.argmax(approx | ~m, axis=1)              # a row's first approximate token
+    for r in range(4):
+        np.testing.assert_array_equal(np.asarray(mixed.tokens)[r, :first[r]],
+                                      np.asarray(dense.tokens)[r, :first[r]])
+    assert approx.sum() > 40 and (budgets[~approx & m] == 0).all()
+    # A round that started in bin 1 may run over into bin 2 (its tokens verified); from a
+    # row's first unverified token on, every token is an approximate draft.
+    unverified = budgets > 0
+    assert unverified.sum() > 30 and (budgets[unverified] == 48).all()
+    assert not np.asarray(mixed.accepted)[unverified].any()
+    assert np.isnan(np.asarray(mixed.alpha)[unverified]).all()
+    # Verified rounds: dense steps in bin 0; in the approximate bins only the dense steps the
+    # batch ran for a row still in bin 0 (an approximate row takes that round's dense token).
+    rows = exact.acceptance_by_bin(mixed, gamma=(0, 2, 1), bin_size=32)
+    assert rows[1]["bin"] == 1 and rows[1]["tokens_per_pass"] > 1
+    assert all(r["tokens_per_pass"] == 1.0 for r in rows if r["bin"] != 1)
+
+
+@pytest.mark.slow
 @pytest.mark.guard
 def test_sampled_tokens_are_dense_samples_and_logprobs_are_dense(sharp):
     """Randomised PIT: for tokens sampled from the dense conditionals, F(x-) + u p(x) is i.i.d.
@@ -249,10 +296,17 @@ def test_bad_settings():
         RolloutConfig(mode="exactsparse")
     with pytest.raises(ValueError, match=r"gamma=4 must be their largest \(2"):
         RolloutConfig(mode="exact_sparse", gamma_by_bin=(2, 0))
-    with pytest.raises(ValueError, match="static engine only"):
-        RolloutConfig(mode="exact_sparse", engine="paged", gamma=2, gamma_by_bin=(2, 0))
-    assert RolloutConfig(mode="exact_sparse", gamma=2, gamma_by_bin=(2, 0, 2, 1)
-                         ).round_gammas == (0, 1, 2)
+    with pytest.raises(ValueError, match="draft_scorer must be one of"):
+        RolloutConfig(mode="exact_sparse", draft_scorer="attention")
+    with pytest.raises(ValueError, match="approximate_from_bin=-1: a bin index"):
+        RolloutConfig(mode="exact_sparse", approximate_from_bin=-1)
+    cfg = RolloutConfig(mode="exact_sparse", gamma=2, gamma_by_bin=(2, 0, 2, 1))
+    assert cfg.round_gammas == (0, 1, 2) and cfg.plans_per_bin
+    # Bins 2.. approximate: their gammas never run.
+    mixed = RolloutConfig(mode="exact_sparse", engine="paged", gamma=2, gamma_by_bin=(0, 2, 1),
+                          approximate_from_bin=2)
+    assert mixed.round_gammas == (0, 2) and mixed.plans_per_bin
+    assert not RolloutConfig(mode="exact_sparse", gamma=2).plans_per_bin
 
 
 @pytest.mark.slow

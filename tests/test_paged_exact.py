@@ -82,6 +82,43 @@ def test_paged_exact_greedy_equals_dense_greedy_with_groups_and_preemption(sharp
     assert np.asarray(ex.budgets).max() == 0
 
 
+@pytest.mark.slow
+def test_paged_exact_runs_a_per_bin_plan(sharp):
+    """A gamma per 24-token bin (3, 0, 3: rounds mix slots drafting 3 and dense steps, each
+    slot offering its own bin's drafts), verify-guided drafts, a pool that preempts: greedy
+    tokens equal dense greedy. With bins 2+ approximate (`approximate_from_bin`), every token
+    before a slot's first approximate bin is dense greedy's, the approximate ones are
+    unverified drafts recording their budget."""
+    toks, lens = _prompts([40, 70, 32, 23], seed=2)
+    cfg = RolloutConfig(temperature=0.0, stop_token_ids=(36,), **KW)
+    four = np.full(8, 64, np.int32)                 # one block chosen besides sink + local
+    dense = generate(sharp, toks, lens, cfg=dataclasses.replace(cfg, mode="dense"),
+                     budgets=four, group_size=2)
+    ecfg = dataclasses.replace(cfg, mode="exact_sparse", engine="paged", gamma_by_bin=(3, 0, 3),
+                               draft_scorer="verify", pool_bytes=_tight(sharp, 13))
+    ex = generate(sharp, toks, lens, budgets=four, group_size=2, bin_size=24, cfg=ecfg)
+    assert continuous.LAST_STATS.preemptions > 0
+    np.testing.assert_array_equal(np.asarray(ex.tokens), np.asarray(dense.tokens))
+    m = np.asarray(dense.mask)
+    np.testing.assert_allclose(np.asarray(ex.logprobs)[m], np.asarray(dense.logprobs)[m],
+                               atol=1e-5)
+    acc = np.asarray(ex.accepted)
+    assert 0 < acc.sum() < m.sum() - m.shape[0] - 10 and np.asarray(ex.budgets).max() == 0
+    mixed = generate(sharp, toks, lens, budgets=four, group_size=2, bin_size=32,
+                     cfg=dataclasses.replace(ecfg, gamma_by_bin=(3, 3, 0),
+                                             approximate_from_bin=2))
+    plen = np.repeat(lens, 2)
+    mm = np.asarray(mixed.mask)
+    approx = ((plen[:, None] + np.arange(40)[None]) // 32 >= 2) & mm
+    first = np.argmax(approx | ~mm, axis=1)
+    for r in range(8):
+        np.testing.assert_array_equal(np.asarray(mixed.tokens)[r, :first[r]],
+                                      np.asarray(dense.tokens)[r, :first[r]])
+    unverified = np.asarray(mixed.budgets) > 0
+    assert unverified.sum() > 40 and (np.asarray(mixed.budgets)[unverified] == 64).all()
+    assert not np.asarray(mixed.accepted)[unverified].any()
+
+
 @pytest.mark.slow       # ~90 s loaded: `launch/local.sh test --all`
 def test_paged_exact_samples_equal_static_exact_and_logprobs_are_dense(sharp):
     """Sampled, groups of 3, a tight pool (preemption): every sample equals the static engine's

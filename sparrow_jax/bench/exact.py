@@ -20,7 +20,7 @@ sparse steps), verify (the dense pass), accept (the acceptance rule, records, ro
 (the loop's own ops) - scaled to the measured ms per round. `verify_alone_ms` is a verify pass
 timed alone (gamma + 1 tokens, dense, in place), for comparison. --before adds, per gamma, the
 exact program with the verify's prefix through the chunked dense decode kernel (as before
-2026-11-27; rollout/exact.py ONE_PASS_BYTES), side by side. KV bytes read
+2026-11-27; rollout/dense_attention.py ONE_PASS_BYTES), side by side. KV bytes read
 per generated token (per row, at the full context, K+V of every layer plus the sparse layers'
 centroid scoring) follow from the shapes: dense reads the whole context every layer; sparse
 reads the budget in sparse layers; exact reads gamma sparse steps + one dense pass per round,
@@ -92,7 +92,7 @@ def _time(fn) -> float:
 
 
 def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
-    from sparrow_jax.rollout import static, exact, start
+    from sparrow_jax.rollout import dense_attention, static, exact, start
     from sparrow_jax.rollout.config import padded_length
     budget = (args.budget or [1024])[0]
     gammas = args.gamma
@@ -124,15 +124,15 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
     compiled = {}
     for name, (cfg, prog) in progs.items():
         t0 = time.perf_counter()
-        one_pass, kernel = exact.ONE_PASS_BYTES, name.endswith(":kernel")
+        one_pass, kernel = dense_attention.ONE_PASS_BYTES, name.endswith(":kernel")
         if kernel:         # read when traced: a fresh trace, not the cached one-pass program
-            exact.ONE_PASS_BYTES = 0
+            dense_attention.ONE_PASS_BYTES = 0
             jax.clear_caches()
         try:
             compiled[name] = prog.lower(graphdef, params, state, budgets, cfg=cfg,
                                         bin_size=2000, spec=None).compile()
         finally:
-            exact.ONE_PASS_BYTES = one_pass
+            dense_attention.ONE_PASS_BYTES = one_pass
             if kernel:
                 jax.clear_caches()
         print(f"#   compiled {name} at {context} in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -244,11 +244,11 @@ def _verify_ms(model, state, gamma: int, repeats: int) -> float:
     b = state.tokens.shape[0]
     seq = jnp.ones((b, gamma + 1), jnp.int32)
     starts = state.cache.lengths
-    ks, vs, _ = jax.block_until_ready(one(params, ks, vs, starts, seq))     # compile
+    ks, vs, _, _ = jax.block_until_ready(one(params, ks, vs, starts, seq))     # compile
     times = []
     for _ in range(max(repeats, 3)):
         t0 = time.perf_counter()
-        ks, vs, logits = jax.block_until_ready(one(params, ks, vs, starts, seq))
+        ks, vs, logits, _ = jax.block_until_ready(one(params, ks, vs, starts, seq))
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 

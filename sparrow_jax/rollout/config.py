@@ -31,6 +31,12 @@ class Engine(Choice):
     PAGED = "paged"                  # page pools, continuous batching (rollout/continuous.py)
 
 
+class DraftScorer(Choice):
+    """How exact_sparse drafts choose their KV blocks (docs/rollout.md, "Verify-guided drafts")."""
+    CENTROID = "centroid"            # the draft query against each block's mean key (sparse mode's)
+    VERIFY = "verify"                # the attention mass the last dense verify pass gave each block
+
+
 class SelectionBackend(Choice):
     AUTO = "auto"                    # where the attention kernel runs (a Triton kernel on GPUs)
     XLA = "xla"                      # the XLA form everywhere (for comparison)
@@ -54,12 +60,21 @@ class RolloutConfig:
     mode: RolloutMode = RolloutMode.SPARSE   # "sparse" | "dense" | "compress" (Sparse-RL's KV
     #                                      eviction) | "exact_sparse" (sparse drafts, dense verify)
     gamma: int = 4                       # exact_sparse: tokens drafted per dense verify pass
-    # exact_sparse, static engine: the draft length per length bin (the bins of the budgets;
-    # the last entry holds beyond), 0 = dense decoding in that bin (no draft), e.g. the plan of
+    # exact_sparse: the draft length per length bin (the bins of the budgets; the last entry
+    # holds beyond), 0 = dense decoding in that bin (no draft), e.g. the plan of
     # sparsity/exact_cost.choose_per_bin; () = `gamma` in every bin. gamma must be the largest
     # entry (the cache slack). One program holds a branch per distinct entry: keep the set
     # small, e.g. {0, 1, 2, 4}.
     gamma_by_bin: tuple[int, ...] = ()
+    # exact_sparse: bins from this one on (>= 1; 0 = none) decode approximately sparse: the
+    # drafts are kept unverified, recorded with the draft's log-probs and budget (the learner's
+    # TIS corrects them, as in mode "sparse"). A suffix of the bins, so that every verified
+    # token before it is the dense policy's (exact_cost.plan_modes chooses it per bin).
+    approximate_from_bin: int = 0
+    # exact_sparse: how the drafts pick their blocks - "centroid" (sparse mode's scoring) or
+    # "verify" (the per-block attention mass of the last verify pass, per KV head; a row's
+    # first round, and each paged decode chunk's, scores centroids).
+    draft_scorer: DraftScorer = DraftScorer.CENTROID
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 16
     max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
@@ -116,7 +131,8 @@ class RolloutConfig:
     def __post_init__(self):
         # gin binds plain strings: each mode becomes its enum here, or fails naming the choices.
         for name, choice in (("mode", RolloutMode), ("engine", Engine),
-                             ("selection", SelectionBackend), ("compress_scorer", CompressScorer)):
+                             ("selection", SelectionBackend), ("compress_scorer", CompressScorer),
+                             ("draft_scorer", DraftScorer)):
             object.__setattr__(self, name, choice.parse(getattr(self, name),
                                                         f"RolloutConfig.{name}"))
         if self.gamma < 1:
@@ -126,6 +142,9 @@ class RolloutConfig:
             self._check_compress()
         if self.mode == RolloutMode.EXACT_SPARSE and self.gamma_by_bin:
             self._check_gamma_by_bin()
+        if self.approximate_from_bin < 0:      # read by exact_sparse only (as gamma_by_bin)
+            raise ValueError(f"RolloutConfig.approximate_from_bin={self.approximate_from_bin}: "
+                             "a bin index >= 1 of an exact_sparse plan (0: none)")
         if self.engine == Engine.PAGED and self.mode == RolloutMode.COMPRESS:
             raise ValueError(f"mode={self.mode!r} runs on the static engine only (the paged "
                              "engine does not implement it); set engine='static'")
@@ -180,15 +199,19 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.gamma_by_bin={plan}: entries must be >= 0 and "
                              f"gamma={self.gamma} must be their largest ({max(plan)}; it sizes "
                              "the cache slack)")
-        if self.engine != Engine.STATIC:
-            raise ValueError(f"RolloutConfig.gamma_by_bin={plan} runs on the static engine only "
-                             f"(engine={self.engine!r}); set engine='static' or a fixed gamma")
 
     @property
     def round_gammas(self) -> tuple[int, ...]:
         """The draft lengths an exact_sparse round can run: the distinct gamma_by_bin entries
-        (0: a dense step), or (gamma,)."""
-        return tuple(sorted(set(self.gamma_by_bin))) or (self.gamma,)
+        of the verified bins (0: a dense step), or (gamma,)."""
+        verified = self.gamma_by_bin[:self.approximate_from_bin or None]
+        return tuple(sorted(set(verified))) or (self.gamma,)
+
+    @property
+    def plans_per_bin(self) -> bool:
+        """Whether an exact_sparse round's rows may differ in what they run (a gamma per bin,
+        or approximate bins): the engines then pick each round's branch per batch."""
+        return len(self.round_gammas) > 1 or bool(self.approximate_from_bin)
 
     @property
     def selection_backend(self) -> str:

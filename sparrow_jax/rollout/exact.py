@@ -15,6 +15,13 @@ policy's (from the verify pass), so the learner's TIS weight of every token is 1
 rounding, and `budgets` records 0 (dense). Per token the trajectories carry `accepted` and
 `alpha` (state.Trajectories).
 
+Drafts choose their blocks by centroid score (`RolloutConfig.draft_scorer = "centroid"`, as
+sparse mode does) or by the attention mass the last verify pass gave each block, per KV head
+(`"verify"`: the verify already computes every block's attention for gamma + 1 positions;
+`verify_forward(..., mass_layers=)` returns it, `verify.guide_scores` accumulates it). A plan
+per length bin (`gamma_by_bin`, `approximate_from_bin`) runs as a `lax.switch` over a round per
+distinct gamma, plus a round of unverified drafts when every active row is in an approximate bin.
+
 This mode extends the static engine: it reuses static.py's prefill and per-layer decode
 attention; what does not touch the cache (the verify's cascade attention, draft sampling, the
 round's acceptance and records) is rollout/verify.py's, shared with the paged engine's mode
@@ -32,63 +39,48 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import speculative
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout import dense_attention, speculative
+from sparrow_jax.rollout.config import DraftScorer, RolloutConfig
 from sparrow_jax.rollout.static import layer_attention_fns
 from sparrow_jax.rollout.kv_cache import KVCache, write_token
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain)
 from sparrow_jax.runtime.shapes import COMPILES
-from sparrow_jax.rollout.verify import (accept_round, cascade_attention, draft_sample,
-                                        round_blocks)
+from sparrow_jax.rollout.verify import (accept_round, approximate_round, cascade_attention,
+                                        draft_sample, guide_scores, round_blocks)
 from sparrow_jax.runtime.sharding import ShardingSpec
+from sparrow_jax.sparsity import block_scores, selection
 
 
-# The verify's prefix in one XLA pass (no chunks) while its f32 score block [B, C Hq, S] stays
-# within this many bytes. On XLA:CPU the dense decode kernel's chunked loop copies every cache
-# chunk out before its dot (a profile of the 16K bench: ~30% of the verify pass); one pass reads
-# the cache in place: 36 -> 28 ms per layer at 16K, 4 rows, C Hq = 40 (2026-11-27, shared CPU).
-ONE_PASS_BYTES = 256 << 20
-
-
-def prefix_one_pass(folded, k_cache, v_cache, starts):
-    """Dense attention of folded [B, Hq', D] queries over the keys < starts[b] of
-    k/v_cache [B, Hkv, S, D] in one pass (as `pallas_kernels.dense_decode`: (out [B, Hq', D],
-    lse [B, Hq'] f32; an empty prefix gives out 0, lse -inf)."""
-    b, hq, d = folded.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
-    qg = folded.reshape(b, hkv, hq // hkv, d)
-    scores = jnp.einsum("bhgd,bhtd->bhgt", qg, k_cache,
-                        preferred_element_type=jnp.float32) * d ** -0.5
-    visible = jnp.arange(s)[None, None, None, :] < starts[:, None, None, None]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    ok = starts[:, None, None, None] > 0
-    p = jnp.exp(scores - jnp.where(ok, m, 0.0))
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgt,bhtd->bhgd", p.astype(v_cache.dtype), v_cache,
-                     preferred_element_type=jnp.float32) / jnp.where(ok, l, 1.0)
-    lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
-    return (jnp.where(ok, out, 0.0).reshape(b, hq, d).astype(folded.dtype),
-            lse.reshape(b, hq))
-
-
-def verify_attention(q, k_cache, v_cache, starts, k_new, v_new, *, backend: str = "auto"):
+def verify_attention(q, k_cache, v_cache, starts, k_new, v_new, *, backend: str = "auto",
+                     mass_block: int = 0):
     """The verify pass's dense causal attention of C consecutive queries per row
-    (`verify.cascade_attention`), the prefix (keys < starts[b]) read by the dense decode kernel
-    (on the XLA backend: in one pass, `prefix_one_pass`, while its scores fit ONE_PASS_BYTES).
-    q [B, C, Hq, D] at positions starts[b] + i; k/v_cache [B, Hkv, S, D]; k/v_new
-    [B, C, Hkv, D]. Query i sees keys 0 .. starts[b] + i. Returns [B, C, Hq, D]."""
-    b, c, hq, _ = q.shape
-    one_pass = (pallas_kernels.resolve_backend(backend) == "xla"
-                and 4 * b * c * hq * k_cache.shape[2] <= ONE_PASS_BYTES)
+    (`verify.cascade_attention`), the prefix (keys < starts[b]) read in one pass on the XLA
+    backend, else by the dense decode kernel (`dense_attention.decode`). q [B, C, Hq, D] at
+    positions starts[b] + i; k/v_cache [B, Hkv, S, D]; k/v_new [B, C, Hkv, D]. Query i sees keys
+    0 .. starts[b] + i. Returns out [B, C, Hq, D]; with mass_block > 0 also the attention mass
+    of each block of mass_block keys of the prefix, summed over every query of a KV head
+    [B, Hkv, S // mass_block] (what verify-guided drafts rank)."""
+    mass = []
 
     def prefix(folded):
-        if one_pass:
-            return prefix_one_pass(folded, k_cache, v_cache, starts)
-        return pallas_kernels.dense_decode(folded, k_cache, v_cache, starts, backend=backend)
-    return cascade_attention(q, prefix, k_new, v_new)
+        if not mass_block:
+            return dense_attention.decode(folded, k_cache, v_cache, starts, backend=backend)
+        if dense_attention.fits_one_pass(backend, *folded.shape[:2], k_cache.shape[2]):
+            out, lse, m = dense_attention.one_pass(folded, k_cache, v_cache, starts,
+                                                   mass_block=mass_block)
+        else:
+            out, lse = pallas_kernels.dense_decode(folded, k_cache, v_cache, starts,
+                                                   backend=backend)
+            m = dense_attention.block_mass_from_lse(folded, k_cache, lse, starts,
+                                                    block_size=mass_block)
+        mass.append(m)
+        return out, lse
+    out = cascade_attention(q, prefix, k_new, v_new)
+    return (out, mass[0]) if mass_block else out
 
 
 def write_tokens(buf, new, starts):
@@ -120,20 +112,72 @@ def refresh_centroids(centroids, k_cache, starts, new_len, *, span: int, block_s
 
 
 def verify_forward(model: Qwen3ForCausalLM, ks: list, vs: list, starts, seq, *,
-                   backend: str = "auto"):
+                   backend: str = "auto", mass_layers: Sequence[int] = (),
+                   block_size: int = 16):
     """The verify pass: dense forward of seq [B, C] at positions starts..starts+C-1 over the
     per-layer caches ks/vs (L x [B, Hkv, S, D]), writing the C tokens' dense K/V.
-    Returns (ks, vs, logits [B, C, V] f32)."""
+    Returns (ks, vs, logits [B, C, V] f32, masses): masses, one per layer of mass_layers, the
+    attention mass of each block of the prefix [B, Hkv, S // block_size] (`verify_attention`)."""
     ks, vs = list(ks), list(vs)
+    masses = {}
 
     def attend(i, q, k, v):
         ks[i] = write_tokens(ks[i], k, starts)
         vs[i] = write_tokens(vs[i], v, starts)
-        return verify_attention(q, ks[i], vs[i], starts, k, v, backend=backend)
+        if i not in mass_layers:
+            return verify_attention(q, ks[i], vs[i], starts, k, v, backend=backend)
+        out, masses[i] = verify_attention(q, ks[i], vs[i], starts, k, v, backend=backend,
+                                          mass_block=block_size)
+        return out
 
     positions = starts[:, None] + jnp.arange(seq.shape[1])[None, :]
     hidden = model.run_layers(model.embed(seq), positions, attend)
-    return ks, vs, model.logits(hidden)
+    return ks, vs, model.logits(hidden), [masses[i] for i in mass_layers]
+
+
+def guided_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, covered, guide,
+                     guided, *, cfg: RolloutConfig, max_selected: int):
+    """A sparse layer's draft step with verify-guided blocks: as static.py's decode attention
+    of a sparse layer (the fed token's block centroid kept up to date, covered rows dense), but
+    the blocks ranked by guide [B, Hkv, NB] - the verify passes' attention mass - in rows where
+    guided [B] (a verify pass has run), by centroid score elsewhere. q [B, Hq, D]; returns
+    (out [B, Hq, D], centroids)."""
+    bs = cfg.block_size
+    centroids = block_scores.update_centroid(centroids, k_cache, lengths, block_size=bs)
+
+    def dense():
+        return dense_attention.decode(q, k_cache, v_cache, lengths, backend=cfg.backend)[0]
+
+    def sparse_out():
+        scores = jnp.where(guided[:, None, None], guide,
+                           block_scores.centroid_scores(q, centroids))
+        hkv = scores.shape[1]
+        idx, num = selection.select_from_scores(
+            scores, jnp.broadcast_to(lengths[:, None], (q.shape[0], hkv)),
+            jnp.broadcast_to(budget_blocks[:, None], (q.shape[0], hkv)),
+            max_selected=max_selected, block_size=bs, backend=cfg.selection_backend)
+        return pallas_kernels.block_sparse_decode(q, k_cache, v_cache, idx, num, lengths,
+                                                  block_size=bs, backend=cfg.backend)[0]
+    if max_selected * bs >= k_cache.shape[2]:
+        return sparse_out(), centroids
+    out = jax.lax.cond(jnp.all(covered), dense, lambda: jax.lax.cond(
+        jnp.any(covered), lambda: jnp.where(covered[:, None, None], dense(), sparse_out()),
+        sparse_out))
+    return out, centroids
+
+
+def guided_attention_fn(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_heads: int,
+                        max_selected: int):
+    """`guided_attention` for these settings, under shard_map when sharded (rows over data,
+    KV heads over model, as static.py's decode attention)."""
+    fn = functools.partial(guided_attention, cfg=cfg, max_selected=max_selected)
+    if spec is None:
+        return fn
+    heads = "model" if num_kv_heads % spec.mesh.shape.get("model", 1) == 0 else None
+    data = spec.rules.get("batch")
+    kv, q, row = P(data, heads, None, None), P(data, heads, None), P(data)
+    return jax.shard_map(fn, mesh=spec.mesh, in_specs=(q, kv, kv, kv, row, row, row, q, row),
+                         out_specs=(q, kv), check_vma=False)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "bin_size", "spec"),
@@ -150,18 +194,31 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     max_selected = min(cfg.max_budget, s_max) // bs
     attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected)
     sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
+    # Verify-guided drafts: the sparse layers' block scores from the verify passes.
+    guided_layers = tuple(i for i, sp in enumerate(sparse_layers)
+                          if sp and cfg.draft_scorer == DraftScorer.VERIFY)
+    guided_fn = guided_attention_fn(cfg, spec, mcfg.num_key_value_heads, max_selected)
     rows = jnp.arange(b)[:, None]
     gammas = cfg.round_gammas                     # the draft lengths a round can run (static)
     table = jnp.asarray(cfg.gamma_by_bin or (cfg.gamma,), jnp.int32)
+    approx_from = cfg.approximate_from_bin
+
+    def row_bin(lengths):
+        return lengths // bin_size
 
     def row_gamma(lengths):
         """[B] cache lengths at a round's start -> each row's bin's gamma."""
-        return table[jnp.minimum(lengths // bin_size, table.shape[0] - 1)]
+        return table[jnp.minimum(row_bin(lengths), table.shape[0] - 1)]
 
-    def draft(st: DecodeState, g: int):
+    def row_approximate(lengths):
+        """[B] whether each row's bin decodes approximately (unverified drafts)."""
+        return (row_bin(lengths) >= approx_from) if approx_from else jnp.zeros(b, bool)
+
+    def draft(st: DecodeState, guide, g: int):
         """g sparse decode steps from st.token. Returns the cache (draft K/V written at
         start..start+g-1), drafts [B, g] and the draft's log-probs [B, g, V]."""
         start = st.cache.lengths
+        scores, guided = guide
 
         def step(carry, jj):
             ks, vs, cs, tok = list(carry[0]), list(carry[1]), list(carry[2]), carry[3]
@@ -173,8 +230,12 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
             def attend(i, q, k, v):
                 ks[i] = write_token(ks[i], k[:, 0], start + jj)
                 vs[i] = write_token(vs[i], v[:, 0], start + jj)
-                out, cs[i] = attn_fns[sparse_layers[i]](q[:, 0], ks[i], vs[i], cs[i], lengths,
-                                                       budget_blocks, covered)
+                if i in guided_layers:
+                    out, cs[i] = guided_fn(q[:, 0], ks[i], vs[i], cs[i], lengths, budget_blocks,
+                                           covered, scores[guided_layers.index(i)], guided)
+                else:
+                    out, cs[i] = attn_fns[sparse_layers[i]](q[:, 0], ks[i], vs[i], cs[i],
+                                                           lengths, budget_blocks, covered)
                 return out[:, None]
 
             hidden = model.run_layers(model.embed(tok[:, None]), (start + jj)[:, None], attend)
@@ -193,71 +254,99 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
 
     def verify(st: DecodeState, ks, vs, drafts):
         seq = jnp.concatenate([st.token[:, None], drafts], axis=1)             # [B, g+1]
-        return verify_forward(model, ks, vs, st.cache.lengths, seq, backend=cfg.backend)
+        return verify_forward(model, ks, vs, st.cache.lengths, seq, backend=cfg.backend,
+                              mass_layers=guided_layers, block_size=bs)
 
     def round_of(g: int):
         """One round of every row at draft length g (a row offers min(its bin's gamma, g))."""
         def run(carry):
-            st, acc_buf, alpha_buf = carry
+            st, acc_buf, alpha_buf, guide = carry
             # Named scopes: a profile attributes each op to its phase (bench/exact.py).
             with jax.named_scope("exact_draft"):
-                (ks, vs, cs), drafts, q_logp = draft(st, g)
+                (ks, vs, cs), drafts, q_logp = draft(st, guide, g)
             with jax.named_scope("exact_verify"):
-                ks, vs, p_logits = verify(st, ks, vs, drafts)
+                ks, vs, p_logits, masses = verify(st, ks, vs, drafts)
             with jax.named_scope("exact_accept"):
-                return finish(st, acc_buf, alpha_buf, ks, vs, cs, drafts, q_logp, p_logits,
-                              g)
+                start, active = st.cache.lengths, ~st.done
+                rd = accept_round(p_logits, q_logp, drafts, rng=st.rng, sample_ids=st.sample_ids,
+                                  generated=st.response_lengths, active=active, cfg=cfg,
+                                  limit=row_gamma(start) if cfg.plans_per_bin else None,
+                                  approximate=row_approximate(start) if approx_from else None)
+                cs = [refresh_centroids(c, k, start, start + rd.n_new, span=g + 1,
+                                        block_size=bs) if sp else c
+                      for c, k, sp in zip(cs, ks, sparse_layers)]
+                scores, guided = guide
+                scores = guide_scores(scores, masses, active)
+                unverified = row_approximate(start) if g else jnp.zeros(b, bool)
+                return finish(st, acc_buf, alpha_buf, ks, vs, cs, rd, g + 1,
+                              (scores, guided | active), unverified)
         return run
 
-    def body(carry):
-        if len(gammas) == 1:
-            return round_of(gammas[0])(carry)
-        # The round drafts the longest gamma any active row's bin asks for; each row offers
-        # its own bin's (verify.accept_round's limit), so its tokens are its bin's rounds.
-        st = carry[0]
-        need = jnp.max(jnp.where(st.done, 0, row_gamma(st.cache.lengths)))
-        branch = jnp.searchsorted(jnp.asarray(gammas, jnp.int32), need)
-        return jax.lax.switch(branch, [round_of(g) for g in gammas], carry)
+    def approximate_only(carry):
+        """Every active row is in an approximate bin: gamma + 1 sparse steps, unverified."""
+        st, acc_buf, alpha_buf, guide = carry
+        with jax.named_scope("exact_draft"):
+            (ks, vs, cs), drafts, q_logp = draft(st, guide, cfg.gamma + 1)
+        rd = approximate_round(q_logp, drafts, generated=st.response_lengths, active=~st.done,
+                               cfg=cfg)
+        return finish(st, acc_buf, alpha_buf, ks, vs, cs, rd, cfg.gamma + 1, guide,
+                      jnp.ones(b, bool))
 
-    def finish(st, acc_buf, alpha_buf, ks, vs, cs, drafts, q_logp, p_logits, g):
-        """The acceptance rule, the records and the rollback (lengths, centroids)."""
+    def body(carry):
+        if not cfg.plans_per_bin:
+            return round_of(gammas[0])(carry)
+        # The round drafts the longest gamma any active verified row's bin asks for; each row
+        # offers its own bin's (verify.accept_round's limit), so its tokens are its bin's
+        # rounds. Rounds where no active row verifies are one unverified sparse step.
+        st = carry[0]
+        start = st.cache.lengths
+        verified = ~st.done & ~row_approximate(start)
+        need = jnp.max(jnp.where(verified, row_gamma(start), 0))
+        branch = jnp.where(jnp.any(verified),
+                           jnp.searchsorted(jnp.asarray(gammas, jnp.int32), need), len(gammas))
+        rounds = [round_of(g) for g in gammas] + ([approximate_only] if approx_from else [])
+        return jax.lax.switch(jnp.minimum(branch, len(rounds) - 1), rounds, carry)
+
+    def finish(st, acc_buf, alpha_buf, ks, vs, cs, rd, width: int, guide, unverified):
+        """The round's records, lengths and done flags; rd's fields are [B, width];
+        unverified [B]: rows whose kept tokens are unverified drafts (approximate bins)."""
         start, r, active = st.cache.lengths, st.response_lengths, ~st.done
-        rd = accept_round(p_logits, q_logp, drafts, rng=st.rng, sample_ids=st.sample_ids,
-                          generated=r, active=active, cfg=cfg,
-                          limit=None if len(gammas) == 1 else row_gamma(start))
         # Drafted token j (1-based) lands at response index r - 1 + j.
-        j = jnp.arange(g + 1)[None, :]
+        j = jnp.arange(width)[None, :]
         at = jnp.where(j < rd.n_new[:, None], r[:, None] + j, t_new)   # t_new: dropped
 
         def put(buf, val):
             return buf.at[rows, at].set(val, mode="drop")
-        n_new = rd.n_new
-        new_len = start + n_new
-        done = st.done | (active & (rd.stopped | (r + n_new >= t_new)
+        new_len = start + rd.n_new
+        done = st.done | (active & (rd.stopped | (r + rd.n_new >= t_new)
                                     | (new_len + cfg.gamma + 1 > s_max)))
-        cs = [refresh_centroids(c, k, start, new_len, span=g + 1, block_size=bs) if sp else c
-              for c, k, sp in zip(cs, ks, sparse_layers)]
+        # An unverified (approximate) token records its draft budget, a verified one 0.
+        drafted = budget_for_lengths(budgets, start[:, None] + j + 1, bin_size)
+        used = jnp.where(unverified[:, None], drafted, 0)
         st = dataclasses.replace(
             st, step=st.step + 1, done=done, token=jnp.where(active, rd.last, st.token),
             tokens=put(st.tokens, rd.tokens), logprobs=put(st.logprobs, rd.logprobs),
             topk_logprobs=put(st.topk_logprobs, rd.topk_values),
-            topk_ids=put(st.topk_ids, rd.topk_ids),
-            response_lengths=r + n_new,
+            topk_ids=put(st.topk_ids, rd.topk_ids), budgets=put(st.budgets, used),
+            response_lengths=r + rd.n_new,
             cache=KVCache(k=tuple(ks), v=tuple(vs), centroids=tuple(cs), lengths=new_len))
-        return st, put(acc_buf, rd.accepted), put(alpha_buf, rd.alpha)
+        return st, put(acc_buf, rd.accepted), put(alpha_buf, rd.alpha), guide
 
     def cond(carry):
         return ~jnp.all(carry[0].done)
 
     acc0 = jnp.zeros((b, t_new), bool)
     alpha0 = jnp.full((b, t_new), jnp.nan, jnp.float32)
-    st, acc, alpha_buf = jax.lax.while_loop(cond, body, (state, acc0, alpha0))
+    nb = s_max // bs
+    guide0 = (tuple(jnp.zeros((b, mcfg.num_key_value_heads, nb), jnp.float32)
+                    for _ in guided_layers), jnp.zeros((b,), bool))
+    st, acc, alpha_buf, _ = jax.lax.while_loop(cond, body, (state, acc0, alpha0, guide0))
     steps = jnp.arange(t_new)
     mask = steps[None, :] < st.response_lengths[:, None]
     traj = Trajectories(
         prompt_tokens=st.prompt_tokens, prompt_lengths=st.prompt_lengths, tokens=st.tokens,
         logprobs=st.logprobs, topk_logprobs=st.topk_logprobs, topk_ids=st.topk_ids,
-        budgets=jnp.zeros_like(st.budgets),
+        budgets=jnp.where(mask, st.budgets, 0),
         cached_lengths=st.prompt_lengths[:, None] + steps[None, :], mask=mask,
         response_lengths=st.response_lengths, accepted=acc & mask,
         alpha=jnp.where(mask, alpha_buf, jnp.nan))
@@ -280,8 +369,9 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     graphdef, params = nnx.split(model)
     COMPILES.note("rollout/decode", rows=state.tokens.shape[0], prompt_width=plen,
                   max_new_tokens=cfg.max_new_tokens, mode=cfg.mode, gamma=cfg.gamma,
-                  gamma_by_bin=cfg.gamma_by_bin,
-                  max_budget=cfg.max_budget, dtype=jnp.dtype(model.dtype).name)
+                  gamma_by_bin=cfg.gamma_by_bin, approximate_from_bin=cfg.approximate_from_bin,
+                  draft_scorer=cfg.draft_scorer, max_budget=cfg.max_budget,
+                  dtype=jnp.dtype(model.dtype).name)
     traj, _ = decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
                              bin_size=bin_size, spec=spec)
     return traj
@@ -289,11 +379,12 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
 
 def acceptance_by_bin(traj: Trajectories, *, gamma: int | Sequence[int], bin_size: int,
                       drop_last_round: bool = False) -> list[dict]:
-    """`acceptance_by_bin_arrays` of a trajectory batch (one process's rows)."""
+    """`acceptance_by_bin_arrays` of a trajectory batch (one process's rows; tokens that
+    record a budget are unverified drafts of approximate bins, left out)."""
     return acceptance_by_bin_arrays(np.asarray(traj.accepted), np.asarray(traj.alpha),
-                                    np.asarray(traj.mask), np.asarray(traj.cached_lengths),
-                                    gamma=gamma, bin_size=bin_size,
-                                    drop_last_round=drop_last_round)
+                                    np.asarray(traj.mask) & (np.asarray(traj.budgets) == 0),
+                                    np.asarray(traj.cached_lengths), gamma=gamma,
+                                    bin_size=bin_size, drop_last_round=drop_last_round)
 
 
 def acceptance_by_bin_arrays(acc: np.ndarray, alpha: np.ndarray, mask: np.ndarray,
@@ -303,13 +394,14 @@ def acceptance_by_bin_arrays(acc: np.ndarray, alpha: np.ndarray, mask: np.ndarra
     verify pass (and its standard error over rounds) beside the prediction
     (1 - a^(g+1)) / (1 - a) from the bin's mean alpha; gamma: one for every bin, or per bin
     (`RolloutConfig.gamma_by_bin`, the last entry beyond; 0: dense steps, predicted 1).
-    acc/alpha/mask/cached [B, T] as Trajectories.accepted/alpha/mask/cached_lengths.
+    acc/alpha/mask/cached [B, T] as Trajectories.accepted/alpha/mask/cached_lengths (mask:
+    the verified tokens; a row's unverified tokens, approximate bins', come after them).
     A round ends at each token the verify pass sampled (accepted False); rounds cut short by a
     stop or max_new_tokens count with the tokens they gave, unless `drop_last_round` leaves
     each row's last round out (the only one a stop or the length cap can cut short)."""
     per_bin: dict[int, list] = {}
     for r in range(acc.shape[0]):
-        n = int(mask[r].sum())
+        n = int(np.cumprod(mask[r]).sum())          # the row's leading verified tokens
         t = 1
         while t < n:                               # token 0 came from the prefill
             e = t

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.rollout import dense_attention
 from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
 from sparrow_jax.rollout.prefill import prefill
@@ -44,8 +45,7 @@ def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, co
     `lax.cond` skips whichever path no row needs)."""
     def dense():
         with jax.named_scope("dense_attention"):
-            return pallas_kernels.dense_decode(q, k_cache, v_cache, lengths,
-                                               backend=cfg.backend)[0]
+            return dense_attention.decode(q, k_cache, v_cache, lengths, backend=cfg.backend)[0]
     if not sparse:
         return dense(), centroids
     with jax.named_scope("centroid_update"):

@@ -8,7 +8,9 @@ pieces that do not touch the cache are here, once:
   engine's dense decode kernel over the cached prefix merged with the attention among the new
   tokens;
 - `draft_sample`: the draft's token and distribution at one step;
-- `accept_round`: the rule applied to one round, and what the round records per token;
+- `accept_round`: the rule applied to one round, and what the round records per token
+  (`approximate_round`: a round of unverified drafts, the approximate bins of a mixed plan);
+- `guide_scores`: the verify-guided drafts' block scores after a verify pass;
 - `round_blocks`: the blocks a round can have filled (their centroids are recomputed from the
   dense keys the verify wrote: selection must score the policy's keys, not the draft's).
 Random numbers are keyed per (sample, token index, purpose) (`speculative.token_keys`), so a
@@ -91,15 +93,17 @@ class Round(NamedTuple):
 
 def accept_round(p_logits: jax.Array, q_logp: jax.Array, drafts: jax.Array, *,
                  rng: jax.Array, sample_ids: jax.Array, generated: jax.Array,
-                 active: jax.Array, cfg: RolloutConfig, limit: jax.Array | None = None
-                 ) -> Round:
+                 active: jax.Array, cfg: RolloutConfig, limit: jax.Array | None = None,
+                 approximate: jax.Array | None = None) -> Round:
     """The speculative-sampling rule on one round. p_logits [B, G+1, V] of the verify pass (at
     x_0..x_G), q_logp [B, G, V] the draft's, drafts [B, G] (x_1..x_G); generated [B] tokens
     recorded before the round (x_1 lands at response index generated), active [B]; limit [B]
     (default G): the drafts a row offers (its bin's gamma, `RolloutConfig.gamma_by_bin`; 0: the
     round is one dense step). G = 0 is a dense step (the verify pass of x_0 alone). The round
     keeps the accepted drafts and one token sampled by the verify (correction or bonus), cut at
-    the first stop token and at cfg.max_new_tokens."""
+    the first stop token and at cfg.max_new_tokens. approximate [B] (default none): rows in an
+    approximate bin (`RolloutConfig.approximate_from_bin`) keep their G drafts unverified, with
+    the draft's log-probs (a dense step's verify token when G = 0)."""
     b, g = drafts.shape
     j = jnp.arange(g + 1)[None, :]
     idx = generated[:, None] + j                                              # [B, G+1]
@@ -133,19 +137,69 @@ def accept_round(p_logits: jax.Array, q_logp: jax.Array, drafts: jax.Array, *,
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j < num[:, None], padded,
                        jnp.where(j == num[:, None], nxt[:, None], cfg.pad_token_id))
-    lp = jnp.take_along_axis(p_logp, tokens[..., None], axis=-1)[..., 0]
+    top = topk_logprobs(p_logits, cfg.record_topk, temperature=cfg.temperature)
+    accepted = j < num[:, None]
+    alpha = jnp.where(j <= num[:, None], jnp.concatenate(
+        [alpha, jnp.full((b, 1), jnp.nan, jnp.float32)], axis=1), jnp.nan)
+    kept = num + 1
+    if approximate is not None and g > 0:     # the drafts, unverified: q's records
+        tokens = jnp.where(approximate[:, None], jnp.where(j < g, padded, cfg.pad_token_id),
+                           tokens)
+        q_all = jnp.concatenate([q_logp, q_logp[:, -1:]], axis=1)           # [B, G+1, V]
+        p_logp = jnp.where(approximate[:, None, None], q_all, p_logp)
+        q_top = topk_logprobs(q_all, cfg.record_topk, temperature=1.0)     # q is scaled
+        top = tuple(jnp.where(approximate[:, None, None], qt, pt) for qt, pt in zip(q_top, top))
+        accepted = accepted & ~approximate[:, None]
+        alpha = jnp.where(approximate[:, None], jnp.nan, alpha)
+        kept = jnp.where(approximate, g, kept)
+    return _kept(tokens, p_logp, top, accepted, alpha, kept, generated=generated, active=active,
+                 cfg=cfg)
+
+
+def approximate_round(q_logp: jax.Array, drafts: jax.Array, *, generated: jax.Array,
+                      active: jax.Array, cfg: RolloutConfig) -> Round:
+    """A round without a verify pass (every active row in an approximate bin,
+    `RolloutConfig.approximate_from_bin`): each row keeps its G drafts, drafts [B, G] sampled
+    from q_logp [B, G, V] (the draft's log-probs, recorded), cut at a stop and the length cap."""
+    b, g = drafts.shape
+    j = jnp.arange(g)[None, :]
+    top = topk_logprobs(q_logp, cfg.record_topk, temperature=1.0)           # q is scaled
+    return _kept(drafts, q_logp, top, jnp.zeros((b, g), bool),
+                 jnp.full((b, g), jnp.nan, jnp.float32), jnp.full((b,), g, jnp.int32),
+                 generated=generated, active=active, cfg=cfg)
+
+
+def _kept(tokens, logp, top, accepted, alpha, kept, *, generated, active, cfg) -> Round:
+    """The Round of tokens [B, W] whose first kept [B] are the row's, cut at the first stop
+    token and at cfg.max_new_tokens; logp [B, W, V] the sampled distribution of each position
+    (the recorded log-prob), top = (values, ids) [B, W, k]; accepted/alpha [B, W]."""
+    w = tokens.shape[1]
+    j = jnp.arange(w)[None, :]
+    lp = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
-    stop = jnp.isin(tokens, stop_ids) & (j <= num[:, None])
-    first_stop = jnp.min(jnp.where(stop, j, g + 1), axis=1)
-    n_new = jnp.minimum(jnp.minimum(num + 1, first_stop + 1), cfg.max_new_tokens - generated)
+    stop = jnp.isin(tokens, stop_ids) & (j < kept[:, None])
+    first_stop = jnp.min(jnp.where(stop, j, w), axis=1)
+    n_new = jnp.minimum(jnp.minimum(kept, first_stop + 1), cfg.max_new_tokens - generated)
     n_new = jnp.where(active, n_new, 0).astype(jnp.int32)
     keep = j < n_new[:, None]
-    top_v, top_i = topk_logprobs(p_logits, cfg.record_topk, temperature=cfg.temperature)
-    alpha_all = jnp.concatenate([alpha, jnp.full((b, 1), jnp.nan, jnp.float32)], axis=1)
     last = jnp.take_along_axis(tokens, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
-    return Round(tokens=tokens, logprobs=lp, topk_values=top_v, topk_ids=top_i,
-                 accepted=j < num[:, None], alpha=jnp.where(j <= num[:, None], alpha_all, jnp.nan),
-                 n_new=n_new, last=last, stopped=jnp.any(stop & keep, axis=1))
+    return Round(tokens=tokens, logprobs=lp, topk_values=top[0], topk_ids=top[1],
+                 accepted=accepted, alpha=alpha, n_new=n_new, last=last,
+                 stopped=jnp.any(stop & keep, axis=1))
+
+
+# Verify-guided drafts (`RolloutConfig.draft_scorer = "verify"`): a block's score is the mass
+# the last verify pass gave it plus this share of its score before (older passes' queries are
+# further from the next drafts).
+VERIFY_MASS_DECAY = 0.5
+
+
+def guide_scores(scores, masses, active: jax.Array) -> tuple[jax.Array, ...]:
+    """The draft's block scores after a verify pass: per guided layer, scores [B, Hkv, NB]
+    decayed by VERIFY_MASS_DECAY plus the pass's attention mass per block (masses, same
+    shapes), in active [B] rows (others keep theirs)."""
+    return tuple(jnp.where(active[:, None, None], VERIFY_MASS_DECAY * old + new, old)
+                 for old, new in zip(scores, masses))
 
 
 def round_blocks(starts: jax.Array, new_len: jax.Array, *, span: int, block_size: int
