@@ -76,7 +76,8 @@ def test_bench_exact_does_not_count_a_rows_cut_off_last_round_as_a_full_round():
     mask = np.ones_like(acc)
     mask[0, 8] = False
     traj = SimpleNamespace(accepted=acc & mask, alpha=np.where(mask, 0.9, np.nan), mask=mask,
-                           cached_lengths=np.broadcast_to(np.arange(100, 109), acc.shape))
+                           cached_lengths=np.broadcast_to(np.arange(100, 109), acc.shape),
+                           budgets=np.zeros(acc.shape, np.int32))
     stats = pass_stats(traj, gamma=2)
     # Full rounds only: row 0 (2, 3), row 1 (3, 1, 3) -> 12 tokens in 5 rounds.
     assert stats["rounds"] == 5 and stats["tokens_per_pass"] == 12 / 5

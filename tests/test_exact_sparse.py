@@ -36,15 +36,18 @@ def _push(h, tok):
     return (h * 31 + tok + 1) % M
 
 
-def _simulate(logp, logq, n: int, seed: int, limits: bool = False) -> np.ndarray:
-    """n continuations by draft + verify rounds until each has DEPTH tokens -> [n, DEPTH];
-    limits: each row offers a random 0..GAMMA of its drafts per round (a per-bin gamma)."""
+def _simulate(logp, logq, n: int, seed: int, limits: bool = False, depth: int = DEPTH,
+              stats: dict | None = None) -> np.ndarray:
+    """n continuations by draft + verify rounds until each has `depth` tokens -> [n, depth];
+    limits: each row offers a random 0..GAMMA of its drafts per round (a per-bin gamma).
+    stats["bonus_first"]: rows whose first round accepted all GAMMA drafts (token GAMMA + 1
+    is then that round's bonus, sampled from p)."""
     key = jax.random.key(seed)
     h = jnp.zeros((n,), jnp.int32)
-    out = jnp.zeros((n, DEPTH + GAMMA + 1), jnp.int32)
+    out = jnp.zeros((n, depth + GAMMA + 1), jnp.int32)
     count = jnp.zeros((n,), jnp.int32)
     rows = jnp.arange(n)[:, None]
-    for _ in range(DEPTH):                                  # every round gains >= 1 token
+    for round_no in range(depth):                           # every round gains >= 1 token
         key, kd, ku, kg = jax.random.split(key, 4)
         hs, drafts = [h], []
         for j in range(GAMMA):
@@ -59,23 +62,25 @@ def _simulate(logp, logq, n: int, seed: int, limits: bool = False) -> np.ndarray
         num, nxt, _ = speculative.speculative_accept(
             p_logp, q_logp, drafts, jax.random.uniform(ku, (n, GAMMA)),
             jax.random.gumbel(kg, (n, GAMMA + 1, V)), limit=limit)
+        if round_no == 0 and stats is not None:
+            stats["bonus_first"] = int(jnp.sum(num == GAMMA))
         j = jnp.arange(GAMMA + 1)[None]
         new = jnp.where(j < num[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
-        keep = (j <= num[:, None]) & (count[:, None] + j < DEPTH)
+        keep = (j <= num[:, None]) & (count[:, None] + j < depth)
         out = out.at[rows, jnp.where(keep, count[:, None] + j, out.shape[1])].set(new,
                                                                                 mode="drop")
         for jj in range(GAMMA + 1):
             h = jnp.where(keep[:, jj], _push(h, new[:, jj]), h)
         count = count + keep.sum(1)
-    assert bool(jnp.all(count == DEPTH))
-    return np.asarray(out[:, :DEPTH])
+    assert bool(jnp.all(count == depth))
+    return np.asarray(out[:, :depth])
 
 
-def _dense_probs(logp) -> np.ndarray:
-    """Exact P(x1, x2, x3) of dense sampling, [V**DEPTH] in itertools.product order."""
+def _dense_probs(logp, depth: int = DEPTH) -> np.ndarray:
+    """Exact P(x1, .., x_depth) of dense sampling, [V**depth] in itertools.product order."""
     lp = np.asarray(logp, np.float64)
     probs = []
-    for seq in itertools.product(range(V), repeat=DEPTH):
+    for seq in itertools.product(range(V), repeat=depth):
         h, total = 0, 0.0
         for t in seq:
             total += lp[h, t]
@@ -85,8 +90,9 @@ def _dense_probs(logp) -> np.ndarray:
 
 
 def _chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
-    cells = (samples * (V ** np.arange(DEPTH - 1, -1, -1))).sum(1)
-    counts = np.bincount(cells, minlength=V ** DEPTH).astype(np.float64)
+    depth = samples.shape[1]
+    cells = (samples * (V ** np.arange(depth - 1, -1, -1))).sum(1)
+    counts = np.bincount(cells, minlength=V ** depth).astype(np.float64)
     expected = probs / probs.sum() * len(samples)
     live = expected > 0
     if counts[~live].sum():
@@ -109,6 +115,18 @@ def test_accept_rule_first_three_tokens_match_dense_sampling(top_k, limits):
     assert _chi_square_p(samples, _dense_probs(logp)) > 1e-3
     # ... and they differ from the draft's own distribution (the test has power).
     assert _chi_square_p(samples, _dense_probs(logq)) < 1e-6
+
+
+def test_accept_rule_bonus_token_matches_dense_sampling():
+    """The joint law of the first GAMMA + 1 = 4 tokens at top_k = 0: a first round that
+    accepts all 3 drafts ends with the bonus token sampled from p_gamma, which a 3-token test
+    never sees. It must keep the joint law dense too (and that case must occur often)."""
+    logp, logq = _toy_tables(0)
+    stats = {}
+    samples = _simulate(logp, logq, N_SCALE, seed=3, depth=GAMMA + 1, stats=stats)
+    assert stats["bonus_first"] > N_SCALE // 10           # the bonus is the 4th token often
+    assert _chi_square_p(samples, _dense_probs(logp, GAMMA + 1)) > 1e-3
+    assert _chi_square_p(samples, _dense_probs(logq, GAMMA + 1)) < 1e-6
 
 
 def test_chi_square_catches_planted_bug(monkeypatch):
@@ -373,19 +391,22 @@ def test_acceptance_bench_on_demo_model(tmp_path, capsys):
 
 def test_acceptance_metrics_with_a_gamma_per_bin():
     """A hand-made row (bins of 4 tokens, plan (2, 0, 2)): a 2-token round in bin 0, three
-    dense steps in bin 1, a 3-token round in bin 2; metrics per bin with each bin's gamma."""
+    dense steps in bin 1, a 3-token round in bin 2, then a round cut after one accepted draft
+    (its last verified round: left out, it would count 1 token for a round that had more
+    coming) and two unverified tokens of an approximate bin (they record a budget: no
+    rounds); metrics per bin with each bin's gamma."""
     from sparrow_jax.rollout.state import Trajectories
     from sparrow_jax.train import exact_step
-    t = 9
-    acc = np.array([[0, 1, 0, 0, 0, 0, 1, 1, 0]], bool)
+    t = 12
+    acc = np.array([[0, 1, 0, 0, 0, 0, 1, 1, 0, 1, 0, 0]], bool)
     nan = np.nan
-    alpha = np.array([[nan, .5, .5, nan, nan, nan, .9, .9, nan]], np.float32)
+    alpha = np.array([[nan, .5, .5, nan, nan, nan, .9, .9, nan, .9, nan, nan]], np.float32)
     z = jnp.zeros((1, t), jnp.int32)
     traj = Trajectories(prompt_tokens=jnp.zeros((1, 3), jnp.int32),
                         prompt_lengths=jnp.asarray([3]), tokens=z, logprobs=z.astype(jnp.float32),
                         topk_logprobs=jnp.zeros((1, t, 0)),
                         topk_ids=jnp.zeros((1, t, 0), jnp.int32),
-                        budgets=z, cached_lengths=jnp.asarray(3 + np.arange(t))[None],
+                        budgets=z.at[:, 10:].set(8), cached_lengths=jnp.asarray(3 + np.arange(t))[None],
                         mask=jnp.ones((1, t), bool), response_lengths=jnp.asarray([t]),
                         accepted=jnp.asarray(acc), alpha=jnp.asarray(alpha))
     kw = dict(bin_size=4, num_layers=4, num_sparse_layers=4)
@@ -396,7 +417,9 @@ def test_acceptance_metrics_with_a_gamma_per_bin():
     assert m["exact_predicted/bin_00"] == pytest.approx(1.75)       # (1 - .5^3) / .5
     assert m["exact_predicted/bin_01"] == 1.0                       # dense steps
     assert m["exact_predicted/bin_02"] == pytest.approx(2.71, abs=1e-5)
+    assert m["exact_rounds/bin_02"] == 1.0          # the cut round is not counted
     assert m["exact/tokens_per_pass"] == pytest.approx(8 / 5)
+    assert m["exact/approximate_frac"] == pytest.approx(2 / 12)
     # The KV-read model's gamma is the rounds' mean (0.8): against the same rows at gamma 1.
     one = exact_step.acceptance_metrics(traj, budgets, gamma=1, **kw)
     draft = 1.6 * one["exact/kv_read_model"] - 1.0

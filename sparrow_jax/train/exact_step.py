@@ -36,11 +36,17 @@ def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int | Sequence[int
     the schedule's `budgets` [num_bins] + 1 dense verify) / tokens per pass (above 1 when
     drafts are rejected more than they save: `kv/read_*` count the samples' dense reads).
     gamma: one, or per bin (`RolloutConfig.gamma_by_bin`): then the gamma in that formula is
-    the rounds' mean, and `exact_gamma/bin_xx` records each bin's."""
-    acc, alpha, mask, cached = (_global(traj.accepted), _global(traj.alpha), _global(traj.mask),
-                                _global(traj.cached_lengths))
-    rows = exact.acceptance_by_bin_arrays(acc, alpha, mask, cached, gamma=gamma,
-                                          bin_size=bin_size)
+    the rounds' mean, and `exact_gamma/bin_xx` records each bin's.
+    Rounds counted: each row's verified rounds but its last, which a stop token or the length
+    cap may have cut short (a cut round counted as a full one lowers the mean: 1-3% at 63
+    tokens a row, docs/benchmarks.md); a row's unverified tokens (approximate bins, which
+    record their budget) are no rounds. `exact/approximate_frac`: their share of the tokens."""
+    acc, alpha, mask, cached, used = (_global(traj.accepted), _global(traj.alpha),
+                                      _global(traj.mask), _global(traj.cached_lengths),
+                                      _global(traj.budgets))
+    verified = mask & (used == 0)
+    rows = exact.acceptance_by_bin_arrays(acc, alpha, verified, cached, gamma=gamma,
+                                          bin_size=bin_size, drop_last_round=True)
     m: dict[str, float] = {}
     for r in rows:
         b = f"bin_{r['bin']:02d}"
@@ -62,6 +68,7 @@ def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int | Sequence[int
                                   num_bins=len(budgets))["kv/read_model"]
     m.update({"exact/tokens_per_pass": per_pass,
               "exact/kv_read_model": (mean_gamma * draft + 1.0) / per_pass,
+              "exact/approximate_frac": float((mask & ~verified).sum() / max(mask.sum(), 1)),
               "exact/accepted_frac": float(acc[mask].mean()) if mask.any() else float("nan"),
               "exact/alpha_mean": float(alpha[finite].mean()) if finite.any() else float("nan")})
     return m
