@@ -340,9 +340,14 @@ def test_bench_exact_workload(capsys):
             "--before"]
     assert cli.main(argv) == 0
     records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert [r["mode"] for r in records] == ["dense", "sparse", "exact_sparse",
-                                            "exact_sparse (kernel prefix)", "plan"]
-    dense, sparse, ex, before, plan = records
+    assert [r["mode"] for r in records] == ["dense", "dense (chunked kernel)", "sparse",
+                                            "exact_sparse", "exact_sparse (kernel prefix)",
+                                            "plan"]
+    dense, dense_before, sparse, ex, before, plan = records
+    # --before: the former dense baseline (chunked kernel), its ratio against the one-pass one.
+    assert dense_before["ratio"] == pytest.approx(dense["ms_per_step"]
+                                                  / dense_before["ms_per_step"])
+    assert dense_before["kv_bytes_per_token"] == dense["kv_bytes_per_token"]
     # The cost model's pick from the costs measured alone: gamma 2 when it predicts a gain.
     assert set(plan["predicted_ratio"]) == {"2"} and plan["measured_best_gamma"] == 2
     assert plan["measured_ratio"]["2"] == ex["ratio"]
@@ -351,7 +356,7 @@ def test_bench_exact_workload(capsys):
         assert plan["chosen_predicted"] == pytest.approx(plan["predicted_ratio"]["2"])
     else:
         assert plan["chosen_gamma"] == 0 and plan["chosen_predicted"] == 1.0
-    records = records[:4]
+    records = records[:5]
     # The profile's phases cover the round: draft + verify + accept + other = ms per round.
     for r in (ex, before):
         phases = r["draft_ms"] + r["verify_ms"] + r["accept_ms"] + r["other_ms"]
@@ -377,15 +382,17 @@ def test_acceptance_bench_on_demo_model(tmp_path, capsys):
     acceptance.main(["--model", str(repo / "checkpoints/demo_sft"), "--prompts",
                      str(repo / "data/demo/eval.jsonl"), "--num_prompts", "2", "--samples", "2",
                      "--budgets", "48", "--max_new_tokens", "64", "--bin_size", "32",
-                     "--dense_layers", "none", "--json", str(out),
-                     "--plot", str(tmp_path / "acc.png")])
+                     "--dense_layers", "none", "--draft_scorer", "centroid", "verify",
+                     "--json", str(out), "--plot", str(tmp_path / "acc.png")])
     text = capsys.readouterr().out
-    assert "| all |" in text and "bins within 10%" in text
-    res, = json.loads(out.read_text())
-    assert res["rows"] == 4 and res["rounds"] == sum(b["rounds"] for b in res["bins"]) > 8
-    for b in res["bins"]:
-        assert 1.0 <= b["tokens_per_pass"] <= 5.0 and 1.0 <= b["predicted"] <= 5.0
-        assert b["rel_diff"] == pytest.approx(b["tokens_per_pass"] / b["predicted"] - 1)
+    assert "| all |" in text and "bins within 10%" in text and "scored by verify" in text
+    results = json.loads(out.read_text())
+    assert [r["draft_scorer"] for r in results] == ["centroid", "verify"]
+    for res in results:
+        assert res["rows"] == 4 and res["rounds"] == sum(b["rounds"] for b in res["bins"]) > 8
+        for b in res["bins"]:
+            assert 1.0 <= b["tokens_per_pass"] <= 5.0 and 1.0 <= b["predicted"] <= 5.0
+            assert b["rel_diff"] == pytest.approx(b["tokens_per_pass"] / b["predicted"] - 1)
     assert (tmp_path / "acc.png").stat().st_size > 5_000
 
 

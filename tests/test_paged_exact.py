@@ -13,7 +13,8 @@ import pytest
 
 from hf_fixtures import make_sharp_tiny_model, run_on_cpu_devices
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.rollout import RolloutConfig, generate, page_pool, continuous, warmup
+from sparrow_jax.rollout import (RolloutConfig, continuous, exact, generate, page_pool,
+                                 warmup)
 from sparrow_jax.rollout.paged_exact import chunk_rounds
 from sparrow_jax.rollout.teacher_forced import replay_logprobs
 from sparrow_jax.runtime.compile_cache import count_compiles
@@ -131,18 +132,51 @@ def test_paged_exact_samples_equal_static_exact_and_logprobs_are_dense(sharp):
     paged = generate(sharp, toks, lens, budgets=BUDGETS, group_size=3, rng=rng,
                      cfg=dataclasses.replace(cfg, engine="paged", pool_bytes=_tight(sharp, 18)))
     assert continuous.LAST_STATS.preemptions > 0
+    m = _assert_same_samples_and_dense_logprobs(sharp, paged, static)
+    np.testing.assert_array_equal(np.asarray(paged.cached_lengths),
+                                  np.asarray(static.cached_lengths))
+    np.testing.assert_allclose(np.asarray(paged.topk_logprobs)[m],
+                               np.asarray(static.topk_logprobs)[m], atol=1e-5)
+    acc = np.asarray(paged.accepted)[m]
+    assert 0.2 < acc.mean() < 0.8
+
+
+def _assert_same_samples_and_dense_logprobs(model, paged, static) -> np.ndarray:
+    """paged's samples equal static's (tokens, lengths, mask, accepted; logprobs and alpha to
+    1e-5) and its logprobs a teacher-forced dense pass to 1e-5. Returns the mask [B, T]."""
     m = np.asarray(static.mask)
-    for name in ("tokens", "response_lengths", "mask", "accepted", "cached_lengths"):
+    for name in ("tokens", "response_lengths", "mask", "accepted"):
         np.testing.assert_array_equal(np.asarray(getattr(paged, name)),
                                       np.asarray(getattr(static, name)), err_msg=name)
-    for name in ("logprobs", "alpha", "topk_logprobs"):
+    for name in ("logprobs", "alpha"):
         np.testing.assert_allclose(np.asarray(getattr(paged, name))[m],
                                    np.asarray(getattr(static, name))[m], atol=1e-5,
                                    err_msg=name)
-    replay = np.asarray(replay_logprobs(sharp, paged))
+    replay = np.asarray(replay_logprobs(model, paged))
     np.testing.assert_allclose(replay[m], np.asarray(paged.logprobs)[m], atol=1e-5)
+    return m
+
+
+@pytest.mark.slow
+def test_paged_per_bin_plan_samples_equal_static_per_bin_plan(sharp):
+    """Sampled, a gamma per 24-token bin (3, 0, 2: rounds mix slots drafting 3 or 2 and dense
+    steps), groups of 2, a tight pool: every sample equals the static engine's with the same
+    plan and seed (the static engine's exactness, tests/test_exact_sparse.py, carries over),
+    and the recorded log-probs equal a teacher-forced dense pass to 1e-5."""
+    toks, lens = _prompts([40, 65, 12, 30], seed=3)
+    cfg = RolloutConfig(mode="exact_sparse", temperature=1.0, gamma_by_bin=(3, 0, 2), **KW)
+    rng = jax.random.key(7)
+    static = generate(sharp, toks, lens, cfg=cfg, budgets=BUDGETS, group_size=2, rng=rng,
+                      bin_size=24)
+    paged = generate(sharp, toks, lens, budgets=BUDGETS, group_size=2, rng=rng, bin_size=24,
+                     cfg=dataclasses.replace(cfg, engine="paged", pool_bytes=_tight(sharp, 13)))
+    assert continuous.LAST_STATS.preemptions > 0
+    m = _assert_same_samples_and_dense_logprobs(sharp, paged, static)
+    # Drafts were accepted and rejected; bin 1's rounds are dense steps (1 token a pass).
     acc = np.asarray(paged.accepted)[m]
-    assert 0.2 < acc.mean() < 0.8
+    assert 0.1 < acc.mean() < 0.9
+    rows = {r["bin"]: r for r in exact.acceptance_by_bin(paged, gamma=(3, 0, 2), bin_size=24)}
+    assert rows[1]["rounds"] > 5 and rows[1]["tokens_per_pass"] == 1.0
 
 
 @pytest.mark.slow       # ~3 min loaded: `launch/local.sh test --all`

@@ -4,7 +4,8 @@ on the demo model (issue 42's acceptance check).
     python -m sparrow_jax.bench.acceptance [--model checkpoints/demo_sft]
         [--prompts data/demo/eval.jsonl] [--num_prompts 32] [--samples 4] [--budgets 128 256]
         [--gamma 4] [--bin_size 128] [--max_new_tokens 1072] [--temperature 1.0]
-        [--dense_layers 0,1] [--seed 0] [--json OUT.json] [--plot OUT.png]
+        [--dense_layers 0,1] [--draft_scorer centroid verify] [--seed 0] [--json OUT.json]
+        [--plot OUT.png]
 
 Per budget (one exact-sparse rollout each, the same prompts and seed): `samples` sampled
 continuations per prompt with `RolloutConfig.mode = "exact_sparse"` (drafts at that budget in
@@ -13,12 +14,16 @@ at the start of a verify round, the mean measured tokens per verify pass beside 
 (1 - a^(gamma+1)) / (1 - a) from the bin's mean alpha, and their relative difference. Each row's
 last round is left out (a stop or the length cap may cut it short). Rounds are weighted equally:
 the overall row pools every round of every bin. Prints one table per budget; --plot draws
-measured vs predicted per bin.
+measured vs predicted per bin. --draft_scorer with several values runs each budget once per
+scorer (`RolloutConfig.draft_scorer`: "centroid", or "verify" - drafts choosing blocks by the
+last verify pass's attention, issue 57), the same prompts and seed: accepted tokens per pass at
+equal budget, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -30,6 +35,7 @@ from sparrow_jax.data.prompts import PromptDataset
 from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.model import load_hf, load_tokenizer, stop_token_ids
 from sparrow_jax.rollout import RolloutConfig, exact, generate
+from sparrow_jax.rollout.config import DraftScorer
 
 
 def measure(model, batch, cfg: RolloutConfig, *, budget: int, samples: int, bin_size: int,
@@ -50,7 +56,8 @@ def measure(model, batch, cfg: RolloutConfig, *, budget: int, samples: int, bin_
     predicted = sum(b["rounds"] * b["predicted"] for b in bins) / rounds
     alpha = np.asarray(traj.alpha)[np.asarray(traj.mask)]
     alpha = alpha[np.isfinite(alpha)]
-    return {"budget": budget, "gamma": cfg.gamma, "bins": bins, "rounds": rounds,
+    return {"budget": budget, "gamma": cfg.gamma, "draft_scorer": str(cfg.draft_scorer),
+            "bins": bins, "rounds": rounds,
             "tokens_per_pass": measured, "predicted": predicted,
             "rel_diff": measured / predicted - 1.0, "mean_alpha": float(alpha.mean()),
             "within_10pct_bins": sum(abs(b["rel_diff"]) <= 0.10 for b in bins),
@@ -59,7 +66,8 @@ def measure(model, batch, cfg: RolloutConfig, *, budget: int, samples: int, bin_
 
 
 def table(res: dict, bin_size: int) -> str:
-    lines = [f"budget {res['budget']}, gamma {res['gamma']}: {res['rows']} rows, mean length "
+    lines = [f"budget {res['budget']}, gamma {res['gamma']}, drafts scored by "
+             f"{res['draft_scorer']}: {res['rows']} rows, mean length "
              f"{res['mean_length']:.0f}, {res['rounds']} rounds, {res['seconds']:.0f} s",
              "| cache length | rounds | mean alpha | tokens / pass (+- s.e.) | alpha prediction | "
              "measured / predicted - 1 |", "|---|---|---|---|---|---|"]
@@ -83,9 +91,9 @@ def plot(results: list[dict], bin_size: int, path: str) -> None:
     for res in results:
         x = [(b["bin"] + 0.5) * bin_size for b in res["bins"]]
         line, = ax.plot(x, [b["tokens_per_pass"] for b in res["bins"]], "o-",
-                        label=f"measured, budget {res['budget']}")
+                        label=f"measured, budget {res['budget']}, {res['draft_scorer']}")
         ax.plot(x, [b["predicted"] for b in res["bins"]], "--", color=line.get_color(),
-                label=f"alpha prediction, budget {res['budget']}")
+                label=f"alpha prediction, budget {res['budget']}, {res['draft_scorer']}")
     ax.set_xlabel("cache length at the verify round's start (tokens)")
     ax.set_ylabel(f"tokens per verify pass (gamma {results[0]['gamma']})")
     ax.legend(fontsize=8)
@@ -106,6 +114,9 @@ def main(argv=None) -> None:
     p.add_argument("--max_new_tokens", type=int, default=1072)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dense_layers", default="0,1", help="comma-separated ids, or 'none'")
+    p.add_argument("--draft_scorer", nargs="+", default=["centroid"],
+                   choices=DraftScorer.values(),
+                   help="how drafts choose their blocks; several: one run each, side by side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--plot", default=None, help="also draw measured vs predicted here (PNG)")
@@ -117,9 +128,10 @@ def main(argv=None) -> None:
     records = PromptDataset.from_files(args.prompts, tok).records[:args.num_prompts]
     batch = PromptBatch.from_records(records, tok.pad_token_id or 0)
     results = []
-    for budget in args.budgets:
+    for budget, scorer in itertools.product(args.budgets, args.draft_scorer):
         try:
             cfg = RolloutConfig(mode="exact_sparse", gamma=args.gamma, dense_layers=layers,
+                                draft_scorer=scorer,
                                 max_new_tokens=args.max_new_tokens, max_budget=budget,
                                 temperature=args.temperature, record_topk=0, backend="xla",
                                 stop_token_ids=stop_token_ids(tok, args.model),

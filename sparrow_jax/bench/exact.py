@@ -20,7 +20,9 @@ sparse steps), verify (the dense pass), accept (the acceptance rule, records, ro
 (the loop's own ops) - scaled to the measured ms per round. `verify_alone_ms` is a verify pass
 timed alone (gamma + 1 tokens, dense, in place), for comparison. --before adds, per gamma, the
 exact program with the verify's prefix through the chunked dense decode kernel (as before
-2026-11-27; rollout/dense_attention.py ONE_PASS_BYTES), side by side. KV bytes read
+2026-11-27; rollout/dense_attention.py ONE_PASS_BYTES), and the dense engine through that
+kernel (the baseline of every figure before 2026-11-28, issue 57), side by side; ratios stay
+against the one-pass dense engine. KV bytes read
 per generated token (per row, at the full context, K+V of every layer plus the sparse layers'
 centroid scoring) follow from the shapes: dense reads the whole context every layer; sparse
 reads the budget in sparse layers; exact reads gamma sparse steps + one dense pass per round,
@@ -111,6 +113,8 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
     graphdef, params = nnx.split(model)
     progs: dict[str, tuple[Any, Any]] = {
         "dense": (dataclasses.replace(base_cfg, mode="dense", **common), static.decode_program)}
+    if args.before:        # the former dense baseline: attention through the chunked kernel
+        progs["dense:kernel"] = progs["dense"]
     for layers in _layer_sets(args.dense_layers, base_cfg.dense_layers):
         tag = ",".join(map(str, layers)) or "none"
         progs[f"sparse:{tag}"] = (dataclasses.replace(base_cfg, mode="sparse", dense_layers=layers,
@@ -172,11 +176,15 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
         layers = cfg.dense_layers
         sparse_kv = kv_bytes_per_token(mcfg, context, budget=budget, dense_layers=layers,
                                        block_size=bs, itemsize=itemsize)
-        row = {"context": context, "mode": cfg.mode + (" (kernel prefix)" if name.endswith(
-                   ":kernel") else ""), "budget": budget,
+        suffix = " (chunked kernel)" if cfg.mode == RolloutMode.DENSE else " (kernel prefix)"
+        row = {"context": context, "mode": cfg.mode + (suffix if name.endswith(":kernel")
+                                                       else ""), "budget": budget,
                "dense_layers": list(layers), "tok_s": steps / med[name],
                "ratio": med["dense"] / med[name]}
-        if cfg.mode == RolloutMode.SPARSE:
+        if cfg.mode == RolloutMode.DENSE:        # --before: the chunked-kernel dense engine
+            row.update(budget=None, dense_layers=[], ms_per_step=1e3 * med[name] / (
+                args.new_tokens - 1), kv_bytes_per_token=dense_kv)
+        elif cfg.mode == RolloutMode.SPARSE:
             row.update(ms_per_step=1e3 * med[name] / (args.new_tokens - 1),
                        kv_bytes_per_token=sparse_kv)
         else:
@@ -282,7 +290,7 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
             def f(key, spec, width):
                 return f"{r[key]:>{width}{spec}}" if key in r else " " * width
             layers = ",".join(map(str, r.get("dense_layers", []))) or (
-                "all" if r["mode"] == "dense" else "none")
+                "all" if r["mode"].startswith("dense") else "none")
             print(f"{context:>8} {r['mode']:>13} {layers:>9} {f('gamma', 'd', 2)} "
                   f"{f('tok_s', '.1f', 8)} {r['ratio']:>5.2f}x {f('tokens_per_pass', '.2f', 8)} "
                   f"{f('predicted_tokens_per_pass', '.2f', 5)} {f('mean_alpha', '.3f', 6)} "

@@ -84,9 +84,9 @@ def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table:
     """Dense decode attention over the paged engine's pools (one pool, [1, Hkv, N, bs, D]):
     q [S, Hq, D], page_table [S, P], lengths [S] -> (out [S, Hq, D], lse [S, Hq]), the paged
     kernel with every block of a slot selected. On the XLA backend that kernel gathers the
-    pages in chunks up to the longest slot's length; gathering every page of the table for one
-    pass read P pages per slot whatever the length, and measured no faster (docs/benchmarks.md,
-    "A fair dense baseline"), so the paged path stays the kernel's."""
+    pages in chunks up to the longest slot's length; a one pass would first gather all P pages
+    of the table per slot whatever its length (a copy either way), so the paged path stays the
+    kernel's (not measured against a one pass: docs/benchmarks.md, "A fair dense baseline")."""
     s, p = page_table.shape
     bs = k_pool.shape[3]
     idx, num = all_blocks_selection(s, k_pool.shape[1], p * bs, lengths, bs)
