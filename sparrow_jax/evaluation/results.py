@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from sparrow_jax.evaluation.metrics import aggregate, problem_metrics
+from sparrow_jax.runtime.output_dir import RECORD_FILE
 
 _EDGE_BYTES = 1 << 20   # a weight file is fingerprinted by its size and first/last MiB
 
@@ -50,7 +51,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
                 h.update(fh.read(_EDGE_BYTES))
                 fh.seek(max(0, size - _EDGE_BYTES))
                 h.update(fh.read(_EDGE_BYTES))
-        elif f.suffix == ".json" and f.name != "sparrow_export.json":
+        elif f.suffix == ".json" and f.name not in ("sparrow_export.json", RECORD_FILE):
             h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
 
