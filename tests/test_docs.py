@@ -1009,20 +1009,7 @@ def test_every_twin_is_tested():
 
 # -- console: logging setup --------------------------------------------------------------------
 
-@pytest.fixture
-def _restore_logging():
-    root = logging.getLogger()
-    saved = (root.level, root.handlers[:])
-    levels = {n: logging.getLogger(n).level for n in ("absl", "orbax", "jax", "etils", "grain")}
-    yield
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
-    for n, lv in levels.items():
-        logging.getLogger(n).setLevel(lv)
-    logging.captureWarnings(False)
-
-
-def test_library_loggers_quiet_by_default_and_restored_by_debug(_restore_logging):
+def test_library_loggers_quiet_by_default_and_restored_by_debug(restore_logging):
     from sparrow_jax import cli
     cli.setup_logging("INFO")
     for name in ("absl", "orbax", "jax", "etils", "grain"):
@@ -1035,7 +1022,7 @@ def test_library_loggers_quiet_by_default_and_restored_by_debug(_restore_logging
     assert logging.getLogger("absl").getEffectiveLevel() == logging.ERROR
 
 
-def test_warnings_start_with_their_level(_restore_logging):
+def test_warnings_start_with_their_level(restore_logging):
     from sparrow_jax import cli
     fmt = cli.ConsoleFormatter(color=False)
 
