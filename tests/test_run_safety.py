@@ -614,7 +614,7 @@ def test_settings_that_would_train_wrong_are_refused_by_name_before_the_model_lo
                  TrainConfig__max_reward_error_share="2.0", TrainConfig__dtype="'float16'")
     message = _train_error(argv, monkeypatch)
     for needle in ("RolloutConfig.temperature = 0.0: GRPO learns from the differences",
-                   "LearnerConfig.learning_rate must be > 0, got -0.001",
+                   "LearnerConfig.learning_rate must be finite and > 0, got -0.001",
                    "rope_scaling.rope_type='yarn' is not supported",
                    "TrainConfig.max_reward_error_share must be in [0, 1], got 2.0",
                    "TrainConfig.dtype = 'float16': float16 overflows"):

@@ -414,6 +414,35 @@ def test_a_signal_in_start_up_ends_the_run_in_one_line_and_leaves_nothing(world)
     assert sum("interrupted (Ctrl-C)" in line for line in outcomes) == 7, outcomes
 
 
+@pytest.mark.parametrize("moment", [1.0, "problems ("], ids=["in its imports", "data loaded"])
+def test_ctrl_c_in_another_command_is_one_line(world, moment):
+    """58.6: a KeyboardInterrupt raised inside an import was a traceback. `sparrow eval`, in its
+    imports and once its data is loaded: status 130, one line, nothing written."""
+    out = world / f"eval_ctrl_c_{'imports' if isinstance(moment, float) else 'data'}"
+    log = out.with_suffix(".stderr")
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "sparrow_jax.cli",
+                                 *_format(_eval(str(out)), world)],
+                                env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"},
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        if isinstance(moment, float):
+            time.sleep(moment)
+        else:
+            _await(log, moment, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        # 130, or ended by SIGINT itself (-2 here, 130 to a shell): CPython re-raises the signal
+        # at exit when an import's C code saw the KeyboardInterrupt, caught or not.
+        assert proc.wait(timeout=120) in (130, -signal.SIGINT), log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and text.count("sparrow eval: interrupted (Ctrl-C) before it "
+                                                  "finished") == 1, text[-3000:]
+    assert not (out / "eval.json").exists()
+
+
 def test_a_second_ctrl_c_before_any_checkpoint_says_so(tmp_path):
     """58.9: a second Ctrl-C in step 1 said "the last checkpoint is step None". The checkpoint
     manager's handlers, in a process of their own (the second exits at once)."""

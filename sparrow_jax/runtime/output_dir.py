@@ -159,9 +159,7 @@ def check(directory: str | os.PathLike[str], command: str, settings: dict[str, A
                              f"directory")
     found = inspect(path)
     if found.kind is None:
-        if not found.names:
-            return "new"
-        if overwrite:
+        if not found.names or overwrite:
             return "new"
         hint = (f", or pass {option} to write beside them" if option else "")
         raise OutputDirError(f"{name} {directory} is not empty and holds no sparrow output "
