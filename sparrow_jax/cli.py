@@ -33,6 +33,8 @@ COMMANDS = {
 BENCHES = {
     "kernel": ("sparrow_jax.bench.kernels", "main", "dense vs block-sparse decode attention"),
     "rollout": ("sparrow_jax.bench.rollout", "main", "dense vs sparse rollout tokens/s"),
+    "step": ("sparrow_jax.tools.config_smoke", "bench_step",
+             "dense vs sparse RL steps of a config on random weights, seconds by phase"),
 }
 
 

@@ -75,7 +75,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
           "one_rung_lower_schedule.json", "exact_schedule.json")),
     Kind("experiment", "an experiment (sparrow experiment)",
          ("comparison.md", "*/operative_config.gin", "*/sparrow.lock")),
-    Kind("device_check", "a device check's logs (launch/device_check.sh)", (), ("*.log",)),
+    Kind("device_check", "a device check's logs (launch/device_check.sh)",
+         ("doctor.log", "kernels.log", "selection.log", "rollout.log", "train.log",
+          "train_real.log", "limit_*.log"), ("*.log",)),
     Kind("model", "a model directory (config.json)", ("config.json",)),
 )}
 
