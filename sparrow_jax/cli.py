@@ -155,10 +155,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS or a == "bench"), None)
-    # From the first line: a signal while `sparrow train` starts ends it with one line
-    # (sparrow_jax.runtime.interrupts); other commands report a KeyboardInterrupt below.
-    previous = (interrupts.install(interrupts.TRAIN_STARTUP_MESSAGE) if command == "train"
-                else {})
+    # From the first line, Ctrl-C and SIGTERM end the command at once with one line
+    # (sparrow_jax.runtime.interrupts): a KeyboardInterrupt raised inside a C extension's import
+    # or an XLA call is a traceback or an abort (issue 58). `sparrow train`'s loop replaces the
+    # handler (it saves at the step's end); `sparrow experiment` stops its arms on a
+    # KeyboardInterrupt, reported below.
+    message = (interrupts.TRAIN_STARTUP_MESSAGE if command == "train" else
+               f"sparrow{' ' + command if command else ''}: interrupted ({{signal}}) before it "
+               f"finished")
+    previous = {} if command == "experiment" else interrupts.install(message)
     try:
         return _main(argv, command)
     except KeyboardInterrupt:

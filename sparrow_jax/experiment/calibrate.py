@@ -38,6 +38,7 @@ from tqdm import tqdm
 from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rollout import RolloutConfig, generate
 from sparrow_jax.rollout.config import padded_length
+from sparrow_jax.runtime.run_files import write_text_atomic
 from sparrow_jax.sparsity import calibration, cost_model, exact_cost, mismatch
 from sparrow_jax.sparsity.controller import ControllerConfig
 from sparrow_jax.sparsity.evidence import exceedance_counts
@@ -418,8 +419,9 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
         "config": dataclasses.asdict(cfg), "rollout": dataclasses.asdict(rcfg), "files": paths,
     }
     report = _jsonable(report)
-    with open(paths["report"], "w") as f:
-        json.dump(report, f, indent=1)
+    # Last and whole (a temporary file renamed; a Ctrl-C waits for it): report.json is there
+    # only when every file is.
+    write_text_atomic(paths["report"], json.dumps(report, indent=1))
     return report
 
 

@@ -34,7 +34,6 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from sparrow_jax.runtime import interrupts
 from sparrow_jax.runtime.run_files import is_uri, write_text_atomic
 
 __all__ = ["RECORD_FILE", "Kind", "KINDS", "Contents", "OutputDirError", "fingerprint",
@@ -191,14 +190,13 @@ def check(directory: str | os.PathLike[str], command: str, settings: dict[str, A
 def write_record(directory: str | os.PathLike[str], command: str,
                  settings: dict[str, Any]) -> None:
     """`directory`/sparrow_output.json: the command, its settings and their fingerprint
-    (written atomically; a Ctrl-C during start-up waits for it: `interrupts.critical`)."""
+    (written atomically; a Ctrl-C waits for it: `run_files.write_text_atomic`)."""
     plain = _plain(settings)
     record = {"command": command, "fingerprint": fingerprint(plain), "settings": plain,
               "host": socket.gethostname(),
               "written": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    with interrupts.critical():
-        write_text_atomic(os.path.join(os.fspath(directory), RECORD_FILE),
-                          json.dumps(record, indent=1, sort_keys=True) + "\n")
+    write_text_atomic(os.path.join(os.fspath(directory), RECORD_FILE),
+                      json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def claim(directory: str | os.PathLike[str], command: str, settings: dict[str, Any], *,

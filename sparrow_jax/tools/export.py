@@ -49,7 +49,7 @@ from flax import nnx
 from sparrow_jax.model import (Qwen3ForCausalLM, load_tokenizer, read_config, save_hf,
                                stop_token_ids)
 from sparrow_jax.runtime import checkpoint as ckpt
-from sparrow_jax.runtime import faults, output_dir
+from sparrow_jax.runtime import faults, interrupts, output_dir
 from sparrow_jax.runtime.base_model import base_model_dir, operative_config
 from sparrow_jax.runtime.gin_files import gin_binding
 
@@ -327,6 +327,8 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
 
     # Assemble beside `out`, then rename: an interrupted export leaves no half directory at `out`.
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
+    # A Ctrl-C ends the command at once (runtime.interrupts): the staging goes with it.
+    undo = interrupts.at_exit(lambda: shutil.rmtree(staging, ignore_errors=True))
     try:
         save_hf(model, staging, tokenizer=tokenizer, dtype=dtype)
         # The base config.json verbatim (fields our Qwen3Config does not model survive), with
@@ -347,10 +349,13 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         output_dir.write_record(staging, "export", {
             "run_dir": str(run), "step": step, "dtype": dtype, "base_model": str(model_dir),
             "merged_lora": lora_info is not None})
-        _replace_export(staging, out)   # empty, or an earlier export + --overwrite (checked)
+        with interrupts.critical():     # the renames finish before a Ctrl-C's exit
+            _replace_export(staging, out)   # empty, or an earlier export + --overwrite (checked)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        undo()
     stops = stop_token_ids(tokenizer, out)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     log.info("wrote %s: step %d, %.2fM params as %s in %s, tokenizer, generation_config.json "

@@ -34,7 +34,7 @@ from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
 from sparrow_jax.model.attention import (chunked_causal_attention, dense_causal_attention,
                                          layer_splits_of)
 from sparrow_jax.rollout.teacher_forced import sparse_attention_fn
-from sparrow_jax.runtime import output_dir
+from sparrow_jax.runtime import interrupts, output_dir
 
 log = logging.getLogger(__name__)
 
@@ -372,12 +372,13 @@ def run_sft(cfg: SFTConfig) -> Path:
     max_new = synthetic.target_tokens(cfg.long_k_range[1]) + 16
     exact = greedy_exact(model, tokenizer, eval_problems, max_new)
     log.info("held-out greedy exact (K in %s): %.3f", cfg.long_k_range, exact)
-    out = save_hf(model, cfg.output_dir, tokenizer=tokenizer)
-    output_dir.write_record(out, "sft", {k: v for k, v in dataclasses.asdict(cfg).items()
-                                         if k not in ("output_dir", "overwrite")})
-    (out / "sft_summary.txt").write_text(
-        f"greedy_exact={exact:.4f} problems={cfg.eval_problems} k_range={cfg.long_k_range} "
-        f"steps={total} seconds={time.time() - start:.0f}\n")
+    with interrupts.critical():      # a Ctrl-C now waits for the whole model (runtime.interrupts)
+        out = save_hf(model, cfg.output_dir, tokenizer=tokenizer)
+        output_dir.write_record(out, "sft", {k: v for k, v in dataclasses.asdict(cfg).items()
+                                             if k not in ("output_dir", "overwrite")})
+        (out / "sft_summary.txt").write_text(
+            f"greedy_exact={exact:.4f} problems={cfg.eval_problems} k_range={cfg.long_k_range} "
+            f"steps={total} seconds={time.time() - start:.0f}\n")
     return out
 
 
