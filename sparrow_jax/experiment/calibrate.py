@@ -429,7 +429,8 @@ def exact_plan_config(gammas: Sequence[int], schedule_path: str) -> list[str]:
     """The gin lines that train with calibration's exact_sparse plan: its draft length per bin
     (`RolloutConfig.gamma_by_bin`, 0 = dense decoding there), `RolloutConfig.gamma` its largest
     entry (the cache slack; 1 for a plan dense in every bin), the static engine (where plans
-    are measured; the paged engine runs a plan per bin too since issue 57) and the plan's draft budgets as the schedule."""
+    are measured; the paged engine runs a plan per bin too since issue 57) and the plan's
+    draft budgets as the schedule."""
     gammas = tuple(int(g) for g in gammas)
     return ["TrainConfig.rollout_mode = 'exact_sparse'", "RolloutConfig.engine = 'static'",
             f"RolloutConfig.gamma = {max(gammas) or 1}", f"RolloutConfig.gamma_by_bin = {gammas}",
