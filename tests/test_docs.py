@@ -481,6 +481,14 @@ _REGISTRY = {
     "python -m sparrow_jax.bench.acceptance --num_prompts 16 --samples 4 --budgets 48 128 "
     "--dense_layers none --plot docs/images/exact_acceptance.png":
         (ByTest("tests/test_exact_sparse.py::test_acceptance_bench_on_demo_model"),),
+    # docs/benchmarks.md: the one-pass dense baseline side by side at 16K (issue 57)
+    _ROLLOUT_BENCH + "--workload exact --context 16384 --budget 1024 --gamma 1 2 "
+    "--dense_layers 0,1 --batch 4 --new_tokens 64 --repeats 3 --before":
+        (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
+    # docs/benchmarks.md: verify-guided vs centroid drafts on the demo model (issue 57)
+    "python -m sparrow_jax.bench.acceptance --num_prompts 8 --samples 4 --budgets 64 128 "
+    "--dense_layers none --draft_scorer centroid verify":
+        (ByTest("tests/test_exact_sparse.py::test_acceptance_bench_on_demo_model"),),
     # docs/experiment.md: the block scorers' alpha tails on the long task (issue 41)
     "python -m sparrow_jax.bench.selection_quality --model checkpoints/long_sft "
     "--data data/long/heldout64.jsonl --rows 4 --budgets 256 512 --dense_layers 0,1 0":
