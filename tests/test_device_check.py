@@ -89,7 +89,7 @@ def test_a_failed_stage_keeps_the_others(tmp_path, monkeypatch):
 
     stages = [dc.Stage("good", ("--version",), 60, "prints a version"),
               dc.Stage("bad", ("--no-such-flag",), 60, "fails")]
-    monkeypatch.setattr(dc, "stages", lambda quick, run_dir, profile_dir="": stages)
+    monkeypatch.setattr(dc, "stages", lambda quick, run_dir, profile_dir="", **where: stages)
     monkeypatch.setattr(dc, "device_summary", lambda: {"kind": "cpu", "devices": 1})
 
     def fake(stage, log_dir, work=None):
