@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -296,6 +297,7 @@ def run_promise(gin_files: Sequence[str], gin_params: Sequence[str], *, out: Pat
         now = time.monotonic()
         share = max(0.0, (arms_end - now) * arm_share(expected, names[i:]))
         run_dir = work / "arms" / name
+        shutil.rmtree(run_dir, ignore_errors=True)  # a reused --work: no resume of its last run
         cmd = arm_command(gin_files, gin_params, arm_bindings(
             cfg, name, i, seed=seed, model=model, run_dir=run_dir, data=data,
             cache=work / "xla"))
@@ -368,14 +370,14 @@ def plan_for(gin_files: Sequence[str], gin_params: Sequence[str], cfg: PromiseCo
 
     def budget_at(context: int) -> int:
         return int(sched.budgets[min(context // sched.bin_size, len(sched.budgets) - 1)])
-    from sparrow_jax.experiment.promise_plan import answer_lengths
     return promise_plan.time_plan(
         shape, shapes, rows=run.train.prompts_per_step * run.train.group_size,
         group_size=run.train.group_size, k_range=cfg.k_range, prompt_len=prompt_tokens() + 1,
         steps=cfg.steps, budget_at=budget_at, gamma=run.rollout.gamma,
         warmup_s=sft.max_seconds, limit_s=cfg.time_limit_s,
         references=min(cfg.heldout_prompts, run.reference.prompts),
-        reference_len=prompt_tokens() + 1 + int(answer_lengths(1, cfg.k_range).mean()),
+        reference_len=prompt_tokens() + 1 + int(
+            promise_plan.answer_lengths(1, cfg.k_range).mean()),
         cached=("learner/grads", "learner/apply", "eval/reference", "rollout/paged_prefill"))
 
 

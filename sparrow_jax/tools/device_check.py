@@ -32,7 +32,7 @@ not the check):
   promise   `sparrow promise configs/experiment_promise_gpu.gin` (issue 56; at most 9 minutes
             on one H200): a model trained from scratch on the device, then the registered dense /
             controller / exact RL arms from it, its own report, checkpoint file and pooled
-            results file beside this report (quick: the CPU twin)
+            results file beside this report (quick: the CPU twin); only when `--only` names it
 A dated report, markdown and JSON, is rewritten after every stage (docs/devices/ by default), so
 what finished survives a stage that fails or a check that is killed; each stage's whole output is
 in <report>-logs/ beside it. `--quick`: the same stages
@@ -95,6 +95,9 @@ _SMALL_POOL = ("--gin_param", "RolloutConfig.pool_bytes = 67108864",
 GPU_CONFIG = "configs/qwen3_1p7b_gpu.gin"
 # Stages `--only NAME` selects together.
 GROUPS = {"gpu_limit": ("limit_rollout", "limit_kernels", "limit_rl", "limit_step")}
+# Stages that run only when `--only` names them (a call of their own: the promise stage takes
+# a whole 9-minute call and writes its own report and results file).
+ON_REQUEST = ("promise",)
 
 
 def gpu_limit_stages(quick: bool, run_dir: str) -> list[Stage]:
@@ -378,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = re.sub(r"[^a-z0-9]+", "-", str(device.get("kind", "unknown")).lower()).strip("-")
     base = out / f"{now:%Y-%m-%d}-{kind}{'-quick' if args.quick else ''}"
     todo = [s for s in stages(args.quick, str(work / "run"), str(work / "profile"),
-                              report=str(base), device=kind) if not only or s.name in only]
+                              report=str(base), device=kind)
+            if (s.name in only if only else s.name not in ON_REQUEST)]
     # Each stage's whole output beside the report (one folder: an offline host's results come
     # back as one directory), not in a temporary folder that goes with the machine.
     log_dir = base.parent / f"{base.name}-logs"
