@@ -1,7 +1,7 @@
 """`sparrow promise` (issue 56): the registered GPU experiment's config, its time plan, the
 device check's `promise` stage, the packed checkpoint, the report's fields and the pooling of
-runs; the CPU twin end to end, twice, pooled (slow: ~3.5 minutes a run at load ~7 on the shared
-2-core machine, 2026-11-28; ~100 s of CPU time)."""
+runs; the CPU twin end to end, twice, pooled (slow: 140 s for the two runs at load ~4.7 on the
+shared 2-core machine, 2026-11-28; one run through the device check 116 s, 87 s of CPU time)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_the_gpu_experiment_is_registered_with_its_power_analysis():
     gin.clear_config()
 
 
-def test_the_time_plan_fits_one_nine_minute_call():
+def test_the_time_plan_fits_one_nine_minute_call(capsys):
     """The plan (from each arm's compile plan and the H200 numbers) fits the command's limit,
     which fits the device check's stage (540 s); docs/devices/README.md shows the same plan."""
     from sparrow_jax.experiment.promise import plan_for
@@ -73,6 +73,11 @@ def test_the_time_plan_fits_one_nine_minute_call():
     for p in plan.parts:
         assert f"| {p.part} | {p.seconds:.0f} s |" in doc, p.part
     assert f"**{plan.total:.0f} s**" in doc
+    # `sparrow promise CONFIG --plan` prints the same table and exits 0 (it fits)
+    from sparrow_jax import cli
+    assert cli.main(["promise", str(REPO / GPU), "--plan"]) == 0
+    assert f"| **total** | **{plan.total:.0f} s** |" in capsys.readouterr().out
+    gin.clear_config()
 
 
 def test_the_promise_stage_runs_only_when_asked():
@@ -115,7 +120,11 @@ def arm(mode: str, step_s: float, rollout_s: float, end: float, kv: float) -> di
             "split": {"rollout": rollout_s, "reward": 0.01, "probe": 0.1, "learner": 1.0},
             "step_s": step_s, "compile_s": 20.0, "tokens_per_s": 1000.0 / rollout_s,
             "kv_read": kv, "tail_by_bin": {0: 0.97}, "budget_by_bin": {0: 512},
-            "tis_weight_mean": 1.0 if mode != "sparse" else 0.99}
+            "tis_weight_mean": 1.0 if mode != "sparse" else 0.99,
+            "balance": {"rows": 256, "context": 3000.0, "kv_bytes": 12.6e9 * kv,
+                        "weight_bytes": 15e6, "other_bytes": 1e6, "kv_share": 0.99,
+                        "bytes_limit_s": 6e-3 * kv, "launches": 300, "launch_floor_s": 1.5e-3,
+                        "bytes_over_launches": 4 * kv, "measured_s": 8e-3 * kv}}
 
 
 def report_of(seed: int, sha: str, ends: dict[str, float]):
@@ -168,6 +177,7 @@ def test_two_runs_pool_into_the_registered_test(tmp_path):
     assert targets[("exact", "TIS weight exactly 1")] is True
     md = files.md.read_text()
     assert "2 of 11 registered runs" in md and "**9 more runs**" in md
+    assert "| controller | 256 | 3000 | 5040.0 | 15.0 | 0.99 |" in md    # bytes vs launches
     assert json.loads(files.json.read_text())["pooled"]["runs"] == 2
 
 

@@ -15,7 +15,6 @@ bound.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import numpy as np
@@ -231,7 +230,3 @@ def time_plan(shape: ModelShape, arms: Sequence[ArmShape], *, rows: int, group_s
             f"{steps + int(arm.eval_at_start)} x {ref_s:.1f} s"))
     parts.append(PlannedPart("report", 3.0, "metrics read, report and pooled results written"))
     return TimePlan(tuple(parts), limit_s)
-
-
-def ceil_div(a: float, b: float) -> int:
-    return int(math.ceil(a / b))
