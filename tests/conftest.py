@@ -69,7 +69,7 @@ LONGEST_FIRST = (
     "test_faults.py", "test_run_safety.py", "test_shipped_configs.py", "test_dryrun.py",
     "test_train.py", "test_reference_eval.py", "test_multihost_paged.py",
     "test_decode_hlo.py", "test_compile.py", "test_doctor.py",
-    "test_multihost.py", "test_experiment.py", "test_docs.py",
+    "test_multihost.py", "test_experiment.py", "test_user_mistakes.py", "test_docs.py",
     "test_kernels.py", "test_distill.py", "test_compression.py", "test_rollout_sharded.py",
 )
 

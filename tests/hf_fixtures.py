@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,25 @@ def gin_argv(bindings: dict[str, str], extra: tuple[str, ...] | list[str] = ()) 
 def gin_text(bindings: dict[str, str]) -> str:
     """The same bindings as a gin file."""
     return "".join(f"{k} = {v}\n" for k, v in bindings.items())
+
+
+# -- processes ----------------------------------------------------------------------------------
+def group_left(pgid: int, timeout: float = 20) -> list[int]:
+    """Live (not zombie) processes of group `pgid` still there after `timeout` s: [] once every
+    one is gone. Read from /proc: an orphaned zombie that no init reaps is not a process left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                left.append(int(stat.parent.name))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 # -- several CPU devices -----------------------------------------------------------------------

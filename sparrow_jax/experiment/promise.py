@@ -52,7 +52,8 @@ import gin
 
 from sparrow_jax.experiment import promise_plan, promise_pool, promise_report
 from sparrow_jax.experiment.prereg import PreregConfig
-from sparrow_jax.experiment.runner import STOPPED_EXIT_CODES, arm_command
+from sparrow_jax.experiment.runner import (STOPPED_EXIT_CODES, arm_command,
+                                           sigterm_as_interrupt)
 
 __all__ = ["PromiseConfig", "ChildRun", "run_child", "run_promise", "add_arguments", "main"]
 
@@ -134,8 +135,10 @@ class ChildRun:
 def run_child(cmd: Sequence[str], *, soft: float, hard: float, env: Mapping[str, str] | None =
               None, poll_s: float = 0.2) -> ChildRun:
     """Runs `cmd` (its output to ours: the device check's log keeps it); SIGTERM at monotonic
-    time `soft` (a `sparrow` command then ends its step and saves), SIGKILL of its process group
-    at `hard`."""
+    time `soft` (`sparrow train` then ends its step and saves; a command in its start-up, and
+    `sparrow sft`, leave at once), SIGKILL of its process group at `hard`. A KeyboardInterrupt
+    here (Ctrl-C, or SIGTERM to the command: `runner.sigterm_as_interrupt`) kills the child's
+    group first."""
     t0 = time.monotonic()
     proc = subprocess.Popen(list(cmd), cwd=REPO, env=None if env is None else dict(env),
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -149,7 +152,7 @@ def run_child(cmd: Sequence[str], *, soft: float, hard: float, env: Mapping[str,
                 proc.wait()
                 break
             if now >= soft and not stopped:
-                log.warning("stopping pid %d at its deadline (SIGTERM: it ends its step)",
+                log.warning("stopping pid %d at its deadline (SIGTERM)",
                             proc.pid)
                 proc.terminate()
                 stopped = True
@@ -412,8 +415,12 @@ def main(args: argparse.Namespace) -> int:
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if checkpoint is not None and not checkpoint.is_file():
         raise SystemExit(f"sparrow promise: no checkpoint file {checkpoint}")
-    report = run_promise(args.gin_files, args.gin_param, out=Path(args.out), stem=stem,
-                         work=work, checkpoint=checkpoint, device=device)
+    restore = sigterm_as_interrupt()    # SIGTERM, as Ctrl-C: the running child is killed
+    try:                                 # (run_child), the report keeps the parts that ended
+        report = run_promise(args.gin_files, args.gin_param, out=Path(args.out), stem=stem,
+                             work=work, checkpoint=checkpoint, device=device)
+    finally:
+        restore()
     done = [a for a, r in report["arms"].items() if r["status"] == "ok"]
     return 0 if report["warmup"]["status"] in ("ok", "reused") and len(done) == len(
         report["arm_names"]) else 1

@@ -83,7 +83,8 @@ class LearnerConfig:
             raise ValueError(f"LearnerConfig: ppo_epochs must be >= 1 and ppo_mini_batch_size "
                              f">= 0, got {self.ppo_epochs} and {self.ppo_mini_batch_size}")
         bad = [f"LearnerConfig.{name} must be {rule}, got {getattr(self, name)}"
-               for name, rule, ok in (("learning_rate", "> 0", self.learning_rate > 0),
+               for name, rule, ok in (("learning_rate", "finite and > 0",
+                                       0 < self.learning_rate < float("inf")),
                                       ("micro_batch_size", ">= 0 (0 = all)",
                                        self.micro_batch_size >= 0),
                                       ("logit_chunk", "> 0", self.logit_chunk > 0)) if not ok]

@@ -71,12 +71,16 @@ def model_config(preset: str | None, model_config: str | None, layers: int | Non
     from sparrow_jax.model.config import Qwen3Config, qwen3_preset
     if (preset is None) == (model_config is None):
         raise SystemExit("config_smoke: give exactly one of --preset NAME or --model_config FILE")
-    if preset is not None:
-        cfg = qwen3_preset(preset)
-    else:
-        fields = {f.name for f in dataclasses.fields(Qwen3Config)}
-        raw = json.loads(Path(model_config).read_text())
-        cfg = Qwen3Config(**{k: v for k, v in raw.items() if k in fields})
+    try:
+        if preset is not None:
+            cfg = qwen3_preset(preset)
+        else:
+            fields = {f.name for f in dataclasses.fields(Qwen3Config)}
+            raw = json.loads(Path(model_config).read_text())
+            cfg = Qwen3Config(**{k: v for k, v in raw.items() if k in fields})
+    except (OSError, ValueError, TypeError) as e:     # an unknown preset, a bad config.json
+        raise SystemExit(f"config_smoke: {'--preset' if preset else '--model_config'}: "
+                         f"{e}") from None
     if layers is not None:
         if layers < 1:
             raise SystemExit(f"config_smoke: --layers must be >= 1, got {layers}")
@@ -194,6 +198,16 @@ def prepare(args: argparse.Namespace, what: str) -> tuple[object, Path]:
                         datefmt="%Y-%m-%d %H:%M:%S")
     if not Path(args.config).is_file():
         raise SystemExit(f"{what}: no config file {args.config}")
+    from sparrow_jax.runtime.gin_files import bound_configurables
+    try:
+        bound = bound_configurables(args.config)
+    except (SyntaxError, ValueError) as e:
+        raise SystemExit(f"{what}: {args.config} does not parse: {e}") from None
+    if "TrainConfig" not in bound:
+        # It would run `sparrow train`'s defaults at the preset's shape (issue 58).
+        raise SystemExit(f"{what}: {args.config} sets no training (it binds no "
+                         f"TrainConfig setting; it binds {', '.join(sorted(bound)) or 'nothing'})"
+                         f": give a training config, e.g. configs/qwen3_1p7b_gpu.gin")
     for name in ("steps", "prompts", "new_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"{what}: --{name} must be >= 1, got {getattr(args, name)}")

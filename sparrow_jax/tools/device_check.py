@@ -362,12 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "docs" / "devices"),
                     help="report directory (default docs/devices)")
     ap.add_argument("--only", default="", help="comma-separated stage names (default: all)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace today's report of another check (other --quick / --only) on "
+                         "this device in --out")
     ap.add_argument("--keep_profile", action="store_true",
                     help="keep the rollout's raw profiles (traces and optimized HLO, ~50 MB) "
                          "in the temporary folder the last line names")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=out, prefix=".device-check-probe-").close()
+    except OSError as e:         # issue 58: a traceback before any stage ran
+        raise SystemExit(f"device_check: --out {args.out} is not writable "
+                         f"({e.strerror or e}): choose another --out") from None
     work = Path(tempfile.mkdtemp(prefix="sparrow-device-check-"))
     names = [s.name for s in stages(args.quick, str(work / "run"), str(work / "profile"))]
     (work / "run-model.json").write_text(json.dumps(TOY_MODEL))      # quick train_real's shape
@@ -386,7 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     # Each stage's whole output beside the report (one folder: an offline host's results come
     # back as one directory), not in a temporary folder that goes with the machine.
     log_dir = base.parent / f"{base.name}-logs"
-    log_dir.mkdir(exist_ok=True)
+    # Today's report of another check on this device is not replaced without --overwrite
+    # (sparrow_jax.runtime.output_dir; the same check again replaces it, as before).
+    from sparrow_jax.runtime import output_dir
+    try:
+        output_dir.claim(log_dir, "device_check", {"quick": args.quick, "only": only,
+                                                   "device": device.get("kind")},
+                         overwrite=args.overwrite, name="the report's log folder")
+    except output_dir.OutputDirError as e:
+        raise SystemExit(f"device_check: {e}") from None
     report = {"date": now.isoformat(timespec="seconds"), "device": device,
               "command": "launch/device_check.sh" + (" --quick" if args.quick else ""),
               "planned": len(todo), "stages": [], "seconds": 0.0}
@@ -400,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
         base.with_suffix(".md").write_text(markdown(report))
         print(f"device_check: {stage.name} {rec['status']} in {rec['seconds']:.0f} s", flush=True)
+        if rec["status"] != "ok":    # the cause, not only the status (issue 58)
+            print("\n".join(f"  | {line}" for line in rec["tail"][-4:]), flush=True)
         if stage.name == "profile" and not args.keep_profile:
             shutil.rmtree(work / "profile", ignore_errors=True)   # traces + HLO: ~50 MB
     failed = [s["stage"] for s in report["stages"] if s["status"] != "ok"]

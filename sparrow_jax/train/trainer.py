@@ -339,6 +339,7 @@ class Trainer:
         warm = compile_plan.warm_for_run(self.plan, self.model.config, shape, self.rollout_cfg)
         compile_plan.log_plan(compile_plan.for_run(self.plan, self.model.config, shape,
                                                    self.rollout_cfg, warm))
+        self.stop_if_interrupted()
         timer = StepTimer()
         if warm:                   # the plan's rollout programs, one progress line each
             sched = self.controller.schedule
@@ -351,6 +352,7 @@ class Trainer:
             history["first"] = self.evaluate()     # compiles: no speeds (see evaluate)
             self.writer.scalars(0, history["first"])
             log.info("eval at step 0: %s", evaluation.short_line(history["first"], self.eval_modes))
+        self.stop_if_interrupted()
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")
         while self.step < cfg.total_steps:
             start = time.perf_counter()
@@ -387,6 +389,14 @@ class Trainer:
         if self.step < cfg.total_steps:     # stopped early by a signal: not a finished run
             raise faults.RunStopped(self.step, self.ckpt.stop_reason, self.ckpt.stop_exit_code)
         return result
+
+    def stop_if_interrupted(self) -> None:
+        """A Ctrl-C or SIGTERM that came after the loop's handlers were installed but before
+        its first step (restoring, reward workers starting, compiles, the first evaluation):
+        stop now, with nothing trained, rather than after a step (issue 58)."""
+        if self.ckpt.stop_requested:
+            raise faults.RunStopped(self.step, self.ckpt.stop_reason, self.ckpt.stop_exit_code,
+                                    saved=False)
 
     def report(self, history: dict) -> dict[str, float]:
         # A resumed (or already finished) run keeps the evaluations of earlier processes.
