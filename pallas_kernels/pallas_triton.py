@@ -36,7 +36,8 @@ except ImportError as e:     # a jax without it: backend "auto" takes another GP
     pltriton = None
     _MISSING = f"jax {jax.__version__} has no Pallas Triton backend ({e})"
 
-from pallas_kernels.reference import NEG_INF, check_page_ids, default_scale
+from pallas_kernels.reference import (NEG_INF, SelectedPages, check_page_ids,
+                                      check_paged_inputs, default_scale)
 
 # Programs needed to keep an H100 busy (132 SMs x ~2 resident CTAs): below this, split K.
 _TARGET_PROGRAMS = 264
@@ -65,19 +66,81 @@ def default_blocks_per_step(dtype, block_size: int) -> int:
     return max(1, tokens // block_size)
 
 
-def _kernel(nb_ref, len_ref, pid_ref, blk_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-            p_blocks: int, block_size: int, chunk: int, scale: float, precision):
-    """nb_ref/len_ref [1]; pid_ref (physical pages) and blk_ref (logical blocks) [K_pad];
-    q_ref [Gp, D]; k_ref/v_ref [N, bs, D] (the row's pool, this KV head);
-    outputs acc_ref [Gp, D], m_ref/l_ref [Gp] (f32, unnormalised partials of this split)."""
+def _kernel(*refs, p_blocks: int, block_size: int, chunk: int, scale: float, precision,
+            group: int, reads: str, normalize: bool):
+    """One (row, KV head, split) program. `reads` says how the row finds its pages:
+    "selected" - nb_ref [1], pid_ref (physical pages) / blk_ref (logical blocks) [K]: the
+      first nb entries;
+    "table" - table_ref [P] (the row's page table): every block < ceil(length / bs), block i
+      in page table[i] (dense decode, with no index arrays built for it);
+    "either" - both, and covered_ref [1] (nonzero: this row reads its table, else its
+      selection): one kernel for a sparse layer whose rows may be covered by their budget;
+    "identity" - block i in page i (a contiguous cache's dense view): every block < ceil(length
+      / bs).
+    len_ref [1]; q_ref [G, D] (the KV head's query group, read as Gp >= 16 rows: row G - 1
+    repeated); k_ref/v_ref [N, bs, D] (the row's pool, this KV head).
+    Outputs, rows >= G never stored: normalize - out_ref [G, D] (q's dtype) and lse_ref [G]
+    f32, the finished attention (one split); else acc_ref [G, D], m_ref/l_ref [G] f32, this
+    split's unnormalised partials (`merge_partials`)."""
+    refs = list(refs)
+    len_ref = refs.pop(0)
+    selected, tabled = reads in ("selected", "either"), reads in ("table", "either")
+    if selected:
+        nb_ref, pid_ref, blk_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    if tabled:
+        table_ref = refs.pop(0)
+    if reads == "either":
+        covered_ref = refs.pop(0)
+    q_ref, k_ref, v_ref, *out_refs = refs
+    n_pages = k_ref.shape[0]
     split = pl.program_id(2)
-    nb = nb_ref[0]
     length = len_ref[0]
+    lane = lax.broadcasted_iota(jnp.int32, (p_blocks,), 0)
+    n_whole = (length + block_size - 1) // block_size            # every block of the row
+    if selected:
+        width = pid_ref.shape[0]
+        n_selected = jnp.clip(nb_ref[0], 0, width)
+    if tabled:
+        table_width = table_ref.shape[0]
+        n_table = jnp.clip(n_whole, 0, table_width)
+    if reads == "either":
+        use_table = covered_ref[0] != 0
+        n_entries = jnp.where(use_table, n_table, n_selected)
+    elif reads == "identity":
+        n_entries = jnp.clip(n_whole, 0, n_pages)
+    else:
+        n_entries = n_table if tabled else n_selected
+
+    def entries(e0):
+        """Physical pages and logical blocks of entries e0 .. e0 + P - 1 [P]. "either" reads
+        both lists (each start clamped into its list: the one this row does not use may be
+        the shorter)."""
+        if reads == "identity":
+            return e0 + lane, e0 + lane
+        if tabled:
+            t0 = e0 if reads == "table" else jnp.minimum(e0, table_width - p_blocks)
+            from_table = table_ref[pl.ds(t0, p_blocks)], e0 + lane
+        if selected:
+            s0 = e0 if reads == "selected" else jnp.minimum(e0, width - p_blocks)
+            from_selection = pid_ref[pl.ds(s0, p_blocks)], blk_ref[pl.ds(s0, p_blocks)]
+        if reads == "table":
+            pages, logical = from_table
+        elif reads == "selected":
+            pages, logical = from_selection
+        else:
+            pages = jnp.where(use_table, from_table[0], from_selection[0])
+            logical = jnp.where(use_table, from_table[1], from_selection[1])
+        # Clamped: a bad id can never read outside the pool.
+        return jnp.clip(pages, 0, n_pages - 1), logical
+
     start = split * chunk
-    stop = jnp.minimum(start + chunk, nb)
+    stop = jnp.minimum(start + chunk, n_entries)
     n_steps = jnp.maximum(stop - start + p_blocks - 1, 0) // p_blocks
-    q = q_ref[...]
-    gp, d = q.shape
+    gp = max(16, next_pow2(group))
+    d = q_ref.shape[-1]
+    rows = lax.broadcasted_iota(jnp.int32, (gp,), 0)
+    # The group padded to Gp rows (tl.dot needs M >= 16) by reading its last row again.
+    q = q_ref[...] if gp == group else q_ref[jnp.minimum(rows, group - 1)]
     tok = p_blocks * block_size
     in_block = lax.broadcasted_iota(jnp.int32, (p_blocks, block_size), 1)
     slot = lax.broadcasted_iota(jnp.int32, (p_blocks, block_size), 0)
@@ -85,8 +148,7 @@ def _kernel(nb_ref, len_ref, pid_ref, blk_ref, q_ref, k_ref, v_ref, acc_ref, m_r
     def body(i, carry):
         acc, m, l = carry
         e0 = start + i * p_blocks
-        pages = pid_ref[pl.ds(e0, p_blocks)]                                 # [P]
-        logical = blk_ref[pl.ds(e0, p_blocks)]
+        pages, logical = entries(e0)                                         # [P]
         kb = k_ref[pages].reshape(tok, d)                                    # gathered [P*bs, D]
         vb = v_ref[pages].reshape(tok, d)
         s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
@@ -107,9 +169,27 @@ def _kernel(nb_ref, len_ref, pid_ref, blk_ref, q_ref, k_ref, v_ref, acc_ref, m_r
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), NEG_INF, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
     acc, m, l = lax.fori_loop(0, n_steps, body, init)
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    if normalize:      # one split: `merge_partials` of one part, here (w = exp(0) = 1)
+        ok = l > 0.0
+        safe = jnp.where(ok, l, 1.0)
+        results = (jnp.where(ok[:, None], acc / safe[:, None], 0.0).astype(out_refs[0].dtype),
+                   jnp.where(ok, m + jnp.log(safe), -jnp.inf))
+    else:
+        results = (acc, m, l)
+    for ref, value in zip(out_refs, results):
+        store_group_rows(ref, value, group)
+
+
+def store_group_rows(ref, value, group: int) -> None:
+    """Stores the first `group` rows of value [Gp, ...] into ref [group, ...]: all of it when
+    Gp == group, else a masked store (row ids past the group are out of range and masked; a
+    store of repeated ids would race in interpret mode)."""
+    if value.shape[0] == group:
+        ref[...] = value
+        return
+    rows = lax.broadcasted_iota(jnp.int32, value.shape, 0)
+    index = tuple(lax.broadcasted_iota(jnp.int32, value.shape, a) for a in range(value.ndim))
+    pltriton.store(ref.at[index], value, mask=rows < group)
 
 
 def merge_partials(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -126,36 +206,70 @@ def merge_partials(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Arra
     return out, lse
 
 
-def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths, *,
-                scale: float, blocks_per_step: int, num_splits: int | None, num_warps: int,
-                num_stages: int, interpret: bool):
+def _padded_to(x: jax.Array, multiple: int) -> jax.Array:
+    """x [..., W] with its last entry repeated up to a multiple of `multiple` entries (an entry
+    list the kernel reads `multiple` at a time; the repeats lie past every row's count)."""
+    w = x.shape[-1]
+    extra = -w % multiple
+    if not extra:
+        return x
+    return jnp.concatenate([x, jnp.repeat(x[..., -1:], extra, axis=-1)], axis=-1)
+
+
+def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None,
+                page_table: jax.Array | None, covered: jax.Array | None, scale: float,
+                blocks_per_step: int, num_splits: int | None, num_warps: int, num_stages: int,
+                interpret: bool):
     """The kernel launch behind every entry point (inputs already validated).
 
-    q [B, Hq, D]; k_pages/v_pages [G, Hkv, N, bs, D]; page_ids/block_indices [B, Hkv, K];
-    num_blocks [B, Hkv]; lengths [B] -> out [B, Hq, D], lse [B, Hq] f32.
+    q [B, Hq, D]; k_pages/v_pages [G, Hkv, N, bs, D]; lengths [B]; what each row reads
+    (`_kernel`'s `reads`): selection alone ("selected": page ids / blocks [B, Hkv, K], counts
+    [B, Hkv]), page_table [B, P] alone ("table"), both with covered [B] bool ("either"), or
+    neither ("identity": the pool's page i is the row's block i, the contiguous cache's dense
+    view) -> out [B, Hq, D] (q.dtype), lse [B, Hq] f32.
     """
     b, hq, d = q.shape
     pools, hkv, n_pages, block_size, _ = k_pages.shape
     rows_per_pool = b // pools
     g = hq // hkv
-    kk = page_ids.shape[-1]
-    p_blocks = min(next_pow2(blocks_per_step), next_pow2(kk))
-    steps = -(-kk // p_blocks)
+    if selection is None:
+        reads = "identity" if page_table is None else "table"
+    else:
+        reads = "selected" if page_table is None else "either"
+    widths = [n_pages if reads == "identity" else 0]
+    widths += [selection.page_ids.shape[-1]] if selection is not None else []
+    widths += [page_table.shape[-1]] if page_table is not None else []
+    width = max(widths)
+    p_blocks = min(next_pow2(blocks_per_step), next_pow2(width))
+    steps = -(-width // p_blocks)
     n_split = num_splits or choose_splits(b, hkv, steps)
     chunk = -(-steps // n_split) * p_blocks
-    k_pad = chunk * n_split
-    # Clamped page ids: a bad id can never read outside the pool. Padding repeats the last entry
-    # (masked: it is >= num_blocks).
-    pid = jnp.clip(page_ids.astype(jnp.int32), 0, n_pages - 1)
-    blk = block_indices.astype(jnp.int32)
-    if k_pad != kk:
-        pid = jnp.concatenate([pid, jnp.repeat(pid[..., -1:], k_pad - kk, axis=-1)], axis=-1)
-        blk = jnp.concatenate([blk, jnp.repeat(blk[..., -1:], k_pad - kk, axis=-1)], axis=-1)
-    nbv = jnp.clip(num_blocks.astype(jnp.int32), 0, kk)[..., None]           # [B, Hkv, 1]
-    gp = max(16, next_pow2(g))
-    qg = q.reshape(b, hkv, g, d)
-    if gp != g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    if reads == "identity" and n_pages % p_blocks:
+        raise ValueError(f"a contiguous cache of {n_pages} tiles must be read in whole steps "
+                         f"of {p_blocks} tiles")
+
+    def head_map(bi, hi, si):
+        return bi, hi, 0
+
+    def row_map(bi, hi, si):
+        return bi, 0
+
+    operands, in_specs = [lengths.astype(jnp.int32)], [pl.BlockSpec((1,), lambda bi, hi, si: (bi,))]
+    if selection is not None:
+        # Entry lists whole steps long (the kernel reads P entries at a time); clamping of ids
+        # and counts happens in the kernel.
+        pid = _padded_to(selection.page_ids.astype(jnp.int32), p_blocks)
+        blk = _padded_to(selection.block_indices.astype(jnp.int32), p_blocks)
+        entries = pl.BlockSpec((None, None, pid.shape[-1]), head_map)
+        operands += [selection.num_blocks.astype(jnp.int32)[..., None], pid, blk]
+        in_specs += [pl.BlockSpec((None, None, 1), head_map), entries, entries]
+    if page_table is not None:
+        table = _padded_to(page_table.astype(jnp.int32), p_blocks)
+        operands.append(table)
+        in_specs.append(pl.BlockSpec((None, table.shape[-1]), row_map))
+    if reads == "either":
+        operands.append(covered.astype(jnp.int32))
+        in_specs.append(pl.BlockSpec((1,), lambda bi, hi, si: (bi,)))
 
     # The program of row b sees its pool's whole [N, bs, D] slab for its KV head and gathers
     # pages by id from it (indexed loads, no copy of the pool).
@@ -164,35 +278,43 @@ def _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, length
             return 0, hi, 0, 0, 0
         return (bi if rows_per_pool == 1 else lax.div(bi, rows_per_pool)), hi, 0, 0, 0
 
+    pool_spec = pl.BlockSpec((None, None, n_pages, block_size, d), pool_map)
+    operands += [q.reshape(b, hkv, g, d), k_pages, v_pages]
+    in_specs += [pl.BlockSpec((None, None, g, d), lambda bi, hi, si: (bi, hi, 0, 0)), pool_spec,
+                 pool_spec]
+    # One split: the kernel finishes the softmax itself (no merge after it).
+    normalize = n_split == 1
+    if normalize:
+        out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype),
+                     jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, g, d), lambda bi, hi, si: (bi, hi, 0, 0)),
+                     pl.BlockSpec((None, None, g), lambda bi, hi, si: (bi, hi, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((n_split, b, hkv, g, d), jnp.float32),
+                     jax.ShapeDtypeStruct((n_split, b, hkv, g), jnp.float32),
+                     jax.ShapeDtypeStruct((n_split, b, hkv, g), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, g, d),
+                                  lambda bi, hi, si: (si, bi, hi, 0, 0)),
+                     pl.BlockSpec((None, None, None, g), lambda bi, hi, si: (si, bi, hi, 0)),
+                     pl.BlockSpec((None, None, None, g), lambda bi, hi, si: (si, bi, hi, 0))]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, p_blocks=p_blocks, block_size=block_size, chunk=chunk,
-                               scale=scale, precision=precision)
-    row_spec = pl.BlockSpec((None, None, k_pad), lambda bi, hi, si: (bi, hi, 0))
-    acc, m, l = pl.pallas_call(
+                               scale=scale, precision=precision, group=g, reads=reads,
+                               normalize=normalize)
+    results = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_split),
-        in_specs=[
-            pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0)),
-            pl.BlockSpec((1,), lambda bi, hi, si: (bi,)),
-            row_spec,
-            row_spec,
-            pl.BlockSpec((None, None, gp, d), lambda bi, hi, si: (bi, hi, 0, 0)),
-            pl.BlockSpec((None, None, n_pages, block_size, d), pool_map),
-            pl.BlockSpec((None, None, n_pages, block_size, d), pool_map),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, gp, d), lambda bi, hi, si: (si, bi, hi, 0, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda bi, hi, si: (si, bi, hi, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda bi, hi, si: (si, bi, hi, 0)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((n_split, b, hkv, gp, d), jnp.float32),
-                   jax.ShapeDtypeStruct((n_split, b, hkv, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((n_split, b, hkv, gp), jnp.float32)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparrow_block_sparse_decode_triton",
-    )(nbv, lengths.astype(jnp.int32), pid, blk, qg, k_pages, v_pages)
-    out, lse = merge_partials(acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g])
+    )(*operands)
+    if normalize:
+        out, lse = results
+    else:
+        out, lse = merge_partials(*results)
     return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
 
 
@@ -245,12 +367,68 @@ def paged_block_sparse_decode_triton(
     *_, bs, d, _ = check_page_ids(q, k_pages, v_pages, page_ids, block_indices, num_blocks,
                                   lengths)
     check_triton_shapes(d, bs)
-    if blocks_per_step is None:
-        blocks_per_step = default_blocks_per_step(k_pages.dtype, bs)
-    return _paged_call(q, k_pages, v_pages, page_ids, block_indices, num_blocks, lengths,
-                       scale=default_scale(d, scale), blocks_per_step=blocks_per_step,
-                       num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                       interpret=interpret)
+    return _paged_call(q, k_pages, v_pages, lengths,
+                       selection=SelectedPages(page_ids, block_indices, num_blocks),
+                       page_table=None, covered=None, scale=default_scale(d, scale),
+                       blocks_per_step=blocks_per_step or default_blocks_per_step(
+                           k_pages.dtype, bs), num_splits=num_splits, num_warps=num_warps,
+                       num_stages=num_stages, interpret=interpret)
+
+
+def _stand_in_selection(q: jax.Array, k_pages: jax.Array) -> SelectedPages:
+    """Shapes only: a one-entry selection per (row, KV head), so that the shared checks
+    validate every other input of a call that has no selection."""
+    b, hkv = q.shape[0] if q.ndim == 3 else 1, k_pages.shape[1] if k_pages.ndim == 5 else 1
+    one = jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)
+    return SelectedPages(one, one, jax.ShapeDtypeStruct((b, hkv), jnp.int32))
+
+
+def paged_table_decode_triton(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    lengths: jax.Array, *, selection: SelectedPages | None = None,
+    covered: jax.Array | None = None, scale: float | None = None,
+    blocks_per_step: int | None = None, num_splits: int | None = None, num_warps: int = 4,
+    num_stages: int = 2, interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Decode over page pools in which rows read every block of theirs through the page table
+    page_table [B, P] (dense: the table is the kernel's entry list, no index arrays built), or,
+    with `selection` (the kernels' own form, [B, Hkv, K]) and covered [B] bool, only the
+    covered rows do and the others read their selection: one kernel for a sparse layer whose
+    rows' budgets may cover their lengths, with no branch around it. Other arguments and the
+    result as `paged_block_sparse_decode_triton`."""
+    if (selection is None) != (covered is None):
+        raise ValueError("selection and covered go together (rows read one or the other)")
+    sel = selection or _stand_in_selection(q, k_pages)
+    *_, bs, d, _ = check_paged_inputs(q, k_pages, v_pages, page_table, sel.block_indices,
+                                      sel.num_blocks, lengths)
+    check_page_ids(q, k_pages, v_pages, *sel, lengths)
+    if covered is not None and covered.shape != lengths.shape:
+        raise ValueError(f"covered must be [B]={lengths.shape}, got {covered.shape}")
+    check_triton_shapes(d, bs)
+    return _paged_call(q, k_pages, v_pages, lengths, selection=selection, page_table=page_table,
+                       covered=covered, scale=default_scale(d, scale),
+                       blocks_per_step=blocks_per_step or default_blocks_per_step(
+                           k_pages.dtype, bs), num_splits=num_splits, num_warps=num_warps,
+                       num_stages=num_stages, interpret=interpret)
+
+
+def identity_decode_triton(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array, *,
+    scale: float | None = None, blocks_per_step: int | None = None,
+    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Dense decode over a contiguous cache viewed as one pool per row (``contiguous_as_pages``:
+    k_pages/v_pages [B, Hkv, N, tile, D]), page i = block i: every block < ceil(length / tile),
+    read in order with no index arrays (``dispatch.dense_view``). Result as
+    `paged_block_sparse_decode_triton`."""
+    *_, bs, d, _ = check_page_ids(q, k_pages, v_pages, *_stand_in_selection(q, k_pages), lengths)
+    check_triton_shapes(d, bs)
+    return _paged_call(q, k_pages, v_pages, lengths, selection=None, page_table=None,
+                       covered=None, scale=default_scale(d, scale),
+                       blocks_per_step=blocks_per_step or default_blocks_per_step(
+                           k_pages.dtype, bs), num_splits=num_splits, num_warps=num_warps,
+                       num_stages=num_stages, interpret=interpret)
 
 
 def dense_tiling(s: int, dtype) -> tuple[int, int]:

@@ -23,6 +23,7 @@ physical page). The contiguous form above is the paged one with G = B and page i
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +209,14 @@ def check_page_ids(
     if not jnp.issubdtype(page_ids.dtype, jnp.integer):
         raise ValueError(f"page_ids must be integer, got {page_ids.dtype}")
     return dims
+
+
+class SelectedPages(NamedTuple):
+    """A selection in the kernels' own form (what they read per entry): per (row, KV head) the
+    physical page and the logical block of each entry, valid entries first, and their count."""
+    page_ids: jax.Array          # [B, Hkv, K] int32 pages in the row's pool
+    block_indices: jax.Array     # [B, Hkv, K] int32 logical blocks (the length mask)
+    num_blocks: jax.Array        # [B, Hkv] int32 valid entries
 
 
 def physical_pages(page_table: jax.Array, block_indices: jax.Array) -> jax.Array:

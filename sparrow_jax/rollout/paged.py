@@ -242,7 +242,8 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
                                                         lengths, backend=cfg.backend)[0]
 
     def dense():
-        return attend(*all_blocks_selection(s, hkv, p * bs, lengths, bs))
+        return pallas_kernels.paged_dense_decode(q, k_pool, v_pool, page_table, lengths,
+                                                 backend=cfg.backend)[0]
     if not sparse:
         return dense(), k_pool, v_pool, c_pool
     # The page this token filled gets its centroid (mean post-RoPE key, f32 accumulation).
