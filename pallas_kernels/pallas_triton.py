@@ -36,7 +36,7 @@ except ImportError as e:     # a jax without it: backend "auto" takes another GP
     pltriton = None
     _MISSING = f"jax {jax.__version__} has no Pallas Triton backend ({e})"
 
-from pallas_kernels.reference import (NEG_INF, SelectedPages, check_page_ids,
+from pallas_kernels.reference import (NEG_INF, HeadFinish, SelectedPages, check_page_ids,
                                       check_paged_inputs, default_scale)
 
 # Programs needed to keep an H100 busy (132 SMs x ~2 resident CTAs): below this, split K.
@@ -66,8 +66,42 @@ def default_blocks_per_step(dtype, block_size: int) -> int:
     return max(1, tokens // block_size)
 
 
+def finished_rows(load, weight_ref, cos_ref, sin_ref, *, eps: float):
+    """Raw projected head rows, RMSNorm'd and rotated as the model does it (`HeadFinish`).
+
+    load(cols) -> [R, D] the rows with their columns in the order of cols [D] (an index
+    vector: the rows are read twice, as they are and with their halves swapped, since a Triton
+    tensor cannot be sliced); weight_ref [D]; cos_ref/sin_ref [D] f32 (the row's position).
+    In the rows' dtype, op for op as `qwen3.RMSNorm` then `apply_rope`: the f32 normalisation
+    (one factor per row, shared by both readings), its cast, the weight, then x * cos +
+    rotate_half(x) * sin."""
+    d = weight_ref.shape[0]
+    half = d // 2
+    cols = lax.broadcasted_iota(jnp.int32, (d,), 0)
+    swapped = jnp.where(cols < half, cols + half, cols - half)
+    x, xs = load(cols), load(swapped)
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    inv = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    normed = weight_ref[cols].astype(dtype)[None, :] * (xf * inv).astype(dtype)
+    normed_swapped = (weight_ref[swapped].astype(dtype)[None, :]
+                      * (xs.astype(jnp.float32) * inv).astype(dtype))
+    rotated = jnp.where((cols < half)[None, :], -normed_swapped, normed_swapped)
+    return (normed * cos_ref[...].astype(dtype)[None, :]
+            + rotated * sin_ref[...].astype(dtype)[None, :])
+
+
+def finish_specs(finish: HeadFinish, row_map) -> tuple[list, list]:
+    """The operands and block specs of a kernel that finishes heads as it reads them: the
+    weight [D] whole, cos/sin [B, D] one row per program (row_map: grid -> its row index)."""
+    d = finish.weight.shape[0]
+    table = pl.BlockSpec((None, d), lambda *grid: (row_map(*grid), 0))
+    return ([finish.weight, finish.cos.astype(jnp.float32), finish.sin.astype(jnp.float32)],
+            [pl.BlockSpec((d,), lambda *grid: (0,)), table, table])
+
+
 def _kernel(*refs, p_blocks: int, block_size: int, chunk: int, scale: float, precision,
-            group: int, reads: str, normalize: bool):
+            group: int, reads: str, normalize: bool, finish_eps: float | None):
     """One (row, KV head, split) program. `reads` says how the row finds its pages:
     "selected" - nb_ref [1], pid_ref (physical pages) / blk_ref (logical blocks) [K]: the
       first nb entries;
@@ -78,7 +112,9 @@ def _kernel(*refs, p_blocks: int, block_size: int, chunk: int, scale: float, pre
     "identity" - block i in page i (a contiguous cache's dense view): every block < ceil(length
       / bs).
     len_ref [1]; q_ref [G, D] (the KV head's query group, read as Gp >= 16 rows: row G - 1
-    repeated); k_ref/v_ref [N, bs, D] (the row's pool, this KV head).
+    repeated); with finish_eps, q_ref holds the raw projected heads and qw_ref [D], cos_ref /
+    sin_ref [D] follow it (`finished_rows`); k_ref/v_ref [N, bs, D] (the row's pool, this KV
+    head).
     Outputs, rows >= G never stored: normalize - out_ref [G, D] (q's dtype) and lse_ref [G]
     f32, the finished attention (one split); else acc_ref [G, D], m_ref/l_ref [G] f32, this
     split's unnormalised partials (`merge_partials`)."""
@@ -91,7 +127,9 @@ def _kernel(*refs, p_blocks: int, block_size: int, chunk: int, scale: float, pre
         table_ref = refs.pop(0)
     if reads == "either":
         covered_ref = refs.pop(0)
-    q_ref, k_ref, v_ref, *out_refs = refs
+    q_ref = refs.pop(0)
+    finish_refs = [refs.pop(0) for _ in range(3)] if finish_eps is not None else []
+    k_ref, v_ref, *out_refs = refs
     n_pages = k_ref.shape[0]
     split = pl.program_id(2)
     length = len_ref[0]
@@ -140,7 +178,12 @@ def _kernel(*refs, p_blocks: int, block_size: int, chunk: int, scale: float, pre
     d = q_ref.shape[-1]
     rows = lax.broadcasted_iota(jnp.int32, (gp,), 0)
     # The group padded to Gp rows (tl.dot needs M >= 16) by reading its last row again.
-    q = q_ref[...] if gp == group else q_ref[jnp.minimum(rows, group - 1)]
+    q_rows = jnp.minimum(rows, group - 1)
+    if finish_refs:
+        q = finished_rows(lambda cols: q_ref[q_rows[:, None], cols[None, :]], *finish_refs,
+                          eps=finish_eps)
+    else:
+        q = q_ref[...] if gp == group else q_ref[q_rows]
     tok = p_blocks * block_size
     in_block = lax.broadcasted_iota(jnp.int32, (p_blocks, block_size), 1)
     slot = lax.broadcasted_iota(jnp.int32, (p_blocks, block_size), 0)
@@ -217,7 +260,8 @@ def _padded_to(x: jax.Array, multiple: int) -> jax.Array:
 
 
 def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None,
-                page_table: jax.Array | None, covered: jax.Array | None, scale: float,
+                page_table: jax.Array | None, covered: jax.Array | None,
+                q_finish: HeadFinish | None = None, q_heads: int | None = None, scale: float,
                 blocks_per_step: int, num_splits: int | None, num_warps: int, num_stages: int,
                 interpret: bool):
     """The kernel launch behind every entry point (inputs already validated).
@@ -226,9 +270,13 @@ def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None
     (`_kernel`'s `reads`): selection alone ("selected": page ids / blocks [B, Hkv, K], counts
     [B, Hkv]), page_table [B, P] alone ("table"), both with covered [B] bool ("either"), or
     neither ("identity": the pool's page i is the row's block i, the contiguous cache's dense
-    view) -> out [B, Hq, D] (q.dtype), lse [B, Hq] f32.
+    view); q_finish: q holds raw projected heads, finished in the kernel (`finished_rows`);
+    q_heads: the queries are q's first q_heads heads (None: all; the rest, e.g. the layer's
+    keys and values in one [B, Hq + 2 Hkv, D] array, are never read)
+    -> out [B, Hq, D] (q.dtype), lse [B, Hq] f32.
     """
-    b, hq, d = q.shape
+    b, all_heads, d = q.shape
+    hq = q_heads or all_heads
     pools, hkv, n_pages, block_size, _ = k_pages.shape
     rows_per_pool = b // pools
     g = hq // hkv
@@ -279,9 +327,16 @@ def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None
         return (bi if rows_per_pool == 1 else lax.div(bi, rows_per_pool)), hi, 0, 0, 0
 
     pool_spec = pl.BlockSpec((None, None, n_pages, block_size, d), pool_map)
-    operands += [q.reshape(b, hkv, g, d), k_pages, v_pages]
-    in_specs += [pl.BlockSpec((None, None, g, d), lambda bi, hi, si: (bi, hi, 0, 0)), pool_spec,
-                 pool_spec]
+    if all_heads % g:
+        raise ValueError(f"q's {all_heads} heads are no whole number of {g}-head groups")
+    operands.append(q.reshape(b, all_heads // g, g, d))      # group i: KV head i's queries
+    in_specs.append(pl.BlockSpec((None, None, g, d), lambda bi, hi, si: (bi, hi, 0, 0)))
+    if q_finish is not None:
+        finish_ops, finish_in = finish_specs(q_finish, lambda bi, hi, si: bi)
+        operands += finish_ops
+        in_specs += finish_in
+    operands += [k_pages, v_pages]
+    in_specs += [pool_spec, pool_spec]
     # One split: the kernel finishes the softmax itself (no merge after it).
     normalize = n_split == 1
     if normalize:
@@ -300,7 +355,8 @@ def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, p_blocks=p_blocks, block_size=block_size, chunk=chunk,
                                scale=scale, precision=precision, group=g, reads=reads,
-                               normalize=normalize)
+                               normalize=normalize,
+                               finish_eps=None if q_finish is None else q_finish.eps)
     results = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_split),
@@ -386,7 +442,8 @@ def _stand_in_selection(q: jax.Array, k_pages: jax.Array) -> SelectedPages:
 def paged_table_decode_triton(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
     lengths: jax.Array, *, selection: SelectedPages | None = None,
-    covered: jax.Array | None = None, scale: float | None = None,
+    covered: jax.Array | None = None, q_finish: HeadFinish | None = None,
+    q_heads: int | None = None, scale: float | None = None,
     blocks_per_step: int | None = None, num_splits: int | None = None, num_warps: int = 4,
     num_stages: int = 2, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -394,19 +451,24 @@ def paged_table_decode_triton(
     page_table [B, P] (dense: the table is the kernel's entry list, no index arrays built), or,
     with `selection` (the kernels' own form, [B, Hkv, K]) and covered [B] bool, only the
     covered rows do and the others read their selection: one kernel for a sparse layer whose
-    rows' budgets may cover their lengths, with no branch around it. Other arguments and the
-    result as `paged_block_sparse_decode_triton`."""
+    rows' budgets may cover their lengths, with no branch around it. q_finish: q [B, Hq, D]
+    holds the raw projected heads, RMSNorm'd and rotated here (`finished_rows`). q_heads: the
+    queries are q's first q_heads heads (`_paged_call`). Other arguments and the result as
+    `paged_block_sparse_decode_triton`."""
     if (selection is None) != (covered is None):
         raise ValueError("selection and covered go together (rows read one or the other)")
+    queries = q if q_heads is None else jax.ShapeDtypeStruct(q.shape[:1] + (q_heads,)
+                                                             + q.shape[2:], q.dtype)
     sel = selection or _stand_in_selection(q, k_pages)
-    *_, bs, d, _ = check_paged_inputs(q, k_pages, v_pages, page_table, sel.block_indices,
-                                      sel.num_blocks, lengths)
-    check_page_ids(q, k_pages, v_pages, *sel, lengths)
+    *_, bs, d, _ = check_paged_inputs(queries, k_pages, v_pages, page_table,
+                                      sel.block_indices, sel.num_blocks, lengths)
+    check_page_ids(queries, k_pages, v_pages, *sel, lengths)
     if covered is not None and covered.shape != lengths.shape:
         raise ValueError(f"covered must be [B]={lengths.shape}, got {covered.shape}")
     check_triton_shapes(d, bs)
     return _paged_call(q, k_pages, v_pages, lengths, selection=selection, page_table=page_table,
-                       covered=covered, scale=default_scale(d, scale),
+                       covered=covered, q_finish=q_finish, q_heads=q_heads,
+                       scale=default_scale(d, scale),
                        blocks_per_step=blocks_per_step or default_blocks_per_step(
                            k_pages.dtype, bs), num_splits=num_splits, num_warps=num_warps,
                        num_stages=num_stages, interpret=interpret)

@@ -135,7 +135,7 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
     s, p = slots.page_table.shape
     hkv = mcfg.num_key_value_heads
     max_selected = min(cfg.max_budget // bs, p)
-    attn = paged.layer_attention_fns(cfg, spec, hkv, max_selected)
+    attn = paged.layer_attention_fns(cfg, spec, hkv, max_selected, mcfg.rms_norm_eps)
     verify_layer = jax.jit(_shard(functools.partial(
         _verify_layer, block_size=bs, backend=cfg.backend), spec, hkv, "verify"))
     refresh = jax.jit(_shard(functools.partial(_refresh, span=g + 1, block_size=bs), spec, hkv,
@@ -157,15 +157,9 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
             budget = budget_for_lengths(budgets, lengths, bin_size)
             budget_blocks = jnp.minimum(budget // bs, max_selected).astype(jnp.int32)
             covered = budget >= lengths
-
-            def attend(i, q, k, v):
-                out, ks[i], vs[i], cs[i] = attn[sparse_layers[i]](
-                    q[:, 0], k[:, 0], v[:, 0], ks[i], vs[i], cs[i], sl.page_table, lengths,
-                    sl.active, budget_blocks, covered)
-                return out[:, None]
-
-            hidden = model.run_layers(model.embed(tok[:, None]), (sl.length + jj)[:, None],
-                                      attend)
+            hidden = paged.decode_step_hidden(model, attn, [ks, vs, cs], tok, sl.length + jj,
+                                              sl.page_table, sl.active, budget_blocks, covered,
+                                              cfg=cfg, spec=spec)
             x, q_logp = draft_sample(model.logits(hidden[:, 0]), rng=rng,
                                      sample_ids=sl.sample_id, index=sl.generated + jj, cfg=cfg)
             return (tuple(ks), tuple(vs), tuple(cs), x), (x, q_logp)
