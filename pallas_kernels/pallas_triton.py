@@ -101,16 +101,16 @@ def finish_specs(finish: HeadFinish, row_map) -> tuple[list, list]:
 
 
 def _kernel(*refs, p_blocks: int, block_size: int, chunk: int, scale: float, precision,
-            group: int, reads: str, normalize: bool, finish_eps: float | None):
-    """One (row, KV head, split) program. `reads` says how the row finds its pages:
-    "selected" - nb_ref [1], pid_ref (physical pages) / blk_ref (logical blocks) [K]: the
+            group: int, whole: str | None, selected: bool, normalize: bool,
+            finish_eps: float | None):
+    """One (row, KV head, split) program. How the row finds its pages:
+    selected - nb_ref [1], pid_ref (physical pages) / blk_ref (logical blocks) [K]: the row's
       first nb entries;
-    "table" - table_ref [P] (the row's page table): every block < ceil(length / bs), block i
-      in page table[i] (dense decode, with no index arrays built for it);
-    "either" - both, and covered_ref [1] (nonzero: this row reads its table, else its
-      selection): one kernel for a sparse layer whose rows may be covered by their budget;
-    "identity" - block i in page i (a contiguous cache's dense view): every block < ceil(length
-      / bs).
+    whole - the row reads every block < ceil(length / bs) instead (dense decode, no index
+      arrays built for it): "table" - block i in page table_ref[i] (table_ref [P], the row's
+      page table), "identity" - block i in page i (a contiguous cache viewed as pages);
+    both - covered_ref [1] says which (nonzero: every block): one kernel for a sparse layer
+      whose rows may be covered by their budget.
     len_ref [1]; q_ref [G, D] (the KV head's query group, read as Gp >= 16 rows: row G - 1
     repeated); with finish_eps, q_ref holds the raw projected heads and qw_ref [D], cos_ref /
     sin_ref [D] follow it (`finished_rows`); k_ref/v_ref [N, bs, D] (the row's pool, this KV
@@ -120,12 +120,11 @@ def _kernel(*refs, p_blocks: int, block_size: int, chunk: int, scale: float, pre
     split's unnormalised partials (`merge_partials`)."""
     refs = list(refs)
     len_ref = refs.pop(0)
-    selected, tabled = reads in ("selected", "either"), reads in ("table", "either")
     if selected:
         nb_ref, pid_ref, blk_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    if tabled:
+    if whole == "table":
         table_ref = refs.pop(0)
-    if reads == "either":
+    if selected and whole:
         covered_ref = refs.pop(0)
     q_ref = refs.pop(0)
     finish_refs = [refs.pop(0) for _ in range(3)] if finish_eps is not None else []
@@ -134,40 +133,37 @@ def _kernel(*refs, p_blocks: int, block_size: int, chunk: int, scale: float, pre
     split = pl.program_id(2)
     length = len_ref[0]
     lane = lax.broadcasted_iota(jnp.int32, (p_blocks,), 0)
-    n_whole = (length + block_size - 1) // block_size            # every block of the row
+    if whole:
+        whole_width = table_ref.shape[0] if whole == "table" else n_pages
+        n_whole = jnp.clip((length + block_size - 1) // block_size, 0, whole_width)
     if selected:
         width = pid_ref.shape[0]
         n_selected = jnp.clip(nb_ref[0], 0, width)
-    if tabled:
-        table_width = table_ref.shape[0]
-        n_table = jnp.clip(n_whole, 0, table_width)
-    if reads == "either":
-        use_table = covered_ref[0] != 0
-        n_entries = jnp.where(use_table, n_table, n_selected)
-    elif reads == "identity":
-        n_entries = jnp.clip(n_whole, 0, n_pages)
+    if selected and whole:
+        use_whole = covered_ref[0] != 0
+        n_entries = jnp.where(use_whole, n_whole, n_selected)
     else:
-        n_entries = n_table if tabled else n_selected
+        n_entries = n_selected if selected else n_whole
 
     def entries(e0):
-        """Physical pages and logical blocks of entries e0 .. e0 + P - 1 [P]. "either" reads
-        both lists (each start clamped into its list: the one this row does not use may be
-        the shorter)."""
-        if reads == "identity":
-            return e0 + lane, e0 + lane
-        if tabled:
-            t0 = e0 if reads == "table" else jnp.minimum(e0, table_width - p_blocks)
-            from_table = table_ref[pl.ds(t0, p_blocks)], e0 + lane
+        """Physical pages and logical blocks of entries e0 .. e0 + P - 1 [P]. A row that may
+        read either list reads both (each start clamped into its list: the one the row does
+        not use may be the shorter)."""
+        if whole:
+            if whole == "identity":
+                every = e0 + lane, e0 + lane
+            else:
+                t0 = jnp.minimum(e0, whole_width - p_blocks) if selected else e0
+                every = table_ref[pl.ds(t0, p_blocks)], e0 + lane
+            if not selected:
+                pages, logical = every
         if selected:
-            s0 = e0 if reads == "selected" else jnp.minimum(e0, width - p_blocks)
-            from_selection = pid_ref[pl.ds(s0, p_blocks)], blk_ref[pl.ds(s0, p_blocks)]
-        if reads == "table":
-            pages, logical = from_table
-        elif reads == "selected":
-            pages, logical = from_selection
-        else:
-            pages = jnp.where(use_table, from_table[0], from_selection[0])
-            logical = jnp.where(use_table, from_table[1], from_selection[1])
+            s0 = jnp.minimum(e0, width - p_blocks) if whole else e0
+            chosen = pid_ref[pl.ds(s0, p_blocks)], blk_ref[pl.ds(s0, p_blocks)]
+            pages, logical = chosen
+            if whole:
+                pages = jnp.where(use_whole, every[0], chosen[0])
+                logical = jnp.where(use_whole, every[1], chosen[1])
         # Clamped: a bad id can never read outside the pool.
         return jnp.clip(pages, 0, n_pages - 1), logical
 
@@ -260,19 +256,19 @@ def _padded_to(x: jax.Array, multiple: int) -> jax.Array:
 
 
 def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None,
-                page_table: jax.Array | None, covered: jax.Array | None,
+                whole: str | None, page_table: jax.Array | None, covered: jax.Array | None,
                 q_finish: HeadFinish | None = None, q_heads: int | None = None, scale: float,
                 blocks_per_step: int, num_splits: int | None, num_warps: int, num_stages: int,
                 interpret: bool):
     """The kernel launch behind every entry point (inputs already validated).
 
     q [B, Hq, D]; k_pages/v_pages [G, Hkv, N, bs, D]; lengths [B]; what each row reads
-    (`_kernel`'s `reads`): selection alone ("selected": page ids / blocks [B, Hkv, K], counts
-    [B, Hkv]), page_table [B, P] alone ("table"), both with covered [B] bool ("either"), or
-    neither ("identity": the pool's page i is the row's block i, the contiguous cache's dense
-    view); q_finish: q holds raw projected heads, finished in the kernel (`finished_rows`);
-    q_heads: the queries are q's first q_heads heads (None: all; the rest, e.g. the layer's
-    keys and values in one [B, Hq + 2 Hkv, D] array, are never read)
+    (`_kernel`): its selection (page ids / blocks [B, Hkv, K], counts [B, Hkv]), or every block
+    (whole: "table" - through page_table [B, P], "identity" - page i = block i, the contiguous
+    cache's view), or, both given, the one covered [B] bool says; q_finish: q holds raw
+    projected heads, finished in the kernel (`finished_rows`); q_heads: the queries are q's
+    first q_heads heads (None: all; the rest, e.g. the layer's keys and values in one
+    [B, Hq + 2 Hkv, D] array, are never read)
     -> out [B, Hq, D] (q.dtype), lse [B, Hq] f32.
     """
     b, all_heads, d = q.shape
@@ -280,21 +276,13 @@ def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None
     pools, hkv, n_pages, block_size, _ = k_pages.shape
     rows_per_pool = b // pools
     g = hq // hkv
-    if selection is None:
-        reads = "identity" if page_table is None else "table"
-    else:
-        reads = "selected" if page_table is None else "either"
-    widths = [n_pages if reads == "identity" else 0]
-    widths += [selection.page_ids.shape[-1]] if selection is not None else []
-    widths += [page_table.shape[-1]] if page_table is not None else []
+    widths = [selection.page_ids.shape[-1]] if selection is not None else []
+    widths += [page_table.shape[-1] if whole == "table" else n_pages] if whole else []
     width = max(widths)
     p_blocks = min(next_pow2(blocks_per_step), next_pow2(width))
     steps = -(-width // p_blocks)
     n_split = num_splits or choose_splits(b, hkv, steps)
     chunk = -(-steps // n_split) * p_blocks
-    if reads == "identity" and n_pages % p_blocks:
-        raise ValueError(f"a contiguous cache of {n_pages} tiles must be read in whole steps "
-                         f"of {p_blocks} tiles")
 
     def head_map(bi, hi, si):
         return bi, hi, 0
@@ -311,11 +299,11 @@ def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None
         entries = pl.BlockSpec((None, None, pid.shape[-1]), head_map)
         operands += [selection.num_blocks.astype(jnp.int32)[..., None], pid, blk]
         in_specs += [pl.BlockSpec((None, None, 1), head_map), entries, entries]
-    if page_table is not None:
+    if whole == "table":
         table = _padded_to(page_table.astype(jnp.int32), p_blocks)
         operands.append(table)
         in_specs.append(pl.BlockSpec((None, table.shape[-1]), row_map))
-    if reads == "either":
+    if selection is not None and whole:
         operands.append(covered.astype(jnp.int32))
         in_specs.append(pl.BlockSpec((1,), lambda bi, hi, si: (bi,)))
 
@@ -354,8 +342,8 @@ def _paged_call(q, k_pages, v_pages, lengths, *, selection: SelectedPages | None
                      pl.BlockSpec((None, None, None, g), lambda bi, hi, si: (si, bi, hi, 0))]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, p_blocks=p_blocks, block_size=block_size, chunk=chunk,
-                               scale=scale, precision=precision, group=g, reads=reads,
-                               normalize=normalize,
+                               scale=scale, precision=precision, group=g, whole=whole,
+                               selected=selection is not None, normalize=normalize,
                                finish_eps=None if q_finish is None else q_finish.eps)
     results = pl.pallas_call(
         kernel,
@@ -424,7 +412,7 @@ def paged_block_sparse_decode_triton(
                                   lengths)
     check_triton_shapes(d, bs)
     return _paged_call(q, k_pages, v_pages, lengths,
-                       selection=SelectedPages(page_ids, block_indices, num_blocks),
+                       selection=SelectedPages(page_ids, block_indices, num_blocks), whole=None,
                        page_table=None, covered=None, scale=default_scale(d, scale),
                        blocks_per_step=blocks_per_step or default_blocks_per_step(
                            k_pages.dtype, bs), num_splits=num_splits, num_warps=num_warps,
@@ -437,6 +425,31 @@ def _stand_in_selection(q: jax.Array, k_pages: jax.Array) -> SelectedPages:
     b, hkv = q.shape[0] if q.ndim == 3 else 1, k_pages.shape[1] if k_pages.ndim == 5 else 1
     one = jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)
     return SelectedPages(one, one, jax.ShapeDtypeStruct((b, hkv), jnp.int32))
+
+
+def _whole_rows_call(q, k_pages, v_pages, lengths, *, whole: str, page_table, selection,
+                     covered, q_finish, q_heads, scale, blocks_per_step, num_splits, num_warps,
+                     num_stages, interpret):
+    """Validates and launches a call whose rows (or covered rows) read every block: whole
+    "table" (through page_table) or "identity"; see `paged_table_decode_triton`."""
+    if (selection is None) != (covered is None):
+        raise ValueError("selection and covered go together (rows read one or the other)")
+    queries = q if q_heads is None else jax.ShapeDtypeStruct(q.shape[:1] + (q_heads,)
+                                                             + q.shape[2:], q.dtype)
+    sel = selection or _stand_in_selection(q, k_pages)
+    table = page_table if whole == "table" else jax.ShapeDtypeStruct((q.shape[0], 1), jnp.int32)
+    *_, bs, d, _ = check_paged_inputs(queries, k_pages, v_pages, table, sel.block_indices,
+                                      sel.num_blocks, lengths)
+    check_page_ids(queries, k_pages, v_pages, *sel, lengths)
+    if covered is not None and covered.shape != lengths.shape:
+        raise ValueError(f"covered must be [B]={lengths.shape}, got {covered.shape}")
+    check_triton_shapes(d, bs)
+    return _paged_call(q, k_pages, v_pages, lengths, selection=selection, whole=whole,
+                       page_table=page_table, covered=covered, q_finish=q_finish,
+                       q_heads=q_heads, scale=default_scale(d, scale),
+                       blocks_per_step=blocks_per_step or default_blocks_per_step(
+                           k_pages.dtype, bs), num_splits=num_splits, num_warps=num_warps,
+                       num_stages=num_stages, interpret=interpret)
 
 
 def paged_table_decode_triton(
@@ -455,42 +468,31 @@ def paged_table_decode_triton(
     holds the raw projected heads, RMSNorm'd and rotated here (`finished_rows`). q_heads: the
     queries are q's first q_heads heads (`_paged_call`). Other arguments and the result as
     `paged_block_sparse_decode_triton`."""
-    if (selection is None) != (covered is None):
-        raise ValueError("selection and covered go together (rows read one or the other)")
-    queries = q if q_heads is None else jax.ShapeDtypeStruct(q.shape[:1] + (q_heads,)
-                                                             + q.shape[2:], q.dtype)
-    sel = selection or _stand_in_selection(q, k_pages)
-    *_, bs, d, _ = check_paged_inputs(queries, k_pages, v_pages, page_table,
-                                      sel.block_indices, sel.num_blocks, lengths)
-    check_page_ids(queries, k_pages, v_pages, *sel, lengths)
-    if covered is not None and covered.shape != lengths.shape:
-        raise ValueError(f"covered must be [B]={lengths.shape}, got {covered.shape}")
-    check_triton_shapes(d, bs)
-    return _paged_call(q, k_pages, v_pages, lengths, selection=selection, page_table=page_table,
-                       covered=covered, q_finish=q_finish, q_heads=q_heads,
-                       scale=default_scale(d, scale),
-                       blocks_per_step=blocks_per_step or default_blocks_per_step(
-                           k_pages.dtype, bs), num_splits=num_splits, num_warps=num_warps,
-                       num_stages=num_stages, interpret=interpret)
+    return _whole_rows_call(q, k_pages, v_pages, lengths, whole="table", page_table=page_table,
+                            selection=selection, covered=covered, q_finish=q_finish,
+                            q_heads=q_heads, scale=scale, blocks_per_step=blocks_per_step,
+                            num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                            interpret=interpret)
 
 
 def identity_decode_triton(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array, *,
+    selection: SelectedPages | None = None, covered: jax.Array | None = None,
+    q_finish: HeadFinish | None = None, q_heads: int | None = None,
     scale: float | None = None, blocks_per_step: int | None = None,
     num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Dense decode over a contiguous cache viewed as one pool per row (``contiguous_as_pages``:
-    k_pages/v_pages [B, Hkv, N, tile, D]), page i = block i: every block < ceil(length / tile),
-    read in order with no index arrays (``dispatch.dense_view``). Result as
-    `paged_block_sparse_decode_triton`."""
-    *_, bs, d, _ = check_page_ids(q, k_pages, v_pages, *_stand_in_selection(q, k_pages), lengths)
-    check_triton_shapes(d, bs)
-    return _paged_call(q, k_pages, v_pages, lengths, selection=None, page_table=None,
-                       covered=None, scale=default_scale(d, scale),
-                       blocks_per_step=blocks_per_step or default_blocks_per_step(
-                           k_pages.dtype, bs), num_splits=num_splits, num_warps=num_warps,
-                       num_stages=num_stages, interpret=interpret)
+    """`paged_table_decode_triton` over a contiguous cache viewed as one pool per row
+    (``contiguous_as_pages``: k_pages/v_pages [B, Hkv, N, tile, D]), page i = block i: rows
+    read every block < ceil(length / tile) in order, with no index arrays (dense decode,
+    ``dispatch.dense_view``), or, with a selection (page ids = block ids) and covered [B],
+    only the covered rows do (a static-cache sparse layer in one kernel)."""
+    return _whole_rows_call(q, k_pages, v_pages, lengths, whole="identity", page_table=None,
+                            selection=selection, covered=covered, q_finish=q_finish,
+                            q_heads=q_heads, scale=scale, blocks_per_step=blocks_per_step,
+                            num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                            interpret=interpret)
 
 
 def dense_tiling(s: int, dtype) -> tuple[int, int]:

@@ -175,13 +175,14 @@ def select_ids_triton(scores: jax.Array, total: jax.Array, budget: jax.Array, *,
 SCORE_CHUNK = 32
 
 
-def _pages_kernel(len_ref, budget_ref, table_ref, q_ref, *refs, group: int, nb: int,
-                  slots: int, chunk: int, block_size: int, radix_bits: int, barrier: bool,
-                  finish_eps: float | None):
+def _pages_kernel(len_ref, budget_ref, *refs, group: int, nb: int, slots: int, chunk: int,
+                  block_size: int, radix_bits: int, barrier: bool, finish_eps: float | None,
+                  tabled: bool):
     """One (row, KV head): scores, selection and page lookup.
 
     len_ref [1] tokens in the row (with the current one); budget_ref [1] its budget in blocks
-    (clamped here to [3, K]); table_ref [P] its page table; q_ref [G, D] the KV head's query
+    (clamped here to [3, K]); tabled: table_ref [P] its page table (else page i holds block i:
+    a contiguous cache's centroids); q_ref [G, D] the KV head's query
     group (with finish_eps: raw projected heads, and qw_ref [D], cos_ref / sin_ref [D] follow
     it, `pallas_triton.finished_rows`); c_ref [N, D] the centroids of the row's pool, this KV
     head. Outputs: scores_ref
@@ -189,9 +190,12 @@ def _pages_kernel(len_ref, budget_ref, table_ref, q_ref, *refs, group: int, nb: 
     written in chunks, read back whole), pid_ref / blk_ref [K] the selected entries' pages
     and logical blocks (ascending, padded with the last block), num_ref [1]."""
     refs = list(refs)
+    table_ref = refs.pop(0) if tabled else None
+    q_ref = refs.pop(0)
     finish_refs = [refs.pop(0) for _ in range(3)] if finish_eps is not None else []
     c_ref, scores_ref, pid_ref, blk_ref, num_ref = refs
-    width, n_pages = table_ref.shape[0], c_ref.shape[0]
+    n_pages = c_ref.shape[0]
+    width = table_ref.shape[0] if tabled else n_pages
     k = pid_ref.shape[0]
     total = jnp.clip((len_ref[0] + block_size - 1) // block_size, 0, width)
     budget = jnp.clip(budget_ref[0], NUM_RESERVED, k)
@@ -208,7 +212,8 @@ def _pages_kernel(len_ref, budget_ref, table_ref, q_ref, *refs, group: int, nb: 
     qm = jnp.sum(jnp.where(rows[:, None] < group, q, 0.0), axis=0) / group      # [D]
 
     def page_of(blocks):
-        return jnp.clip(table_ref[jnp.minimum(blocks, width - 1)], 0, n_pages - 1)
+        blocks = jnp.minimum(blocks, width - 1)
+        return jnp.clip(table_ref[blocks] if tabled else blocks, 0, n_pages - 1)
 
     def score(c, carry):        # blocks c*C .. c*C + C - 1: their centroids, by page table
         blocks = c * SCORE_CHUNK + lax.broadcasted_iota(jnp.int32, (SCORE_CHUNK,), 0)
@@ -236,7 +241,7 @@ def _pages_kernel(len_ref, budget_ref, table_ref, q_ref, *refs, group: int, nb: 
     num_ref[...] = jnp.full((1,), num, jnp.int32)
 
 
-def select_pages_triton(q: jax.Array, centroids: jax.Array, page_table: jax.Array,
+def select_pages_triton(q: jax.Array, centroids: jax.Array, page_table: jax.Array | None,
                         lengths: jax.Array, budget: jax.Array, *, width: int,
                         block_size: int, q_finish: HeadFinish | None = None,
                         q_heads: int | None = None, radix_bits: int = 1, num_warps: int | None = None,
@@ -244,7 +249,8 @@ def select_pages_triton(q: jax.Array, centroids: jax.Array, page_table: jax.Arra
     """Block scores, selection and page lookup of one paged decode step, one kernel.
 
     q [B, Hq, D] the step's queries; centroids [G, Hkv, N, D] the centroid pools (row b reads
-    pool b // (B // G)); page_table [B, P]; lengths [B] tokens with the current one; budget
+    pool b // (B // G)); page_table [B, P] (None: a contiguous cache's centroids [B, Hkv, NB,
+    D], one pool per row, page i = block i); lengths [B] tokens with the current one; budget
     [B] int32 blocks (clamped here to [3, width]) -> (SelectedPages [B, Hkv, width] - the
     kernels' own form, physical page ids - and scores [B, Hkv, NBp] f32, NBp = P rounded up to
     a power of two, valid below each row's block count). The rule: the module docstring, on
@@ -257,9 +263,12 @@ def select_pages_triton(q: jax.Array, centroids: jax.Array, page_table: jax.Arra
     b, all_heads, d = q.shape
     hq = q_heads or all_heads
     pools, hkv, n_pages, dc = centroids.shape
-    if dc != d or hq % hkv or all_heads % (hq // hkv) or b % pools or page_table.ndim != 2 or page_table.shape[0] != b:
-        raise ValueError(f"q [B, Hq, D], centroids [G, Hkv, N, D] and page_table [B, P] do not "
-                         f"match: {q.shape}, {centroids.shape}, {page_table.shape}")
+    table_ok = (pools == b if page_table is None
+                else page_table.ndim == 2 and page_table.shape[0] == b)
+    if dc != d or hq % hkv or all_heads % (hq // hkv) or b % pools or not table_ok:
+        raise ValueError(f"q [B, Hq, D], centroids [G, Hkv, N, D] and page_table [B, P] (None: "
+                         f"G = B) do not match: {q.shape}, {centroids.shape}, "
+                         f"{getattr(page_table, 'shape', None)}")
     if lengths.shape != (b,) or budget.shape != (b,):
         raise ValueError(f"lengths and budget must be [B]=[{b}], got {lengths.shape}, "
                          f"{budget.shape}")
@@ -269,14 +278,16 @@ def select_pages_triton(q: jax.Array, centroids: jax.Array, page_table: jax.Arra
         raise RuntimeError(_triton.status()[1])
     _triton.check_triton_shapes(d, block_size)
     g, rows_per_pool = hq // hkv, b // pools
-    nbp = max(_triton.next_pow2(page_table.shape[1]), SCORE_CHUNK)
+    blocks = n_pages if page_table is None else page_table.shape[1]
+    nbp = max(_triton.next_pow2(blocks), SCORE_CHUNK)
     kp = _triton.next_pow2(width)
     chunk = max(1, min(kp, _triton.next_pow2(max(1, _CHUNK_ELEMENTS // nbp))))
     num_warps = num_warps or min(16, max(4, nbp // 512))
     kernel = functools.partial(_pages_kernel, group=g, nb=nbp, slots=kp, chunk=chunk,
                                block_size=block_size, radix_bits=radix_bits,
                                barrier=not interpret,
-                               finish_eps=None if q_finish is None else q_finish.eps)
+                               finish_eps=None if q_finish is None else q_finish.eps,
+                               tabled=page_table is not None)
 
     def pool_map(bi, hi):
         return (0 if pools == 1 else lax.div(bi, rows_per_pool)), hi, 0, 0
@@ -289,7 +300,8 @@ def select_pages_triton(q: jax.Array, centroids: jax.Array, page_table: jax.Arra
         kernel,
         grid=(b, hkv),
         in_specs=[row, row,
-                  pl.BlockSpec((None, page_table.shape[1]), lambda bi, hi: (bi, 0)),
+                  *([] if page_table is None else
+                    [pl.BlockSpec((None, page_table.shape[1]), lambda bi, hi: (bi, 0))]),
                   pl.BlockSpec((None, None, g, d), lambda bi, hi: (bi, hi, 0, 0)),
                   *finish_in,
                   pl.BlockSpec((None, None, n_pages, d), pool_map)],
@@ -302,6 +314,7 @@ def select_pages_triton(q: jax.Array, centroids: jax.Array, page_table: jax.Arra
         compiler_params=_triton.pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="sparrow_select_pages_triton",
-    )(lengths.astype(jnp.int32), budget.astype(jnp.int32), page_table.astype(jnp.int32),
+    )(lengths.astype(jnp.int32), budget.astype(jnp.int32),
+      *([] if page_table is None else [page_table.astype(jnp.int32)]),
       q.reshape(b, all_heads // g, g, d), *finish_ops, centroids)
     return SelectedPages(pid, blk, num[..., 0]), scores

@@ -36,9 +36,10 @@ import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
 from sparrow_jax.rollout import speculative
 from sparrow_jax.rollout.config import RolloutConfig
-from sparrow_jax.rollout.static import layer_attention_fns
-from sparrow_jax.rollout.kv_cache import KVCache, write_token
+from sparrow_jax.rollout.static import DECODE_JIT, decode_step_hidden, layer_attention_fns
+from sparrow_jax.rollout.kv_cache import KVCache
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain)
+from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.rollout.verify import (accept_round, cascade_attention, draft_sample,
                                         round_blocks)
@@ -136,8 +137,7 @@ def verify_forward(model: Qwen3ForCausalLM, ks: list, vs: list, starts, seq, *,
     return ks, vs, model.logits(hidden)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "bin_size", "spec"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, **DECODE_JIT)
 def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
                    bin_size: int, spec: ShardingSpec | None):
     """The exact-sparse decode `while_loop` (one draft + verify round per iteration).
@@ -148,7 +148,8 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     b, t_new = state.tokens.shape
     s_max = state.cache.max_length
     max_selected = min(cfg.max_budget, s_max) // bs
-    attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected)
+    attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected,
+                                   mcfg.rms_norm_eps)
     sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
     rows = jnp.arange(b)[:, None]
     gammas = cfg.round_gammas                     # the draft lengths a round can run (static)
@@ -169,15 +170,8 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
             budget = budget_for_lengths(budgets, lengths, bin_size)
             budget_blocks = jnp.minimum(budget // bs, max_selected).astype(jnp.int32)
             covered = budget >= lengths
-
-            def attend(i, q, k, v):
-                ks[i] = write_token(ks[i], k[:, 0], start + jj)
-                vs[i] = write_token(vs[i], v[:, 0], start + jj)
-                out, cs[i] = attn_fns[sparse_layers[i]](q[:, 0], ks[i], vs[i], cs[i], lengths,
-                                                       budget_blocks, covered)
-                return out[:, None]
-
-            hidden = model.run_layers(model.embed(tok[:, None]), (start + jj)[:, None], attend)
+            hidden = decode_step_hidden(model, attn_fns, [ks, vs, cs], tok, start + jj,
+                                        budget_blocks, covered, cfg=cfg, spec=spec)
             x, q_logp = draft_sample(model.logits(hidden[:, 0]), rng=st.rng,
                                      sample_ids=st.sample_ids, index=st.response_lengths + jj,
                                      cfg=cfg)
@@ -282,9 +276,15 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
                   max_new_tokens=cfg.max_new_tokens, mode=cfg.mode, gamma=cfg.gamma,
                   gamma_by_bin=cfg.gamma_by_bin,
                   max_budget=cfg.max_budget, dtype=jnp.dtype(model.dtype).name)
-    traj, _ = decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
-                             bin_size=bin_size, spec=spec)
+    traj, _ = decode_program_for(cfg)(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
+                                      bin_size=bin_size, spec=spec)
     return traj
+
+
+def decode_program_for(cfg: RolloutConfig):
+    """`decode_program` compiled with cfg's GPU decode options
+    (`RolloutConfig.decode_compiler_options`: itself at the defaults)."""
+    return compiler_options.with_options(decode_program, DECODE_JIT, cfg.decode_compiler_options)
 
 
 def acceptance_by_bin(traj: Trajectories, *, gamma: int | Sequence[int], bin_size: int,

@@ -26,11 +26,13 @@ from pallas_kernels import pallas_triton, pallas_triton_select, pallas_triton_wr
 from pallas_kernels.reference import HeadFinish
 from sparrow_jax.model.attention import masked_gqa_attention
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.qwen3 import Qwen3ForCausalLM, rope_cos_sin
+from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.rollout import fused
 from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.prefill import prefill, prefill_attention
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.rollout.state import budget_for_lengths, sample_tokens
+from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import block_scores, selection
 
@@ -224,12 +226,12 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     lengths - 1; pools [1, Hkv, N, bs, D], centroids [1, Hkv, N, D]; page_table [S, P];
     lengths [S] tokens including the fed one; write [S] bool (inactive slots write nothing);
     covered [S] bool: budget >= length, attended densely (also beyond the selection width).
-    Where the layer runs as the fewest kernels (`one_sparse_kernel`) q and k_new are the raw
+    Where the layer runs as the fewest kernels (`fused.fewest_kernels`) q and k_new are the raw
     projected heads, which the kernels RMSNorm (weights q_norm / k_norm [D], norm_eps) and
     rotate (cos / sin [S, D] f32 at the fed token's position) as they read them; elsewhere
     they are finished already (the model's own norms and RoPE) and these go unused.
     combined: q, k_new and v_new are one array [S, Hq + 2 Hkv, D], the layer's q, k and v heads
-    in that order (`combined_heads`).
+    in that order (`fused.combined_heads`).
     Returns (out [S, Hq, D], k_pool, v_pool, c_pool).
     """
     bs = cfg.block_size
@@ -237,7 +239,7 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     s, p = page_table.shape
     pos = lengths - 1
     page = jnp.take_along_axis(page_table, (pos // bs)[:, None], axis=1)[:, 0]
-    triton = one_sparse_kernel(cfg.backend)
+    triton = fused.fewest_kernels(cfg.backend)
     q_heads = q.shape[1] - 2 * hkv if combined else None
     if triton:
         # One kernel writes K, V and (sparse layers) the filled page's centroid, in place.
@@ -303,30 +305,6 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     return out, k_pool, v_pool, c_pool
 
 
-def one_sparse_kernel(backend: str) -> bool:
-    """Whether a layer runs as the fewest kernels (Pallas Triton, the GPU backend): the raw
-    q/k heads finished (norms, RoPE) inside the kernels that read them, one write of K, V and
-    the centroid (`pallas_triton_write`), one kernel for the scores, selection and page lookup
-    (`pallas_triton_select.select_pages_triton`), and a sparse layer's attention one kernel for
-    all its rows, covered or not (`pallas_triton.paged_table_decode_triton`), with no
-    `lax.cond` around it. Elsewhere XLA scatters write the pools and a cond picks dense / mixed
-    / sparse: on CPU and TPU a branch costs no launch, and their covered rows would otherwise
-    run the dense and the sparse attention both."""
-    return pallas_kernels.resolve_backend(backend) == "pallas_triton"
-
-
-def combined_heads(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_heads: int) -> bool:
-    """Whether a layer hands its kernels q, k and v as one [S, Hq + 2 Hkv, D] array (the
-    kernels read their heads from it by offset): the projections come out of one split-K gemm
-    whose partial sums XLA adds in one kernel for one consumer array, in one per head kind for
-    three (2 launches per layer more). Only where the layer runs as the fewest kernels and the
-    heads are not split over a model axis (its shards would each hold a mix of kinds)."""
-    if not one_sparse_kernel(cfg.backend):
-        return False
-    return spec is None or spec.mesh.shape.get("model", 1) == 1 or \
-        mesh_axes(spec, num_kv_heads)[1] is None
-
-
 def mesh_axes(spec: ShardingSpec, num_kv_heads: int) -> tuple[str | None, str | None]:
     """Mesh axes of pools/slots (data) and KV heads (model, unless the heads do not divide it:
     then replicated, as the static engine's cache)."""
@@ -357,7 +335,7 @@ def layer_attention_fns(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_he
     has the same shapes, so jax traces (and lowers) its attention - the kernel calls of the
     dense, mixed and sparse branches - once instead of once per layer (the 8B pod chunk: ~400
     Pallas calls traced)."""
-    combined = combined_heads(cfg, spec, num_kv_heads)
+    combined = fused.combined_heads(cfg, spec)
     return {sp: jax.jit(_sharded(functools.partial(_layer_attention, sparse=sp, cfg=cfg,
                                                    max_selected=max_selected,
                                                    norm_eps=norm_eps, combined=combined), spec,
@@ -367,34 +345,20 @@ def layer_attention_fns(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_he
 def decode_step_hidden(model: Qwen3ForCausalLM, attn: dict, kv: list[list], tokens, positions,
                        page_table, write, budget_blocks, covered, *, cfg: RolloutConfig,
                        spec: ShardingSpec | None):
-    """One decode step's layers over the page pools: tokens [S] fed at positions [S] (their
-    cache index) -> final-normed hidden [S, 1, H]. attn: `layer_attention_fns`; kv: [ks, vs,
-    cs], each the layers' pools, updated in place (the list entries); write, budget_blocks,
-    covered [S] as `_layer_attention`. Where the layers run as the fewest kernels the model
-    hands them its raw q/k heads (`run_layers(raw_qk=True)`) and the kernels finish them, with
-    the RoPE table of this step computed once for all layers (and, `combined_heads`, the
-    three projections as one array)."""
+    """One decode step's layers over the page pools (`fused.decode_layers`): tokens [S] fed at
+    positions [S] (their cache index) -> final-normed hidden [S, 1, H]. attn:
+    `layer_attention_fns`; kv: [ks, vs, cs], each the layers' pools, updated in place (the list
+    entries); write, budget_blocks, covered [S] as `_layer_attention`."""
     ks, vs, cs = kv
-    combined = combined_heads(cfg, spec, model.config.num_key_value_heads)
     lengths = positions + 1
-    mcfg = model.config
-    cos, sin = (x[:, 0] for x in rope_cos_sin(positions[:, None], mcfg.head_dim,
-                                              mcfg.rope_theta))
 
-    def attend(i, q, k, v):
-        heads = model.layers[i].self_attn
-        q, k, v = q[:, 0], k[:, 0], v[:, 0]
-        if combined:
-            with jax.named_scope("qkv_proj"):       # [S, Hq + 2 Hkv, D], from the flat rows
-                flat = jnp.concatenate([x.reshape(x.shape[0], -1) for x in (q, k, v)], axis=1)
-                q = k = v = flat.reshape(q.shape[0], -1, q.shape[2])
+    def layer(i, q, k, v, *finish):
         out, ks[i], vs[i], cs[i] = attn[cfg.sparse_layer(i)](
-            q, k, v, ks[i], vs[i], cs[i], page_table, lengths, write,
-            budget_blocks, covered, cos, sin, heads.q_norm.weight[...], heads.k_norm.weight[...])
-        return out[:, None]
+            q, k, v, ks[i], vs[i], cs[i], page_table, lengths, write, budget_blocks, covered,
+            *finish)
+        return out
 
-    return model.run_layers(model.embed(tokens[:, None]), positions[:, None], attend,
-                            raw_qk=one_sparse_kernel(cfg.backend))
+    return fused.decode_layers(model, layer, tokens, positions, cfg=cfg, spec=spec)
 
 
 @jax.tree_util.register_dataclass
@@ -409,8 +373,11 @@ class Slots:
     page_table: jax.Array    # [S, P] int32 physical pages (N = none)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "steps", "bin_size", "spec"),
-                   donate_argnames=("kv",))
+DECODE_CHUNK_JIT = dict(static_argnames=("graphdef", "cfg", "steps", "bin_size", "spec"),
+                        donate_argnames=("kv",))
+
+
+@functools.partial(jax.jit, **DECODE_CHUNK_JIT)
 def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, rng, *,
                          cfg: RolloutConfig, steps: int, bin_size: int,
                          spec: ShardingSpec | None):
@@ -460,3 +427,10 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
 
     kv, slots, rec = jax.lax.fori_loop(0, steps, body, (kv, slots, rec0))
     return kv, slots, rec
+
+
+def decode_chunk_program_for(cfg: RolloutConfig):
+    """`decode_chunk_program` compiled with cfg's GPU decode options
+    (`RolloutConfig.decode_compiler_options`: itself at the defaults)."""
+    return compiler_options.with_options(decode_chunk_program, DECODE_CHUNK_JIT,
+                                         cfg.decode_compiler_options)

@@ -45,6 +45,7 @@ from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.state import budget_for_lengths
 from sparrow_jax.rollout.verify import (accept_round, cascade_attention, draft_sample,
                                         round_blocks)
+from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.sharding import ShardingSpec
 
 
@@ -113,8 +114,7 @@ def _shard(fn, spec: ShardingSpec | None, num_kv_heads: int, kind: str):
     return jax.shard_map(fn, mesh=spec.mesh, in_specs=ins, out_specs=outs, check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "steps", "bin_size", "spec"),
-                   donate_argnames=("kv",))
+@functools.partial(jax.jit, **paged.DECODE_CHUNK_JIT)
 def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots, budgets, rng,
                          *, cfg: RolloutConfig, steps: int, bin_size: int,
                          spec: ShardingSpec | None):
@@ -206,3 +206,10 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
     count0 = jnp.zeros((s,), jnp.int32)
     kv, slots, _, rec = jax.lax.fori_loop(0, width // (g + 1), body, (kv, slots, count0, rec0))
     return kv, slots, rec
+
+
+def decode_chunk_program_for(cfg: RolloutConfig):
+    """`decode_chunk_program` compiled with cfg's GPU decode options
+    (`RolloutConfig.decode_compiler_options`: itself at the defaults)."""
+    return compiler_options.with_options(decode_chunk_program, paged.DECODE_CHUNK_JIT,
+                                         cfg.decode_compiler_options)
