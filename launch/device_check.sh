@@ -8,7 +8,10 @@
 # Writes a dated report (markdown + JSON) under docs/devices/ after every stage: what finished
 # is kept when a later stage fails. docs/devices/README.md says how to run it on a new machine.
 #   launch/device_check.sh [--quick] [--out DIR] [--only doctor,kernels,rollout,train]
-# --quick: toy sizes on the current Python (CPU; CI runs it), no install.
+#   launch/device_check.sh --only gpu_limit   # issue 55's bytes-limit benches, <= 9 min on an H200
+# --quick: toy sizes (CPU; CI runs it), no install, on the project's environment: PYTHON if set,
+# else ./.venv (launch/local.sh makes it), else the active virtual environment, else the system
+# Python; one that cannot import the project stops here, naming what is missing.
 # GPU hosts install with launch/gpu.sh (SPARROW_INSTALL_ONLY=1), TPU VMs with tpu_setup.sh's
 # install; SPARROW_WHEELHOUSE=DIR installs from DIR with no network (launch/wheelhouse.sh).
 # PYTHON=/path/to/python: use that Python (an installed environment) and skip the install.
@@ -21,8 +24,16 @@ SPARROW_LAUNCHER=device_check.sh
 quick=""
 for a in "$@"; do [ "$a" = --quick ] && quick=1; done
 if [ -n "$quick" ] || [ -n "${PYTHON:-}" ]; then
-  py=${PYTHON:-$(sparrow_find_python)}
+  if [ -n "${PYTHON:-}" ]; then py=$PYTHON
+  elif [ -x .venv/bin/python ]; then py=.venv/bin/python
+  elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then py=$VIRTUAL_ENV/bin/python
+  else py=$(sparrow_find_python)
+  fi
   sparrow_say "using $py as it is (no install)"
+  # Every stage would fail in 0 s on an environment without the project (issue 58).
+  if ! missing=$("$py" -c 'import gin, jax, sparrow_jax' 2>&1 >/dev/null); then
+    sparrow_die "$py cannot run the check: $(printf '%s\n' "$missing" | tail -n 1). Run launch/local.sh test once (it makes ./.venv), activate the project's environment, or set PYTHON=/path/to/its/python"
+  fi
 elif command -v nvidia-smi >/dev/null 2>&1; then
   SPARROW_INSTALL_ONLY=1 bash launch/gpu.sh || sparrow_die "the GPU install failed (above)"
   if [ -x .venv-gpu-image/bin/python ]; then py=.venv-gpu-image/bin/python; else py=.venv-gpu/bin/python; fi

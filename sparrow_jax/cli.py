@@ -15,7 +15,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from sparrow_jax.runtime import gin_files
+from sparrow_jax.runtime import backend, config_check, gin_files, interrupts
 
 # subcommand -> (module, function, help). Each function takes the parsed argparse namespace.
 COMMANDS = {
@@ -33,12 +33,14 @@ COMMANDS = {
 BENCHES = {
     "kernel": ("sparrow_jax.bench.kernels", "main", "dense vs block-sparse decode attention"),
     "rollout": ("sparrow_jax.bench.rollout", "main", "dense vs sparse rollout tokens/s"),
+    "step": ("sparrow_jax.tools.config_smoke", "bench_step",
+             "dense vs sparse RL steps of a config on random weights, seconds by phase"),
 }
 
 
 # Libraries that narrate their internals at INFO (orbax: a dozen absl lines per checkpoint save).
 # They print WARNING and above only, unless --log_level DEBUG.
-QUIET_LOGGERS = ("absl", "orbax", "jax", "jaxlib", "etils", "grain", "tensorstore")
+QUIET_LOGGERS = ("absl", "orbax", "jax", "jaxlib", "etils", "grain", "tensorstore", "torch")
 
 
 class ConsoleFormatter(logging.Formatter):
@@ -134,16 +136,58 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that run on a device: a JAX_PLATFORMS that cannot start is one line before they load
+# anything (sparrow_jax.runtime.backend). `train` asks itself, once its processes have met.
+ON_DEVICE = ("rollout", "eval", "doctor", "calibrate", "sft", "export", "bench")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`parser.parse_args`, but positionals may also follow the options (`sparrow data check
+    --model DIR CONFIG.gin`, `sparrow eval --out DIR MODEL DATA`): argparse leaves those over."""
+    args, extra = parser.parse_known_args(argv)
+    flags = [a for a in extra if a.startswith("-")]
+    if flags or not hasattr(args, "gin_files"):
+        parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
+    args.gin_files = [*args.gin_files, *extra]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if a in COMMANDS or a == "bench"), None)
+    # From the first line, Ctrl-C and SIGTERM end the command at once with one line
+    # (sparrow_jax.runtime.interrupts): a KeyboardInterrupt raised inside a C extension's import
+    # or an XLA call is a traceback or an abort (issue 58). `sparrow train`'s loop replaces the
+    # handler (it saves at the step's end); `sparrow experiment` stops its arms on a
+    # KeyboardInterrupt, reported below.
+    message = (interrupts.TRAIN_STARTUP_MESSAGE if command == "train" else
+               f"sparrow{' ' + command if command else ''}: interrupted ({{signal}}) before it "
+               f"finished")
+    previous = {} if command == "experiment" else interrupts.install(message)
+    try:
+        return _main(argv, command)
+    except KeyboardInterrupt:
+        logging.getLogger(__name__).debug("interrupted", exc_info=True)
+        print(f"sparrow{' ' + command if command else ''}: interrupted (Ctrl-C) before it "
+              f"finished", file=sys.stderr)
+        return 130
+    finally:
+        interrupts.restore(previous)
+
+
+def _main(argv: list[str], command: str | None) -> int:
+    if command in ON_DEVICE and os.environ.get("JAX_PLATFORMS"):
+        problem = backend.backend_problem()
+        if problem:
+            raise SystemExit(f"sparrow {command}: {problem}")
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
         # Benchmarks parse their own flags (argparse.REMAINDER rejects option-first arguments).
         setup_logging("INFO")
         module, fn = BENCHES[argv[1]][:2]
         rest = argv[2:]
         return int(getattr(importlib.import_module(module), fn)(rest[1:] if rest[:1] == ["--"] else rest) or 0)
-    command = next((a for a in argv if a in COMMANDS), None)
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv) if command == "bench" else parse_args(parser, argv)
     setup_logging(args.log_level)
     module, fn = args._sparrow_entry
     func = getattr(importlib.import_module(module), fn)
@@ -154,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if split is not None:
         split(args)
     parse_gin(args.gin_files, args.gin_param)
+    try:    # a gin value of the wrong type, or not finite, before anything runs
+        config_check.check_bindings()
+    except TypeError as e:
+        raise SystemExit(f"sparrow {args.command}: {e}") from None
     return int(func(args) or 0)
 
 

@@ -47,6 +47,8 @@ def _quick_cpu_codegen() -> None:
 
 _quick_cpu_codegen()
 
+import logging  # noqa: E402
+
 import gin  # noqa: E402
 import pytest  # noqa: E402
 
@@ -67,7 +69,7 @@ LONGEST_FIRST = (
     "test_faults.py", "test_run_safety.py", "test_shipped_configs.py", "test_dryrun.py",
     "test_train.py", "test_reference_eval.py", "test_multihost_paged.py",
     "test_decode_hlo.py", "test_compile.py", "test_doctor.py",
-    "test_multihost.py", "test_experiment.py", "test_docs.py",
+    "test_multihost.py", "test_experiment.py", "test_user_mistakes.py", "test_docs.py",
     "test_kernels.py", "test_distill.py", "test_compression.py", "test_rollout_sharded.py",
 )
 
@@ -101,3 +103,19 @@ def _release_compiled_programs():
     import jax
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def restore_logging():
+    """The logging setup a command changed (root level and handlers, the libraries' levels,
+    warnings capture) put back after the test: `sparrow` commands configure logging."""
+    root = logging.getLogger()
+    saved = (root.level, root.handlers[:])
+    levels = {n: logging.getLogger(n).level for n in ("absl", "orbax", "jax", "etils", "grain")}
+    yield
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    for n, lv in levels.items():
+        logging.getLogger(n).setLevel(lv)
+    logging.captureWarnings(False)
+

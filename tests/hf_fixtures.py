@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +129,25 @@ def gin_text(bindings: dict[str, str]) -> str:
     return "".join(f"{k} = {v}\n" for k, v in bindings.items())
 
 
+# -- processes ----------------------------------------------------------------------------------
+def group_left(pgid: int, timeout: float = 20) -> list[int]:
+    """Live (not zombie) processes of group `pgid` still there after `timeout` s: [] once every
+    one is gone. Read from /proc: an orphaned zombie that no init reaps is not a process left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                left.append(int(stat.parent.name))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 # -- several CPU devices -----------------------------------------------------------------------
 def cpu_devices_flags(devices: int) -> str:
     """XLA_FLAGS for a subprocess with `devices` host CPU devices, keeping the session's other
@@ -211,3 +231,59 @@ def make_sharp_tiny_model(path: Path):
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
             norm.weight.set_value(norm.weight.get_value() * 3.0)
     return model
+
+
+# -- prompts and references shared by the rollout tests ----------------------------------------
+def random_prompts(lengths, seed: int = 0, vocab: int = 96) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded random prompts [B, max(lengths)] int32 (ids from 3: past pad/bos/eos) and
+    their lengths [B]."""
+    rng = np.random.default_rng(seed)
+    toks = np.zeros((len(lengths), max(lengths)), np.int32)
+    for i, n in enumerate(lengths):
+        toks[i, :n] = rng.integers(3, vocab, n)
+    return toks, np.asarray(lengths, np.int32)
+
+
+def assert_greedy_matches_torch(traj, torch_model, toks, lens, new_tokens: int) -> None:
+    """Each row's greedy tokens equal transformers' `generate` on the same prompt (no stop)."""
+    import torch
+    for i, n in enumerate(lens):
+        with torch.no_grad():
+            ref = torch_model.generate(torch.tensor(toks[i:i + 1, :n], dtype=torch.long),
+                                       max_new_tokens=new_tokens, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0).numpy()[0, n:]
+        assert np.asarray(traj.tokens[i]).tolist() == ref.tolist(), i
+
+
+# -- several local processes (jax.distributed over 127.0.0.1) ---------------------------------
+def start_workers(worker: Path, role: str, root: Path, nproc: int, *, devices: int = 4,
+                  extra_args=(), extra_env: dict | None = None) -> tuple[list, list[Path]]:
+    """Starts `nproc` copies of the script `worker` as one jax.distributed job on a free local
+    port (argv: role root index nproc port *extra_args), each with `devices` CPU devices and
+    its output in ROOT/<role>_<i>.log; returns (processes, log paths)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_devices_flags(devices),
+           "PYTHONPATH": os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")]),
+           **(extra_env or {})}
+    port = free_port()
+    logs = [root / f"{role}_{i}.log" for i in range(nproc)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(worker), role, str(root), str(i), str(nproc), str(port),
+                 *extra_args], env=env, stdout=out, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def process_prompts(root: Path, pid: int, nproc: int) -> tuple[np.ndarray, np.ndarray]:
+    """Process `pid`'s share of ROOT/prompts.npz (tokens, lengths): its rows, cut to its own
+    longest prompt (processes pass ragged, differently wide prompt batches)."""
+    prompts = np.load(root / "prompts.npz")
+    per = prompts["tokens"].shape[0] // nproc
+    mine = slice(pid * per, (pid + 1) * per)
+    lengths = prompts["lengths"][mine]
+    return prompts["tokens"][mine][:, : int(lengths.max())], lengths
+

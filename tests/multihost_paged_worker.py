@@ -52,8 +52,9 @@ def main(role: str, root: Path, pid: int, nproc: int, port: int) -> None:
     jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid,
                                heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
                                shutdown_timeout_seconds=30)
+    from hf_fixtures import process_prompts
     from sparrow_jax.model import load_hf
-    from sparrow_jax.rollout import RolloutConfig, generate, continuous
+    from sparrow_jax.rollout import RolloutConfig, continuous, generate
     from sparrow_jax.runtime import multihost
     from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 
@@ -61,11 +62,7 @@ def main(role: str, root: Path, pid: int, nproc: int, port: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     spec = ShardingSpec.create(make_mesh(model=4))
     model = load_hf(root / "model", mesh=spec.mesh)
-    prompts = np.load(root / "prompts.npz")
-    per = prompts["tokens"].shape[0] // nproc
-    mine = slice(pid * per, (pid + 1) * per)
-    lengths = prompts["lengths"][mine]
-    tokens = prompts["tokens"][mine][:, : int(lengths.max())]   # ragged widths per process
+    tokens, lengths = process_prompts(root, pid, nproc)     # ragged widths per process
     cases = json.loads((root / "cases.json").read_text())
     # `rollout`: every case, then the first again with its programs compiled (the steady-state
     # cost of the cross-process coordination per decode chunk, printed by the test). The sync

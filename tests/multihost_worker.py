@@ -21,17 +21,14 @@ def generate(root: Path, pid: int, nproc: int, port: int) -> None:
     jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
     from sparrow_jax.runtime import multihost
     from sparrow_jax.model import load_hf
+    from hf_fixtures import process_prompts
     from sparrow_jax.rollout import RolloutConfig, generate as run
     from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 
     spec = ShardingSpec.create(make_mesh(model=2))
     model = load_hf(root / "model", mesh=spec.mesh)
-    prompts = np.load(root / "prompts.npz")
     # This process's prompts only; its prompts are ragged and narrower than the other's.
-    per = prompts["tokens"].shape[0] // nproc
-    mine = slice(pid * per, (pid + 1) * per)
-    lengths = prompts["lengths"][mine]
-    tokens = prompts["tokens"][mine][:, : int(lengths.max())]
+    tokens, lengths = process_prompts(root, pid, nproc)
     cfg = RolloutConfig(max_new_tokens=24, max_budget=48, temperature=1.0, backend="xla",
                         stop_token_ids=())
     traj = run(model, tokens, lengths, cfg=cfg, budgets=np.full(20, 48), bin_size=16,

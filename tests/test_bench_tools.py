@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from sparrow_jax.bench import kernel_sweep
 from sparrow_jax.bench.kernels import chained
@@ -84,3 +85,65 @@ def test_bench_exact_does_not_count_a_rows_cut_off_last_round_as_a_full_round():
     from sparrow_jax.rollout import exact
     counted = exact.acceptance_by_bin(traj, gamma=2, bin_size=1 << 30)[0]
     assert counted["rounds"] == 7 and counted["tokens_per_pass"] == 15 / 7
+
+
+_TOY = ["--layers", "3", "--hidden", "32", "--heads", "4", "--kv_heads", "2", "--head_dim", "16",
+        "--vocab", "64", "--dtype", "float32", "--repeats", "1"]
+_TINY_SCHEDULE = ["--gin_param", "RolloutConfig.chunk_steps = 8",
+                  "--gin_param", f"make_schedule.budgets = {[48] * 20}",
+                  "--gin_param", "make_schedule.bin_size = 16"]
+
+
+def _records(out: str) -> list[dict]:
+    return [__import__("json").loads(x) for x in out.splitlines() if x.startswith("{")]
+
+
+@pytest.mark.slow   # ~20 s; CI runs the same command in the quick device check (limit_rollout)
+def test_bench_rollout_paged_engine_beside_its_bytes_limit(capsys):
+    """`--engine paged` (issue 55): the paged engine's decode chunks timed one at a time at each
+    context with its own batch, the gin files' schedule (`--schedule config`), and every row's
+    bytes limit: weights + KV + centroids + metadata (the page tables' entries included) over
+    the copy bandwidth measured in the run, as a % of the measured step."""
+    from sparrow_jax import cli
+    argv = ["bench", "rollout", "--", "--json", *_TOY, *_TINY_SCHEDULE, "--engine", "paged",
+            "--schedule", "config", "--context", "96", "192", "--batch", "2", "3",
+            "--new_tokens", "17"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    records = _records(out)
+    assert [(r["context"], r["batch"], r["engine"]) for r in records] == [
+        (96, 2, "paged"), (192, 3, "paged")]
+    for r in records:
+        assert r["schedule"] == "custom" and r["steps"] == 16 and r["chunk_steps"] == 8
+        for mode in ("dense", "sparse"):
+            assert r[f"{mode}_pct_of_limit"] == pytest.approx(
+                100 * r[f"{mode}_limit_ms"] / r[f"{mode}_ms_per_step"])
+            assert r[f"{mode}_bytes_metadata"] > 0          # page tables, every layer
+        assert r["sparse_bytes_kv"] < r["dense_bytes_kv"] and r["sparse_bytes_centroids"] > 0
+    assert "% limit" in out and "bytes/step dense: weights" in out
+
+
+@pytest.mark.slow   # ~20 s; CI runs the same command in the quick device check (limit_rl)
+def test_bench_rollout_rl_workload(capsys):
+    """`--workload rl` (issue 55): distinct prompts x group samples with long-tailed lengths on
+    the gin files' paged engine and schedule, dense and sparse interleaved, tokens/s and the
+    rollout's share of the bytes limit of its decode work."""
+    import statistics
+
+    from sparrow_jax import cli
+    argv = ["bench", "rollout", "--", "--json", *_TOY, *_TINY_SCHEDULE, "--workload", "rl",
+            "--samples", "8", "--group", "4", "--prompt_len", "48", "--new_tokens", "64",
+            "--mean_len", "16", "--gin_param", "RolloutConfig.engine = 'paged'"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    dense, sparse = _records(out)
+    assert (dense["mode"], sparse["mode"]) == ("dense", "sparse")
+    for r in (dense, sparse):
+        assert r["workload"] == "rl" and r["tok_s"] > 0 and r["generated_tokens"] > 0
+        assert r["decode_steps"] == 8 * r["chunks"] and r["bytes_weights"] > 0
+        assert r["pct_of_limit"] == pytest.approx(100 * r["limit_s"] / statistics.median(
+            r["wall_s"]))
+    assert dense["bytes_centroids"] == 0 < sparse["bytes_centroids"]
+    # the static engine is refused: the workload is a run's paged rollout
+    with pytest.raises(SystemExit, match="paged engine"):
+        cli.main(argv[:-2])

@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from hf_fixtures import make_tiny_qwen3, run_on_cpu_devices
+from hf_fixtures import make_tiny_qwen3, random_prompts, run_on_cpu_devices
 from sparrow_jax.model import load_hf
 from sparrow_jax.rollout import RolloutConfig, generate, start
 from sparrow_jax.rollout import compress
@@ -87,13 +87,6 @@ def tiny(tmp_path_factory):
     return load_hf(path, dtype=jnp.float32)
 
 
-def _prompts(lengths, seed=0, vocab=96):
-    rng = np.random.default_rng(seed)
-    toks = np.zeros((len(lengths), max(lengths)), np.int32)
-    for i, n in enumerate(lengths):
-        toks[i, :n] = rng.integers(3, vocab, n)
-    return toks, np.asarray(lengths, np.int32)
-
 
 def _cfg(**kw):
     base = dict(max_new_tokens=150, temperature=1.0, mode="compress", backend="xla",
@@ -102,7 +95,7 @@ def _cfg(**kw):
 
 
 def test_budget_above_every_length_equals_dense(tiny):
-    toks, lens = _prompts([7, 40])
+    toks, lens = random_prompts([7, 40])
     rng = jax.random.key(3)
     dense = generate(tiny, toks, lens, cfg=RolloutConfig(mode="dense", max_new_tokens=60,
                                                           backend="xla"),
@@ -124,7 +117,7 @@ def test_budget_above_every_length_equals_dense(tiny):
 
 @pytest.mark.parametrize("scorer", ["rkv", "snapkv"])
 def test_cache_is_bounded_and_replay_reproduces_logprobs(tiny, scorer):
-    toks, lens = _prompts([20, 37, 60], seed=1)
+    toks, lens = random_prompts([20, 37, 60], seed=1)
     cfg = _cfg(compress_scorer=scorer)
     state = start(tiny, toks, lens, cfg=cfg, group_size=2, rng=jax.random.key(1))
     plen = state.prompt_tokens.shape[1]                      # the prompt bucket (64)
@@ -156,7 +149,7 @@ def test_cache_is_bounded_and_replay_reproduces_logprobs(tiny, scorer):
 
 def test_learner_analysis_replays_compressed_rollout(tiny):
     from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
-    toks, lens = _prompts([20, 37], seed=2)
+    toks, lens = random_prompts([20, 37], seed=2)
     traj = generate(tiny, toks, lens, cfg=_cfg(max_new_tokens=100), budgets=BIG, group_size=2,
                     rng=jax.random.key(4))
     learner = Learner(tiny, LearnerConfig(alpha_mode="full", attention_chunk=32), group_size=2)
@@ -170,7 +163,7 @@ def test_learner_analysis_replays_compressed_rollout(tiny):
 
 
 def test_groups_and_stop_tokens(tiny):
-    toks, lens = _prompts([20, 37], seed=3)
+    toks, lens = random_prompts([20, 37], seed=3)
     rng = jax.random.key(5)
     free = generate(tiny, toks, lens, cfg=_cfg(), budgets=BIG, group_size=3, rng=rng)
     # A stop id that row 0 first samples after its first compression (step >= 32): the same

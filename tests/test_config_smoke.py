@@ -71,3 +71,61 @@ def test_the_gpu_config_runs_a_step_on_a_random_tiny_model(tmp_path, capsys):
     assert row["bench"] == "config_smoke" and row["step"] == 1 and row["time/step"] > 0
     assert row["rollout/tokens_per_s"] > 0 and row["layers"] == 3
     assert (tmp_path / "smoke" / "model" / "config.json").exists()
+
+
+def test_split_line_names_each_phase_its_compiles_and_the_learner_share():
+    row = {"time/rollout": 12.0, "time/compile/rollout": 8.0, "time/reward": 0.5,
+           "time/probe": 3.0, "time/learner": 20.0, "time/compile/learner": 15.0,
+           "time/step": 35.5, "time/learner_flops_per_s": 79e12,
+           "time/learner_flops_share": 0.1}
+    assert config_smoke.split_line(row) == (
+        "rollout 12 s (compile 8), reward 0.5 s, probe 3 s, learner 20 s (compile 15); "
+        "step 35.5 s; learner 79 TFLOP/s, 10.0% of the bf16 peak")
+
+
+def test_the_model_is_written_without_holding_the_accelerator(monkeypatch):
+    """The parent only writes the random model; `sparrow train` (its child) needs the GPU's
+    memory: jax's preallocation is off while the model is written, the environment as it was
+    after (what the child inherits)."""
+    import os
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "bfc")
+    with config_smoke.allocating_on_demand():
+        assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "bfc"     # a user's setting stays
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
+    assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "bfc"
+
+
+@pytest.mark.slow    # 30-75 s on the 2-core machine: two `sparrow train` runs of a tiny model
+def test_bench_step_puts_dense_and_sparse_steps_side_by_side(tmp_path, capsys):
+    """`sparrow bench step` (issue 55): the same config, seed and prompts once dense and once
+    sparse, each step's seconds by phase - the controller replay (`probe`) apart from the
+    learner, each phase's compile seconds - side by side with the ratio, and the learner's
+    model FLOPs."""
+    from sparrow_jax import cli
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    argv = ["bench", "step", "configs/demo_cpu.gin", "--model_config", str(path), "--steps",
+            "2", "--prompts", "1", "--new_tokens", "16", "--json", "--out", str(tmp_path / "s"),
+            "--gin_param", "TrainConfig.group_size = 2",
+            "--gin_param", "LearnerConfig.micro_batch_size = 0",
+            "--gin_param", f"make_schedule.budgets = {[48] * 20}",
+            "--gin_param", "make_schedule.bin_size = 16",
+            "--gin_param", "RolloutConfig.max_budget = 64"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [(r["mode"], r["step"]) for r in rows] == [("dense", 1), ("sparse", 1),
+                                                      ("dense", 2), ("sparse", 2)]
+    for r in rows:
+        assert {"time/rollout", "time/reward", "time/learner", "time/probe", "time/step"} <= set(r)
+        assert r["learner/model_flops"] > 0 and r["time/learner_flops_per_s"] > 0
+        assert r["ratio/time/step"] == pytest.approx(
+            r["time/step"] / next(d["time/step"] for d in rows
+                                  if d["mode"] == "dense" and d["step"] == r["step"]))
+    # the first step compiles the rollout and the learner; the second compiles nothing new
+    assert rows[0]["time/compile/rollout"] > 0 and rows[0]["time/compile/learner"] > 0
+    # sparse mode replays the sparse actor for alpha: one forward more than dense
+    assert rows[1]["learner/model_flops"] > rows[0]["learner/model_flops"]
+    assert "sparse/dense" in out and "time/compile/learner" in out

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from sparrow_jax.sparsity.cost_model import (
-    HARDWARE, MODEL_SHAPES, ModelShape, choose_block_size, decode_token_cost, get_hardware,
-    predict_speedup, rollout_cost,
+    HARDWARE, MODEL_SHAPES, ModelShape, StepBytes, choose_block_size, decode_step_bytes,
+    decode_token_cost, get_hardware, hardware_for_device, learner_flops, predict_speedup,
+    rollout_cost,
 )
 from sparrow_jax.sparsity.schedule import Schedule
 
@@ -46,6 +47,65 @@ def test_decode_cost_by_hand():
     assert c["kv_bytes"][1] == 2 * 2 * 16 * 2 * (100 + 3 * 48)
     assert c["centroid_bytes"][1] == 3 * 2 * 16 * 2 * 6
     assert c["full_kv_layers"].tolist() == [4, 1] and c["centroid_layers"].tolist() == [0, 3]
+
+
+def test_step_bytes_by_hand():
+    """The bytes one decode step must read (issue 55's bytes limit), counted by hand for a tiny
+    shape: 4 layers (layer 0 dense), hidden 64, 4 query / 2 KV heads of 16, MLP 128, vocab 100,
+    bf16; two rows at contexts 100 and 40, budget 48 tokens (3 blocks of 16)."""
+    m = ModelShape(4, 64, 4, 2, 16, 128, 100, dense_layers=(0,), dtype_bytes=2)
+    # weights: per layer q 64x64 + k, v 2 x 64x32 + o 64x64 + gate/up/down 3 x 64x128, then the
+    # LM head 64x100 once (tied or not; the embedding's row gather is not counted)
+    weights = (4 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 64 * 100) * 2
+    assert weights == 307_712
+    kv_token = 2 * 2 * 16 * 2          # K and V x 2 KV heads x 16 x 2 bytes = 128 per layer
+    # row 0 (100 tokens = 7 blocks > 3): layer 0 reads 100 tokens, layers 1-3 read 48 each and
+    # score floor(100 / 16) = 6 centroids (2 heads x 16 x 2 bytes each) and read 3 block ids
+    # per KV head (int32); row 1 (40 tokens = 3 blocks, not more than 3): dense in all 4
+    kv = kv_token * (100 + 3 * 48) + kv_token * 4 * 40
+    centroids = 3 * 2 * 16 * 2 * 6
+    ids = 3 * 2 * 3 * 4
+    sparse = decode_step_bytes(m, [100, 40], 48)
+    assert sparse == StepBytes(weights=weights, kv=kv, centroids=centroids, metadata=ids)
+    assert (kv, centroids, ids) == (51_712, 1_152, 72)
+    assert sparse.total == 307_712 + 51_712 + 1_152 + 72
+    # dense: every layer reads each row's whole context; nothing is selected
+    assert decode_step_bytes(m, [100, 40]) == StepBytes(weights, kv_token * 4 * 140, 0, 0)
+    # paged: every layer also reads each row's page-table entries, ceil(ctx / 16) int32
+    paged = decode_step_bytes(m, [100, 40], 48, paged=True)
+    assert paged.metadata == ids + 4 * (7 + 3) * 4
+    # weights as run: f32 weights over a bf16 cache
+    assert decode_step_bytes(m, [100], weight_bytes=4).weights == 2 * weights
+    # the limit: bytes over the bandwidth
+    assert sparse.limit_seconds(1e9) == pytest.approx(sparse.total / 1e9)
+
+
+def test_step_bytes_match_the_h200_arithmetic():
+    """SPEC section 4: Qwen3-1.7B bf16, batch 32 at 8K: 3.44 GB of weights, 30.1 GB of KV
+    dense (9.3 ms at 3.59 TB/s); budget 1024 on 26 sparse layers + 2 dense + centroids ~2.8 ms."""
+    dense = decode_step_bytes(M, [8192] * 32)
+    sparse = decode_step_bytes(M, [8192] * 32, 1024)
+    assert dense.weights == pytest.approx(3.44e9, rel=1e-3)
+    assert dense.kv == pytest.approx(30.06e9, rel=1e-3)
+    assert dense.limit_seconds(3.59e12) == pytest.approx(9.33e-3, rel=1e-2)
+    assert sparse.limit_seconds(3.59e12) == pytest.approx(2.77e-3, rel=1e-2)
+
+
+def test_learner_flops_by_hand():
+    m = ModelShape(2, 8, 2, 1, 4, 16, 10, dtype_bytes=2)
+    n = 2 * (8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16) + 8 * 10      # 1168 matmul weights
+    c = (6 + 1) / 2                                                # mean causal context
+    attn = 2 * 2 * 4 * c                                           # layers x Hq x D x c
+    assert learner_flops(m, 3, 6) == 3 * 6 * (6 * n + 12 * attn)
+    assert learner_flops(m, 3, 6, passes=2, forwards=1) == 3 * 6 * (
+        2 * (6 * n + 12 * attn) + 2 * n + 4 * attn)
+
+
+def test_hardware_by_device_kind():
+    h200 = hardware_for_device("NVIDIA H200")
+    assert h200 is HARDWARE["h200"] and h200.learner_peak_flops == 790e12    # measured there
+    assert hardware_for_device("NVIDIA H100 80GB HBM3").learner_peak_flops == 989e12
+    assert hardware_for_device("cpu") is None and hardware_for_device("TPU v5 lite").name == "tpu-v5e"
 
 
 def test_monotone_in_budget_and_context():

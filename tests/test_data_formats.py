@@ -198,14 +198,6 @@ def model_dir(tmp_path_factory):
                                          chat_template=TEMPLATE))
 
 
-@pytest.fixture
-def _restore_logging():
-    root = logging.getLogger()
-    saved = (root.level, root.handlers[:])
-    yield
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
-    logging.captureWarnings(False)
 
 
 def _data_check(argv, capsys):
@@ -220,7 +212,7 @@ def _data_check(argv, capsys):
     return rc, capsys.readouterr().out
 
 
-def test_data_check_good_and_bad_files(tmp_path, model_dir, capsys, _restore_logging):
+def test_data_check_good_and_bad_files(tmp_path, model_dir, capsys, restore_logging):
     good = str(tmp_path / "dapo.parquet")
     pq.write_table(verl_table(), good)
     config = os.path.join(REPO, "configs", "qwen3_1p7b_gpu.gin")

@@ -2,10 +2,13 @@
 markdown + JSON report names each stage's status, results and compile seconds; a stage that
 fails or hangs leaves the others' results in the report.
 
-The CI run covers doctor, kernels and rollout (~3.5 min at load ~17 on the shared 2-core
-machine, 2026-11-27; marked slow). The quick train stage (2 steps of the demo model) is not in
-it: on that machine it reached step 1 after 5.5 min and timed out in step 2's compiles at its
-600 s; on an idle machine it is expected to take ~1-2 min (not measured)."""
+The CI run covers doctor, kernels, selection, rollout, profile and three of the gpu_limit
+group's four stages (~3.5 min at load ~17 on the shared 2-core machine, 2026-11-27, before the
+gpu_limit stages; those add ~30 s: limit_rollout 13 s, limit_kernels 4 s, limit_rl 12 s on
+2026-11-28; marked slow). The quick train stage (2 steps of the demo model) is not in it: on
+that machine it reached step 1 after 5.5 min and timed out in step 2's compiles at its 600 s;
+on an idle machine it is expected to take ~1-2 min (not measured). Nor is limit_step's quick
+form (two `sparrow train` runs, ~75 s): tests/test_config_smoke.py runs it (slow)."""
 
 from __future__ import annotations
 
@@ -27,14 +30,16 @@ def test_quick_device_check_writes_its_report(tmp_path):
     out = tmp_path / "devices"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": sys.executable}
     r = subprocess.run(["bash", str(REPO / "launch" / "device_check.sh"), "--quick", "--out",
-                        str(out), "--only", "doctor,kernels,selection,rollout,profile"],
+                        str(out), "--only", "doctor,kernels,selection,rollout,profile,"
+                        "limit_rollout,limit_kernels,limit_rl"],
                        cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     [report] = list(out.glob("*-cpu-quick.json"))
     rep = json.loads(report.read_text())
     assert [s["stage"] for s in rep["stages"]] == ["doctor", "kernels", "selection", "rollout",
-                                                   "profile"]
+                                                   "profile", "limit_rollout", "limit_kernels",
+                                                   "limit_rl"]
     assert all(s["status"] == "ok" and s["seconds"] <= s["timeout_s"] for s in rep["stages"])
     assert rep["device"]["platform"] == "cpu" and rep["device"]["jax"]
     # every stage's whole output beside the report (it must come back with it from a lent host)
@@ -65,6 +70,16 @@ def test_quick_device_check_writes_its_report(tmp_path):
     assert not any("sparrow-device-check-" in f.read_text() for f in logs.glob("*.log"))
     assert by["rollout"]["log"] == f"{logs.name}/rollout.log"
     assert "dense_tok_s=" in md
+    # gpu_limit (issue 55): each timing beside its bytes limit; jax-triton said unavailable
+    for r in by["limit_rollout"]["results"]:
+        assert r["engine"] == "paged" and r["schedule"] == "custom"
+        assert r["dense_pct_of_limit"] > 0 and r["sparse_pct_of_limit"] > 0
+    unavailable, kernel = by["limit_kernels"]["results"]
+    assert unavailable["backend"] == "jax_triton" and "cannot run" in unavailable["unavailable"]
+    assert kernel["dense_pct_of_limit"] > 0 and kernel["sparse_pct_of_limit"] > 0
+    assert [r["mode"] for r in by["limit_rl"]["results"]] == ["dense", "sparse"]
+    assert all(r["pct_of_limit"] > 0 and r["tok_s"] > 0 for r in by["limit_rl"]["results"])
+    assert "pct_of_limit=" in md and "unavailable=" in md
 
 
 def test_a_failed_stage_keeps_the_others(tmp_path, monkeypatch):
@@ -113,11 +128,41 @@ def test_a_stage_past_its_timeout_is_cut_and_reported(tmp_path, monkeypatch):
 
 
 def test_the_stated_timeouts_are_the_stages_own():
-    """docs/devices/README.md states what the full check's timeouts add up to."""
+    """docs/devices/README.md states what the full check's timeouts add up to, and the
+    gpu_limit group's time plan: its stages' timeouts add up to at most 9 minutes, each one's
+    as the plan's table says."""
     from sparrow_jax.tools import device_check as dc
-    total = sum(s.timeout_s for s in dc.stages(False, "run"))
-    assert total == 1410
-    assert "The timeouts add up to 23.5 minutes" in (REPO / "docs/devices/README.md").read_text()
+    full = dc.stages(False, "run")
+    assert sum(s.timeout_s for s in full) == 1950
+    doc = (REPO / "docs/devices/README.md").read_text()
+    assert "The timeouts add up to 32.5 minutes" in doc
+    limit = [s for s in full if s.name in dc.GROUPS["gpu_limit"]]
+    assert [s.name for s in limit] == list(dc.GROUPS["gpu_limit"])
+    assert sum(s.timeout_s for s in limit) == 540 <= 9 * 60
+    for s in limit:
+        assert f"| {s.name} | " in doc and f" | {s.timeout_s} s |" in doc, s.name
+    # the quick forms are the same stages
+    assert [s.name for s in dc.stages(True, "run") if s.name.startswith("limit_")] == [
+        s.name for s in limit]
+
+
+def test_only_a_group_runs_its_stages(tmp_path, monkeypatch):
+    """`--only gpu_limit` selects the group's stages, in order; an unknown name lists the
+    groups with the stages."""
+    from sparrow_jax.tools import device_check as dc
+    ran = []
+    monkeypatch.setattr(dc, "device_summary", lambda: {"kind": "cpu", "devices": 1})
+
+    def fake(stage, log_dir, work=None):
+        ran.append(stage.name)
+        return {"stage": stage.name, "what": stage.what, "command": "x", "status": "ok",
+                "returncode": 0, "seconds": 0.0, "timeout_s": stage.timeout_s, "results": [],
+                "compiles": [], "tail": [], "log": ""}
+    monkeypatch.setattr(dc, "run_stage", fake)
+    assert dc.main(["--quick", "--out", str(tmp_path), "--only", "doctor,gpu_limit"]) == 0
+    assert ran == ["doctor", *dc.GROUPS["gpu_limit"]]
+    with pytest.raises(SystemExit, match="gpu_limit"):
+        dc.main(["--quick", "--out", str(tmp_path), "--only", "nope"])
 
 
 def test_the_profile_stage_reads_what_the_rollout_stages_write():

@@ -430,6 +430,28 @@ _REGISTRY = {
          ByTest("tests/test_xplane.py::test_breakdown_attributes_kernels_to_decode_phases_on_gpu_and_cpu")),
     "python -m sparrow_jax.bench.kernels --json --contexts 8192,32768 --models 1.7b "
     "--budgets 1024,2048": (Twin("bench_kernel"),),
+    # docs/benchmarks.md, docs/devices/README.md: the bytes limit, gpu_limit (issue 55)
+    _ROLLOUT_BENCH + "configs/qwen3_1p7b_gpu.gin --preset qwen3-1.7b --dtype bfloat16 "
+    "--engine paged --schedule config --context 8192 32768 --batch 32 8 --new_tokens 65 "
+    "--repeats 2":
+        (ByTest("tests/test_bench_tools.py::test_bench_rollout_paged_engine_beside_its_bytes_limit"),
+         ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report")),
+    "sparrow bench kernel -- --json --contexts 8192,32768 --budgets 2048,4096 --models 1.7b "
+    "--backend pallas_triton,jax_triton":
+        (ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report"),),
+    _ROLLOUT_BENCH + "configs/qwen3_1p7b_gpu.gin --preset qwen3-1.7b --dtype bfloat16 "
+    "--workload rl --samples 32 --group 8 --prompt_len 2048 --mean_len 256 --new_tokens 1024 "
+    "--repeats 1 --gin_param 'RolloutConfig.min_slots = 32'":
+        (ByTest("tests/test_bench_tools.py::test_bench_rollout_rl_workload"),
+         ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report")),
+    "sparrow bench step configs/qwen3_1p7b_gpu.gin --preset qwen3-1.7b --layers 4 --steps 2 "
+    "--prompts 2 --new_tokens 1024 --json":
+        (ByTest("tests/test_config_smoke.py::"
+                "test_bench_step_puts_dense_and_sparse_steps_side_by_side"),),
+    "launch/device_check.sh --only gpu_limit":
+        (Hardware(), ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report"),
+         ByTest("tests/test_device_check.py::test_only_a_group_runs_its_stages"),
+         ByTest("tests/test_device_check.py::test_the_stated_timeouts_are_the_stages_own")),
     # docs/devices/README.md: a shipped config at its model's shape on random weights
     "python -m sparrow_jax.tools.config_smoke configs/qwen3_1p7b_gpu.gin --preset qwen3-1.7b":
         (ByTest("tests/test_config_smoke.py::test_the_gpu_config_runs_a_step_on_a_random_tiny_model"),),
@@ -682,6 +704,10 @@ def test_sparrow_command_parses(text, monkeypatch):
         elif argv[:2] == ["bench", "kernel"]:
             from sparrow_jax.bench import kernels as bench
             args = bench.parse_args(argv[3:] if argv[2:3] == ["--"] else argv[2:])
+        elif argv[:2] == ["bench", "step"]:
+            from sparrow_jax.tools import config_smoke
+            args = config_smoke.build_parser(modes=True).parse_args(argv[2:])
+            args.gin_files = [args.config]
         else:
             command = next(a for a in argv if a in cli.COMMANDS)
             args = cli.build_parser(command).parse_args(argv)
@@ -699,7 +725,7 @@ def test_sparrow_command_parses(text, monkeypatch):
         cli.parse_gin(getattr(args, "gin_files", []), getattr(args, "gin_param", []))
     finally:
         gin.clear_config()
-    if getattr(args, "schedule", None):
+    if getattr(args, "schedule", None) and args.schedule != "config":   # config: the gin's
         load_schedule(args.schedule)
 
 
@@ -918,13 +944,25 @@ def test_twin_bench_rollout(capsys, tmp_path):
             "--batch", "2", "--new_tokens", "16", "--repeats", "1", "--dtype", "float32",
             "--profile", str(tmp_path), "--xla_selection"]
     assert cli.main(argv) == 0
-    records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    out_text = capsys.readouterr().out
+    records = [json.loads(x) for x in out_text.splitlines() if x.startswith("{")]
     # budget 48 and the schedule, each against dense; the docs' `--dense_layers 0,1 none` (a
     # second sparse set, twice the compiles) is only parsed, by test_sparrow_command_parses
     # --xla_selection: each again with the selection in XLA (on CPU both are XLA's)
     assert len(records) == 4 and all(r["dense_tok_s"] > 0 and r["sparse_tok_s"] > 0 for r in records)
     assert [r["xla_selection"] for r in records] == [False, False, True, True]
     assert {r["selection"] for r in records} == {"xla"}
+    # the bytes limit beside every timing (issue 55): % = the limit's time / the measured step's
+    for r in records:
+        for mode in ("dense", "sparse"):
+            assert r[f"{mode}_pct_of_limit"] == pytest.approx(
+                100 * r[f"{mode}_limit_ms"] / r[f"{mode}_ms_per_step"])
+            assert r[f"{mode}_bytes_total"] == pytest.approx(sum(
+                r[f"{mode}_bytes_{k}"] for k in ("weights", "kv", "centroids", "metadata")))
+        assert r["copy_bw_gbs"] > 0 and r["sparse_bytes_kv"] <= r["dense_bytes_kv"]
+    # budget 48 reads less KV at 96 tokens; the schedule's 512 covers them (dense reads)
+    assert records[0]["sparse_bytes_kv"] < records[0]["dense_bytes_kv"]
+    assert "bytes/step dense: weights" in out_text and "% limit" in out_text
     # --profile: a trace and the HLO per program, which the breakdown reads by decode phase
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert folders == ["96-dense", "96-sparse_48_0_1", "96-sparse_48_0_1_xla_selection",
@@ -1009,20 +1047,7 @@ def test_every_twin_is_tested():
 
 # -- console: logging setup --------------------------------------------------------------------
 
-@pytest.fixture
-def _restore_logging():
-    root = logging.getLogger()
-    saved = (root.level, root.handlers[:])
-    levels = {n: logging.getLogger(n).level for n in ("absl", "orbax", "jax", "etils", "grain")}
-    yield
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
-    for n, lv in levels.items():
-        logging.getLogger(n).setLevel(lv)
-    logging.captureWarnings(False)
-
-
-def test_library_loggers_quiet_by_default_and_restored_by_debug(_restore_logging):
+def test_library_loggers_quiet_by_default_and_restored_by_debug(restore_logging):
     from sparrow_jax import cli
     cli.setup_logging("INFO")
     for name in ("absl", "orbax", "jax", "etils", "grain"):
@@ -1035,7 +1060,7 @@ def test_library_loggers_quiet_by_default_and_restored_by_debug(_restore_logging
     assert logging.getLogger("absl").getEffectiveLevel() == logging.ERROR
 
 
-def test_warnings_start_with_their_level(_restore_logging):
+def test_warnings_start_with_their_level(restore_logging):
     from sparrow_jax import cli
     fmt = cli.ConsoleFormatter(color=False)
 

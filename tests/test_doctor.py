@@ -4,7 +4,6 @@ plus a short rollout on both engines; a broken kernel fails loudly with exit sta
 
 from __future__ import annotations
 
-import logging
 
 import gin
 import jax.numpy as jnp
@@ -13,14 +12,6 @@ import pytest
 from sparrow_jax import cli
 
 
-@pytest.fixture
-def _restore_logging():
-    root = logging.getLogger()
-    saved = (root.level, root.handlers[:])
-    yield
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
-    logging.captureWarnings(False)
 
 
 def _doctor(argv, capsys):
@@ -38,7 +29,7 @@ def _rows(out):
 
 
 @pytest.mark.slow
-def test_doctor_passes_on_cpu(capsys, _restore_logging):
+def test_doctor_passes_on_cpu(capsys, restore_logging):
     rc, out = _doctor([], capsys)
     assert rc == 0, out
     rows = _rows(out)
@@ -68,7 +59,7 @@ def test_doctor_catches_a_wrong_block_selection(monkeypatch):
                                                      "ids differ from the XLA selection")
 
 
-def test_doctor_fails_loudly_on_a_broken_kernel(capsys, monkeypatch, _restore_logging):
+def test_doctor_fails_loudly_on_a_broken_kernel(capsys, monkeypatch, restore_logging):
     import pallas_kernels.pallas_triton as triton
 
     real = triton.paged_block_sparse_decode_triton

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from hf_fixtures import make_sharp_tiny_model
+from hf_fixtures import make_sharp_tiny_model, random_prompts
 from sparrow_jax.rollout import RolloutConfig, exact, generate, speculative
 from sparrow_jax.rollout.sampling import sampling_logprobs
 from sparrow_jax.rollout.teacher_forced import replay_logprobs, trajectory_hidden
@@ -174,13 +174,6 @@ def sharp(tmp_path_factory):
     return make_sharp_tiny_model(tmp_path_factory.mktemp("tiny_sharp"))
 
 
-def _prompts(lengths, seed=0, vocab=96):
-    r = np.random.default_rng(seed)
-    toks = np.zeros((len(lengths), max(lengths)), np.int32)
-    for i, n in enumerate(lengths):
-        toks[i, :n] = r.integers(3, vocab, n)
-    return toks, np.asarray(lengths, np.int32)
-
 
 BUDGETS = np.full(8, 48, np.int32)           # 3 blocks: sink + 2 local
 KW = dict(backend="xla", max_budget=64, dense_layers=())
@@ -192,7 +185,7 @@ def test_greedy_exact_sparse_equals_dense_greedy(sharp):
     """Ragged prompts, a stop (token 18 ends row 2 at its 21st token: found from this
     fixture's dense greedy output) and long tails to max_new_tokens; sparse greedy differs
     from dense on ~30% of these tokens, so drafts get rejected."""
-    toks, lens = _prompts([40, 70, 9, 23], seed=2)
+    toks, lens = random_prompts([40, 70, 9, 23], seed=2)
     kw = dict(max_new_tokens=48, temperature=0.0, stop_token_ids=(18,), **KW)
     dense = generate(sharp, toks, lens, cfg=RolloutConfig(mode="dense", **kw), budgets=BUDGETS)
     # A gamma per 24-token bin (0: dense steps), so rows cross bins and rounds mix them (two
@@ -220,7 +213,7 @@ def test_greedy_exact_sparse_equals_dense_greedy(sharp):
 def test_sampled_tokens_are_dense_samples_and_logprobs_are_dense(sharp):
     """Randomised PIT: for tokens sampled from the dense conditionals, F(x-) + u p(x) is i.i.d.
     uniform; the conditionals come from a teacher-forced dense pass over the trajectories."""
-    toks, lens = _prompts([40, 65, 12, 30], seed=1)
+    toks, lens = random_prompts([40, 65, 12, 30], seed=1)
     cfg = RolloutConfig(mode="exact_sparse", gamma=3, max_new_tokens=48, temperature=1.0,
                         record_topk=4, **KW)
     traj = generate(sharp, toks, lens, cfg=cfg, budgets=BUDGETS, group_size=12,

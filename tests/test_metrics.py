@@ -91,7 +91,9 @@ def test_non_scalar_rejected(tmp_path):
 
 def test_step_timer_sections_and_block_hook():
     blocked = []
-    timer = StepTimer(block_until_ready=lambda tree: blocked.append(tree))
+    # (no compile clock: the eager ops below may compile, which test_step_timer_compiles covers)
+    timer = StepTimer(block_until_ready=lambda tree: blocked.append(tree),
+                      compile_seconds=lambda: 0.0)
     with timer("rollout") as sec:
         out = sec.ready(jnp.ones(2) * 2)
         time.sleep(0.01)
@@ -104,6 +106,36 @@ def test_step_timer_sections_and_block_hook():
     assert set(s) == {"time/rollout", "time/learner"}
     assert s["time/rollout"] >= 0.01 and s["time/learner"] >= 0.005
     assert timer.summary() == {}  # summary() resets by default
+
+
+def test_step_timer_compiles():
+    """Compile seconds inside a section (the compile log's running total) are reported beside
+    its time as time/compile/<name>, only where it compiled; nested sections both count them."""
+    clock = [0.0]
+    timer = StepTimer(block_until_ready=None, compile_seconds=lambda: clock[0])
+    with timer("learner"):
+        clock[0] += 2.5
+        with timer("distill"):
+            clock[0] += 1.0
+    with timer("reward"):
+        pass
+    with timer("learner"):
+        clock[0] += 0.5
+    s = timer.summary()
+    assert s["time/compile/learner"] == 4.0 and s["time/compile/distill"] == 1.0
+    assert "time/compile/reward" not in s and {"time/learner", "time/reward"} <= set(s)
+    assert timer.summary() == {}
+
+
+def test_compile_seconds_add_up_what_the_log_says():
+    import jax
+
+    from sparrow_jax.runtime import compile_cache
+    compile_cache.log_compiles()
+    before = compile_cache.compile_seconds()
+    with compile_cache.count_compiles() as names:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()
+    assert names and compile_cache.compile_seconds() > before
 
 
 def test_step_timer_default_blocks_on_jax_arrays():

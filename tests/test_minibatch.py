@@ -55,7 +55,16 @@ def test_second_mini_batch_sees_a_moved_policy(ckpt):
     # Epochs: 2 passes over 2 mini-batches = 4 optimizer steps.
     again = Learner(model, LearnerConfig(learning_rate=1e-3, ppo_mini_batch_size=4, ppo_epochs=2),
                     group_size=2)
-    assert again.step(traj, again.advantages(REWARDS))[1]["learner/optimizer_steps"] == 4
+    twice = again.step(traj, again.advantages(REWARDS))[1]
+    assert twice["learner/optimizer_steps"] == 4
+    # Model FLOPs (issue 55): every row at prompt width + response length, one forward+backward
+    # per epoch, plus the analysis forward (not fused: two mini-batches); no replay here.
+    from sparrow_jax.sparsity.cost_model import ModelShape, learner_flops
+    shape = ModelShape(3, 48, 4, 2, model.config.head_dim, model.config.intermediate_size, 96)
+    seq = traj.prompt_tokens.shape[1] + traj.tokens.shape[1]
+    assert metrics["learner/model_flops"] == learner_flops(shape, 8, seq, passes=1, forwards=1)
+    assert twice["learner/model_flops"] == learner_flops(shape, 8, seq, passes=2, forwards=1)
+    assert "learner/peak_flops" not in metrics          # a CPU: no peak in the table
 
 
 def test_mini_batch_config_is_checked(ckpt):

@@ -4,15 +4,12 @@ prompts (static engine here; the paged engine: tests/test_multihost_paged.py); `
 must run, checkpoint and resume across processes on the paged engine (the pod config's)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hf_fixtures import cpu_devices_flags, free_port, make_tiny_synthetic_model
+from hf_fixtures import make_tiny_synthetic_model, start_workers
 from sparrow_jax.data import synthetic
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -21,17 +18,7 @@ NPROC = 2
 
 def _launch(role: str, root: Path, extra=(), timeout=900) -> None:
     """Runs NPROC workers to completion; each one's output goes to ROOT/<role>_<i>.log."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": cpu_devices_flags(4),
-           "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
-    port = free_port()
-    logs = [root / f"{role}_{i}.log" for i in range(NPROC)]
-    procs = []
-    for i, log in enumerate(logs):
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), role, str(root), str(i), str(NPROC), str(port),
-                 *extra], env=env, stdout=out, stderr=subprocess.STDOUT))
+    procs, logs = start_workers(WORKER, role, root, NPROC, extra_args=extra)
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:

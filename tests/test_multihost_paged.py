@@ -15,8 +15,6 @@ Training and resuming on the paged engine across processes: tests/test_multihost
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from hf_fixtures import cpu_devices_flags, free_port, make_tiny_synthetic_model
+from hf_fixtures import make_tiny_synthetic_model, start_workers
 
 WORKER = Path(__file__).with_name("multihost_paged_worker.py")
 NPROC = 2
@@ -37,21 +35,11 @@ DEAD_PEER_BOUND_S = 60
 def _launch(role: str, root: Path, timeout: float = 600
             ) -> tuple[list[int], list[str], list[float]]:
     """Runs NPROC workers; (exit codes, logs, wall-clock time each one exited)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": cpu_devices_flags(4),
-           "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
-           # Compiling dominates these tests: later launches reuse the first one's programs.
-           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
-                                                       str(root / "jax_cache")),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    port = free_port()
-    logs = [root / f"{role}_{i}.log" for i in range(NPROC)]
-    procs = []
-    for i, log in enumerate(logs):
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), role, str(root), str(i), str(NPROC), str(port)],
-                env=env, stdout=out, stderr=subprocess.STDOUT))
+    # Compiling dominates these tests: later launches reuse the first one's programs.
+    cache = {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                         str(root / "jax_cache")),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    procs, logs = start_workers(WORKER, role, root, NPROC, extra_env=cache)
     codes: list[int | None] = [None] * NPROC
     ended = [0.0] * NPROC
     deadline = time.time() + timeout

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_fixtures import make_tiny_qwen3
+from hf_fixtures import assert_greedy_matches_torch, make_tiny_qwen3, random_prompts
 from sparrow_jax.model import load_hf
 from sparrow_jax.rollout import RolloutConfig, generate, page_pool, continuous
 from sparrow_jax.rollout.page_pool import PagePool, PoolExhausted
@@ -26,13 +26,6 @@ def tiny(tmp_path_factory):
     torch_model = make_tiny_qwen3(path, layers=3, vocab=96, hidden=48, heads=4, kv_heads=2)
     return torch_model, load_hf(path, dtype=jnp.float32)
 
-
-def _prompts(lengths, seed=3):
-    rng = np.random.default_rng(seed)
-    toks = np.zeros((len(lengths), max(lengths)), np.int32)
-    for i, n in enumerate(lengths):
-        toks[i, :n] = rng.integers(3, 96, n)
-    return toks, np.asarray(lengths, np.int32)
 
 
 def _run(model, cfg, toks, lens, group_size=2, rng=None, engine="paged", **paged_kw):
@@ -83,7 +76,7 @@ def test_paged_equals_static_with_stop_tokens_groups_and_preemption(tiny, mode):
     token that ends rows mid-sequence; then the same with a pool too small for all samples at
     once (preemption + recompute): every sample identical, every page back in the pool."""
     _, model = tiny
-    toks, lens = _prompts([20, 37, 32])
+    toks, lens = random_prompts([20, 37, 32], seed=3)
     cfg = RolloutConfig(temperature=1.0, mode=mode, **BASE)
     rng = jax.random.key(2)
     free = np.asarray(_run(model, cfg, toks, lens, rng=rng, engine="static").tokens)
@@ -107,18 +100,12 @@ def test_paged_equals_static_with_stop_tokens_groups_and_preemption(tiny, mode):
 
 
 def test_paged_dense_equals_transformers_generate(tiny):
-    import torch
     torch_model, model = tiny
-    toks, lens = _prompts([5, 19, 33], seed=0)
+    toks, lens = random_prompts([5, 19, 33], seed=0)
     cfg = RolloutConfig(max_new_tokens=24, temperature=0.0, mode="dense", backend="xla",
                         engine="paged", chunk_steps=8)
     traj = generate(model, toks, lens, cfg=cfg, budgets=BUDGETS)
-    for i, n in enumerate(lens):
-        with torch.no_grad():
-            ref = torch_model.generate(torch.tensor(toks[i:i + 1, :n], dtype=torch.long),
-                                       max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                       pad_token_id=0).numpy()[0, n:]
-        assert np.asarray(traj.tokens[i]).tolist() == ref.tolist()
+    assert_greedy_matches_torch(traj, torch_model, toks, lens, 24)
 
 
 def test_overlapped_loop_equals_sync_loop_without_an_empty_last_chunk(tiny):
@@ -126,7 +113,7 @@ def test_overlapped_loop_equals_sync_loop_without_an_empty_last_chunk(tiny):
     loop's samples in as many chunks: no continuation over samples that reach max_new_tokens in
     the running chunk (it would run empty: every row here ends at the cap)."""
     _, model = tiny
-    toks, lens = _prompts([5, 19, 33], seed=0)
+    toks, lens = random_prompts([5, 19, 33], seed=0)
     cfg = RolloutConfig(max_new_tokens=40, temperature=1.0, mode="sparse", backend="xla",
                         max_budget=128, engine="paged", chunk_steps=8)
     rng = jax.random.key(4)
@@ -143,7 +130,7 @@ def test_overlapped_loop_equals_sync_loop_without_an_empty_last_chunk(tiny):
 def test_group_prompt_pages_are_stored_once(tiny):
     """8 samples of one 100-token prompt: its 6 full pages exist once, not 8 times."""
     _, model = tiny
-    toks, lens = _prompts([100])
+    toks, lens = random_prompts([100], seed=3)
     cfg = RolloutConfig(temperature=1.0, mode="dense", max_new_tokens=2, backend="xla",
                         engine="paged", chunk_steps=1)
     generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, group_size=8, rng=jax.random.key(0))
@@ -162,7 +149,7 @@ def test_compiles_are_bucketed(tiny):
     from sparrow_jax.runtime.compile_cache import count_compiles
     from sparrow_jax.train import compile_plan
     _, model = tiny
-    toks, lens = _prompts([20, 37, 32], seed=5)
+    toks, lens = random_prompts([20, 37, 32], seed=5)
     for ladders, slots, pages in [({}, {1, 2, 4, 6}, {4, 8, 12}),
                                   (dict(slot_ladder=4, page_ladder=4, min_table_pages=2),
                                    {1, 4, 6}, {2, 8, 12})]:
@@ -190,7 +177,7 @@ def test_a_second_rollout_at_the_same_shapes_compiles_nothing(tiny):
     same rollout again adds no compile, counted by jax's own compile events."""
     from sparrow_jax.runtime.compile_cache import count_compiles
     _, model = tiny
-    toks, lens = _prompts([20, 37], seed=6)
+    toks, lens = random_prompts([20, 37], seed=6)
     cfg = RolloutConfig(temperature=1.0, mode="sparse", engine="paged", **BASE)
     run = lambda: generate(model, toks, lens, cfg=cfg, budgets=BUDGETS, bin_size=48,  # noqa: E731
                            group_size=2, rng=jax.random.key(2))
@@ -205,7 +192,7 @@ def test_a_second_rollout_at_the_same_shapes_compiles_nothing(tiny):
 
 def test_bad_paged_settings(tiny):
     _, model = tiny
-    toks, lens = _prompts([20])
+    toks, lens = random_prompts([20], seed=3)
     with pytest.raises(ValueError, match="static engine only"):
         RolloutConfig(engine="paged", mode="compress")
     with pytest.raises(ValueError, match="engine must be"):
@@ -255,7 +242,7 @@ def test_dense_decoding_in_the_sparse_programs(tiny):
     dense branch)."""
     from sparrow_jax.runtime.compile_cache import count_compiles
     _, model = tiny
-    toks, lens = _prompts([20, 37], seed=7)
+    toks, lens = random_prompts([20, 37], seed=7)
     cfg = RolloutConfig(temperature=1.0, mode="sparse", **BASE)
     COMPILES.clear()
     _run(model, cfg, toks, lens, rng=jax.random.key(4))

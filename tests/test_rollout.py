@@ -6,7 +6,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from hf_fixtures import make_tiny_qwen3
+from hf_fixtures import assert_greedy_matches_torch, make_tiny_qwen3, random_prompts
 from sparrow_jax.model import load_hf
 from sparrow_jax.rollout import RolloutConfig, decode, static, generate, start
 from sparrow_jax.rollout.teacher_forced import replay_logprobs
@@ -21,32 +21,18 @@ def tiny(tmp_path_factory):
     return torch_model, load_hf(path, dtype=jnp.float32)
 
 
-def _prompts(rng, lengths, vocab=96):
-    width = max(lengths)
-    toks = np.zeros((len(lengths), width), np.int32)
-    for i, n in enumerate(lengths):
-        toks[i, :n] = rng.integers(3, vocab, n)
-    return toks, np.asarray(lengths, np.int32)
-
-
 def test_greedy_dense_matches_transformers_generate(tiny):
-    import torch
     torch_model, model = tiny
-    toks, lens = _prompts(np.random.default_rng(0), [5, 19, 33])
+    toks, lens = random_prompts([5, 19, 33], seed=0)
     cfg = RolloutConfig(max_new_tokens=24, temperature=0.0, mode="dense", backend="xla")
     traj = generate(model, toks, lens, cfg=cfg, budgets=BIG)
-    for i, n in enumerate(lens):
-        with torch.no_grad():
-            ref = torch_model.generate(torch.tensor(toks[i:i + 1, :n], dtype=torch.long),
-                                       max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                       pad_token_id=0).numpy()[0, n:]
-        assert np.asarray(traj.tokens[i]).tolist() == ref.tolist()
+    assert_greedy_matches_torch(traj, torch_model, toks, lens, 24)
     assert np.asarray(traj.mask).all()
 
 
 def test_sparse_with_large_budget_equals_dense(tiny):
     _, model = tiny
-    toks, lens = _prompts(np.random.default_rng(1), [7, 40])
+    toks, lens = random_prompts([7, 40], seed=1)
     kw = dict(max_new_tokens=60, temperature=1.0, backend="xla", max_budget=4096)
     rng = jax.random.key(3)
     dense = generate(model, toks, lens, cfg=RolloutConfig(mode="dense", **kw), budgets=BIG,
@@ -59,7 +45,7 @@ def test_sparse_with_large_budget_equals_dense(tiny):
 
 def test_recorded_logprobs_equal_teacher_forced_dense(tiny):
     _, model = tiny
-    toks, lens = _prompts(np.random.default_rng(2), [9, 26, 3])
+    toks, lens = random_prompts([9, 26, 3], seed=2)
     cfg = RolloutConfig(max_new_tokens=40, temperature=1.0, mode="dense", backend="xla")
     traj = generate(model, toks, lens, cfg=cfg, budgets=BIG, group_size=2, rng=jax.random.key(0))
     replay = replay_logprobs(model, traj)
@@ -68,7 +54,7 @@ def test_recorded_logprobs_equal_teacher_forced_dense(tiny):
 
 def test_teacher_forced_sparse_replays_rollout(tiny):
     _, model = tiny
-    toks, lens = _prompts(np.random.default_rng(3), [20, 37])
+    toks, lens = random_prompts([20, 37], seed=3)
     budgets = np.full(20, 64, np.int32)
     budgets[1:] = 96  # second 48-token bin gets a bigger budget: exercises per-bin lookup
     cfg = RolloutConfig(max_new_tokens=120, temperature=1.0, mode="sparse", backend="xla",
@@ -91,7 +77,7 @@ def test_teacher_forced_sparse_replays_rollout(tiny):
 
 def test_eos_and_max_length(tiny):
     _, model = tiny
-    toks, lens = _prompts(np.random.default_rng(4), [6, 12, 30, 2])
+    toks, lens = random_prompts([6, 12, 30, 2], seed=4)
     cfg0 = RolloutConfig(max_new_tokens=30, temperature=1.0, mode="sparse", backend="xla",
                          max_budget=64)
     free = generate(model, toks, lens, cfg=cfg0, budgets=np.full(20, 64), rng=jax.random.key(5))
@@ -113,7 +99,7 @@ def test_eos_and_max_length(tiny):
 
 def test_seed_reproducible(tiny):
     _, model = tiny
-    toks, lens = _prompts(np.random.default_rng(5), [8, 8])
+    toks, lens = random_prompts([8, 8], seed=5)
     cfg = RolloutConfig(max_new_tokens=20, mode="sparse", backend="xla", max_budget=64)
     a = generate(model, toks, lens, cfg=cfg, budgets=np.full(20, 64), group_size=4,
                  rng=jax.random.key(7))
@@ -129,7 +115,7 @@ def test_seed_reproducible(tiny):
 
 def test_bad_inputs(tiny):
     _, model = tiny
-    toks, lens = _prompts(np.random.default_rng(6), [4])
+    toks, lens = random_prompts([4], seed=6)
     cfg = RolloutConfig(max_new_tokens=4, max_budget=64, backend="xla")
     with pytest.raises(ValueError, match="max_budget"):
         generate(model, toks, lens, cfg=cfg, budgets=np.full(20, 128))
@@ -150,7 +136,7 @@ def test_prefill_state_serves_both_modes_and_decode_updates_cache_in_place(tiny)
     from flax import nnx
     from sparrow_jax.rollout.kv_cache import cache_bytes
     _, model = tiny
-    toks, lens = _prompts(np.random.default_rng(9), [30, 12])
+    toks, lens = random_prompts([30, 12], seed=9)
     cfgs = {m: RolloutConfig(max_new_tokens=40, mode=m, backend="xla", max_budget=48)
             for m in ("dense", "sparse")}
     budgets = np.full(20, 48)

@@ -154,7 +154,7 @@ def test_out_never_replaces_its_inputs_a_run_or_a_model(model_dir, tmp_path):
     assert "Traceback" not in proc.stderr
     for out, message in ((tmp_path, "is a directory; name a file"),
                          (Path(model_dir) / "config.json", "inside the model directory"),
-                         (run / "metrics.jsonl", "exists in the run directory")):
+                         (run / "metrics.jsonl", "exists in a training run")):
         with pytest.raises(SystemExit, match=message):
             _rollout(model_dir, prompts, out)
     assert {p: p.read_bytes() for p in kept} == kept

@@ -33,7 +33,7 @@ from pathlib import Path
 import gin
 import pytest
 
-from hf_fixtures import gin_argv, make_tiny_run, tiny_train_bindings
+from hf_fixtures import gin_argv, group_left, make_tiny_run, tiny_train_bindings
 
 # `sparrow train` subprocesses: slow, and guards too - what a user does wrong is checked in CI.
 def slow(test):
@@ -75,24 +75,6 @@ def _launch(root: Path, argv: list[str], faults: dict | None = None, group: bool
                             env=_env(root, faults), stdout=subprocess.DEVNULL,
                             stderr=open(log, "wb"), start_new_session=group)
     return proc, log
-
-
-def _group_left(pgid: int, timeout: float = 20) -> list[int]:
-    """Live (not zombie) processes of group `pgid` still there after `timeout` s: [] once every
-    one is gone. Read from /proc: an orphaned zombie that no init reaps is not a process left."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                left.append(int(stat.parent.name))
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
 
 
 def _run(root: Path, argv: list[str], faults: dict | None = None) -> tuple[int, str]:
@@ -348,7 +330,7 @@ def test_second_trainer_stops_at_start_and_ctrl_c_stops_the_first_cleanly(root):
     err = log.read_text()
     assert f"interrupted (Ctrl-C): saved step {step} and stopping" in err, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
-    assert _group_left(first.pid) == [], "reward workers outlived the trainer"
+    assert group_left(first.pid) == [], "reward workers outlived the trainer"
     steps = list(range(1, step + 1))
     assert _steps(run) == steps, "the second trainer wrote into the first's run"
     # Step 1, every 10th, and the step Ctrl-C saved (an unloaded machine reaches step 10 before
@@ -372,7 +354,7 @@ def test_second_trainer_stops_at_start_and_ctrl_c_stops_the_first_cleanly(root):
     assert (f"stopped at once by a second Ctrl-C; the step in flight was not saved; the last "
             f"checkpoint is step {step}" in err), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    assert _group_left(proc.pid, timeout=10) == [], "reward workers outlived the trainer"
+    assert group_left(proc.pid, timeout=10) == [], "reward workers outlived the trainer"
     assert _checkpoints(run) == saved and _steps(run) == steps
     assert not (run / "damaged_checkpoints").exists()
     # The same command resumes from it (one more step here, to keep the test short).
@@ -632,7 +614,7 @@ def test_settings_that_would_train_wrong_are_refused_by_name_before_the_model_lo
                  TrainConfig__max_reward_error_share="2.0", TrainConfig__dtype="'float16'")
     message = _train_error(argv, monkeypatch)
     for needle in ("RolloutConfig.temperature = 0.0: GRPO learns from the differences",
-                   "LearnerConfig.learning_rate must be > 0, got -0.001",
+                   "LearnerConfig.learning_rate must be finite and > 0, got -0.001",
                    "rope_scaling.rope_type='yarn' is not supported",
                    "TrainConfig.max_reward_error_share must be in [0, 1], got 2.0",
                    "TrainConfig.dtype = 'float16': float16 overflows"):

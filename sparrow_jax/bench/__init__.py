@@ -1,3 +1,4 @@
-"""Benchmarks (`sparrow bench ...`): kernels, rollout tokens/s, the long-tail paged workload,
-KV compression. They import the engines; nothing imports them.
+"""Benchmarks (`sparrow bench ...`): kernels and rollout tokens/s (each beside its bytes limit),
+the long-tail and RL-shaped paged workloads, KV compression. They import the engines; nothing
+imports them.
 """

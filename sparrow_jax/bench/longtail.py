@@ -38,7 +38,10 @@ import jax
 import numpy as np
 
 
-def _workload(args, vocab: int, block_size: int):
+def workload(args, vocab: int, block_size: int):
+    """(prompt tokens [P, prompt_len], their lengths [P], stop ids): `--samples / --group`
+    random prompts of prompt_len / 2 .. prompt_len tokens and the vocabulary's last
+    vocab / mean_len ids as stop tokens (the module docstring's long tail)."""
     rng = np.random.default_rng(args.seed)
     prompts = args.samples // args.group
     lengths = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, prompts)
@@ -106,7 +109,7 @@ def run(model, args, base_cfg, device: str, backend: str, spec=None) -> int:
     if args.samples % args.group or args.static_batch % args.group:
         raise SystemExit("sparrow bench rollout: --samples and --static_batch must be multiples "
                          "of --group")
-    tokens, lengths, stop_ids = _workload(args, mcfg.vocab_size, base_cfg.block_size)
+    tokens, lengths, stop_ids = workload(args, mcfg.vocab_size, base_cfg.block_size)
     if spec is not None:
         from sparrow_jax.bench import processes
         tokens, lengths = processes.my_prompts(tokens, lengths)

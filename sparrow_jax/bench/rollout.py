@@ -1,11 +1,20 @@
 """`sparrow bench rollout`: dense vs block-sparse rollout decode throughput on a random model.
 (`--workload longtail`: static vs paged engine at equal memory, see `longtail_bench`;
-`--workload exact`: dense vs approximate vs exact sparse, sparrow_jax.bench.exact.)
+`--workload exact`: dense vs approximate vs exact sparse, sparrow_jax.bench.exact;
+`--workload rl`: an RL rollout on the config's paged engine and schedule, sparrow_jax.bench.rl.)
 
     sparrow bench rollout [gin files] [--gin_param ...] [--json] [--preset qwen3-1.7b]
         [--layers 4 --hidden 512 --heads 8 --kv_heads 2 --head_dim 64 --vocab 4096]
-        [--context 8192 16384] [--budget 1024] [--schedule NAME] [--batch 4] [--new_tokens 64]
-        [--before] [--xla_selection] [--profile DIR]
+        [--context 8192 16384] [--budget 1024] [--schedule NAME|config] [--batch 4 [N ...]]
+        [--new_tokens 64] [--engine static|paged] [--before] [--xla_selection] [--profile DIR]
+
+Bytes limit (issue 55): every row also gives, dense and sparse, the bytes one decode step must
+read (weights once, each row's KV as attended, centroids, selection metadata;
+`sparsity.cost_model.decode_step_bytes`), the copy bandwidth measured at the start of the run on
+the same device, the bytes-limit time (bytes / bandwidth) and the measured step's % of it
+(`sparrow_jax.bench.bytes_limit`). `--schedule config` takes the gin files' `make_schedule` (a
+shipped config's schedule); `--batch` takes one value or one per `--context`; `--engine paged`
+times the paged engine's decode chunks instead (`sparrow_jax.bench.paged_decode`).
 
 For each context length, one random prompt of (context - new_tokens) tokens is prefilled once and
 sampled `batch` times (group sampling, as in GRPO), in dense and in sparse mode, through the real
@@ -45,8 +54,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.bench import bytes_limit
 from sparrow_jax.bench.rollout_runs import (BEFORE_TOPK, SparseRun, former_selection,
-                                          selection_path, sparse_runs)
+                                          selection_path, sparse_config, sparse_runs)
 from sparrow_jax.model.config import QWEN3_PRESETS
 
 _DTYPES = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -70,8 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="total tokens per row at the end of generation (prompt + new tokens)")
     p.add_argument("--budget", type=int, nargs="*", default=None,
                    help="fixed KV budgets in tokens (default 1024 when no --schedule)")
-    p.add_argument("--schedule", default=None, help="also run a per-bin schedule (name or JSON)")
-    p.add_argument("--batch", type=int, default=4, help="decode rows (samples of the prompt)")
+    p.add_argument("--schedule", default=None,
+                   help="also run a per-bin schedule (name, JSON, or 'config': the gin files' "
+                        "make_schedule)")
+    p.add_argument("--batch", type=int, nargs="+", default=[4],
+                   help="decode rows (samples of the prompt): one value, or one per --context")
+    p.add_argument("--engine", choices=("static", "paged"), default="static",
+                   help="fixed workload: the engine timed (paged: its decode chunks, "
+                        "RolloutConfig's paged settings)")
     p.add_argument("--new_tokens", type=int, default=None,
                    help="tokens per row (fixed workload, default 64); the cap (longtail, 1024)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per program (median)")
@@ -96,12 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "each paged run without the host loop overlap")
     p.add_argument("--gamma", type=int, nargs="+", default=[4],
                    help="--workload exact: tokens drafted per verify pass (one run each)")
-    p.add_argument("--workload", choices=("fixed", "longtail", "exact"), default="fixed",
+    p.add_argument("--workload", choices=("fixed", "longtail", "exact", "rl"), default="fixed",
                    help="fixed: dense vs sparse decode at given contexts; longtail: static vs "
                         "paged engine on long-tailed responses at equal KV memory "
-                        "(sparrow_jax.bench.longtail)")
-    lt = p.add_argument_group("longtail workload")
-    lt.add_argument("--samples", type=int, default=64)
+                        "(sparrow_jax.bench.longtail); rl: distinct prompts x --group samples, "
+                        "long-tailed lengths, the config's paged engine and schedule, dense vs "
+                        "sparse (sparrow_jax.bench.rl)")
+    lt = p.add_argument_group("longtail and rl workloads")
+    lt.add_argument("--samples", type=int, default=64, help="rollouts (prompts x --group)")
     lt.add_argument("--ladders", type=int, nargs="+", action="append", default=None,
                     metavar="N",
                     help="SLOT PAGE MIN_PAGES [MIN_SLOTS]: also run each paged config at these "
@@ -171,8 +189,9 @@ def _profile(run, name: str, context: int, directory: str, compiled) -> str:
 
 
 def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
-                  variants: Sequence[SparseRun]) -> list[dict[str, Any]]:
-    """Dense + every sparse variant at one context length; one result dict per variant."""
+                  variants: Sequence[SparseRun], bandwidth: float) -> list[dict[str, Any]]:
+    """Dense + every sparse variant at one context length; one result dict per variant, with
+    the bytes-limit fields of both (`bench.bytes_limit`; `bandwidth`: the copy bandwidth)."""
     from sparrow_jax.rollout import decode, start
     from sparrow_jax.rollout.config import padded_length
     from sparrow_jax.rollout.kv_cache import check_cache_fits
@@ -201,18 +220,7 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     dense_cfg = dataclasses.replace(base_cfg, mode="dense", max_new_tokens=args.new_tokens)
     progs["dense"] = (dense_cfg, np.full(20, 1 << 20, np.int32), 2000)  # budgets unused
     for v in variants:
-        # Static selection width = the largest budget this context reaches (the trainer's rule,
-        # RolloutConfig.fit_selection_width): a wider one gathers padding blocks every step.
-        last_bin = min(context // v.bin_size, len(v.budgets) - 1)
-        reachable = v.budgets[: last_bin + 1]
-        # Bins beyond reach are never looked up: they take the last reachable bin's budget.
-        budgets = np.concatenate([reachable, np.repeat(reachable[-1:], len(v.budgets) - last_bin
-                                                       - 1)]).astype(np.int32)
-        cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=max(
-            base_cfg.max_budget, padded_length(int(reachable.max()), base_cfg.block_size)),
-            max_new_tokens=args.new_tokens, dense_layers=v.dense_layers,
-            selection="xla" if v.xla_selection else base_cfg.selection)
-        cfg, _ = cfg.fit_selection_width(reachable)
+        cfg, budgets = sparse_config(base_cfg, v, context, args.new_tokens)
         if v.before:   # a distinct static config: its own compiled program, traced swapped
             if cfg.record_topk == BEFORE_TOPK:
                 raise SystemExit("sparrow bench rollout: --before compares against a top-20 "
@@ -265,13 +273,18 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
     def decode_rate(name: str) -> dict[str, float]:
         dt, dc = statistics.median(wall[name]), statistics.median(cpu[name])
         return {"tok_s": steps / dt, "cpu_tok_s": steps / dc,
-                "ms_per_step": 1e3 * dt / (args.new_tokens - 1)}
+                "ms_per_step": 1e3 * dt / (args.new_tokens - 1),
+                "s_per_step": dt / (args.new_tokens - 1)}
 
     dense = decode_rate("dense")
+    # The timed steps feed tokens 1 .. new_tokens - 1: contexts plen + 1 .. plen + new_tokens - 1.
+    ctx = plen + 1 + np.repeat(np.arange(args.new_tokens - 1)[:, None], args.batch, axis=1)
     results = []
     for v in variants:
         sparse = decode_rate(v.key)
+        shape = bytes_limit.model_shape(model.config, model.dtype, v.dense_layers)
         results.append({
+            "engine": "static",
             "context": context, "prompt_tokens": plen,
             "budget": int(v.budgets[0]) if v.fixed else None,
             "schedule": None if v.fixed else v.label, "bin_size": v.bin_size,
@@ -286,6 +299,12 @@ def bench_context(model, context: int, args: argparse.Namespace, base_cfg,
             "prefill_s": pre_w,
             "compile_s": {name: round(t, 2) for name, t in compile_s.items()
                           if name in ("dense", v.key)},
+            "copy_bw_gbs": bandwidth / 1e9,
+            **bytes_limit.limit_fields("dense", bytes_limit.mean_step_bytes(
+                shape, ctx, None, v.bin_size, paged=False), bandwidth, dense["s_per_step"]),
+            **bytes_limit.limit_fields("sparse", bytes_limit.mean_step_bytes(
+                shape, ctx, progs[v.key][1], v.bin_size, paged=False), bandwidth,
+                sparse["s_per_step"]),
         })
     return results
 
@@ -325,9 +344,14 @@ def main(argv: Sequence[str]) -> int:
     from sparrow_jax.model import Qwen3ForCausalLM, default_dtype
     from sparrow_jax.rollout import RolloutConfig
 
-    if args.batch < 1 or args.new_tokens < 2 or args.repeats < 1:
+    batches = list(args.batch)
+    if min(batches) < 1 or args.new_tokens < 2 or args.repeats < 1:
         raise SystemExit("sparrow bench rollout: need --batch >= 1, --new_tokens >= 2, "
                          "--repeats >= 1")
+    if len(batches) > 1 and (args.workload != "fixed" or len(batches) != len(args.context)):
+        raise SystemExit(f"sparrow bench rollout: --batch takes one value, or one per --context "
+                         f"(fixed workload); got {len(batches)} for {len(args.context)} contexts")
+    args.batch = batches[0]      # the other workloads' (and a single context's) batch
     overrides: dict[str, Any] = {"stop_token_ids": ()}
     if args.backend is not None:
         overrides["backend"] = args.backend
@@ -357,18 +381,37 @@ def main(argv: Sequence[str]) -> int:
     if args.workload == "exact":
         from sparrow_jax.bench import exact as exact_bench
         return exact_bench.run(model, args, base_cfg, device, backend)
+    from sparrow_jax.runtime.bandwidth import copy_bandwidth
+    bandwidth = copy_bandwidth()       # the bytes limit's denominator, this run, this device
+    if args.workload == "rl":
+        from sparrow_jax.bench import rl as rl_bench
+        return rl_bench.run(model, args, base_cfg, device, backend, bandwidth)
     shape = {k: getattr(mcfg, k) for k in ("num_hidden_layers", "hidden_size",
                                              "num_attention_heads", "num_key_value_heads",
                                              "head_dim", "intermediate_size", "vocab_size")}
-    print(f"# model {args.preset or 'custom'} {shape} {dtype.name}, batch {args.batch}, "
-          f"new_tokens {args.new_tokens}, backend {backend}, device {device}, "
-          f"repeats {args.repeats}", flush=True)
-    header = (f"{'context':>8} {'budget/schedule':>16} {'dense layers':>12} {'dense tok/s':>12} "
-              f"{'sparse tok/s':>13} {'ratio':>6} {'dense ms/step':>14} {'sparse ms/step':>15} "
-              f"{'prefill s':>10}")
+    paged = args.engine == "paged"
+    method = ("paged decode chunks timed one at a time (median), prefill excluded" if paged
+              else "decode program timed alone (median), prefill excluded")
+    print(f"# model {args.preset or 'custom'} {shape} {dtype.name}, batch "
+          f"{' '.join(map(str, batches))}, new_tokens {args.new_tokens}, engine {args.engine}"
+          f"{f' (chunks of {base_cfg.chunk_steps} steps)' if paged else ''}, backend {backend}, "
+          f"device {device}, repeats {args.repeats}, copy bandwidth {bandwidth / 1e9:.1f} GB/s",
+          flush=True)
+    header = (f"{'context':>8} {'batch':>5} {'budget/schedule':>16} {'dense layers':>12} "
+              f"{'dense tok/s':>12} {'sparse tok/s':>13} {'ratio':>6} {'dense ms/step':>14} "
+              f"{'sparse ms/step':>15} {'prefill s':>10} {'dense % limit':>13} "
+              f"{'sparse % limit':>14}")
     print(header, flush=True)
-    for context in args.context:
-        for r in bench_context(model, context, args, base_cfg, variants):
+    for context, batch in zip(args.context, batches * len(args.context)
+                              if len(batches) == 1 else batches):
+        ctx_args = argparse.Namespace(**{**vars(args), "batch": batch})
+        if paged:
+            from sparrow_jax.bench import paged_decode
+            rows = paged_decode.bench_context(model, context, ctx_args, base_cfg, variants,
+                                              bandwidth)
+        else:
+            rows = bench_context(model, context, ctx_args, base_cfg, variants, bandwidth)
+        for r in rows:
             label = str(r["budget"]) if r["budget"] is not None else r["schedule"]
             label += " (before)" if r["before"] else ""
             label += " (xla sel.)" if r["xla_selection"] else ""
@@ -376,15 +419,21 @@ def main(argv: Sequence[str]) -> int:
             cells = [_fmt(r[k], w, f) for k, w, f in (
                 ("dense_tok_s", 12, ".1f"), ("sparse_tok_s", 13, ".1f"), ("ratio", 5, ".2f"),
                 ("dense_ms_per_step", 14, ".2f"), ("sparse_ms_per_step", 15, ".2f"),
-                ("prefill_s", 10, ".2f"))]
+                ("prefill_s", 10, ".2f"), ("dense_pct_of_limit", 12, ".1f"),
+                ("sparse_pct_of_limit", 13, ".1f"))]
             cells[2] += "x"
-            print(f"{context:>8} {label:>16} {layers:>12} " + " ".join(cells), flush=True)
+            cells[6] += "%"
+            cells[7] += "%"
+            print(f"{context:>8} {batch:>5} {label:>16} {layers:>12} " + " ".join(cells),
+                  flush=True)
+            unit = "GB" if r["dense_bytes_total"] >= 1e9 else "MB"
+            print(f"{'':>8} bytes/step {bytes_limit.bytes_line(r, ('dense', 'sparse'), unit)}",
+                  flush=True)
             if args.json:
                 record = {"bench": "rollout", "model": args.preset or "custom", "config": shape,
-                          "dtype": dtype.name, "batch": args.batch,
+                          "dtype": dtype.name, "batch": batch,
                           "new_tokens": args.new_tokens, "repeats": args.repeats,
-                          "device": device, "backend": backend,
-                          "method": "decode program timed alone (median), prefill excluded", **r}
+                          "device": device, "backend": backend, "method": method, **r}
                 print(json.dumps(record), flush=True)
     return 0
 

@@ -53,6 +53,24 @@ def former_selection(active: bool):
         selection.select_from_scores = saved
 
 
+def sparse_config(base_cfg, v: SparseRun, context: int, new_tokens: int):
+    """(the RolloutConfig, the [num_bins] budget table) of sparse run `v` at `context` tokens.
+    The static selection width is the largest budget this context reaches (the trainer's rule,
+    RolloutConfig.fit_selection_width): a wider one gathers padding blocks every step. Bins
+    beyond reach are never looked up: they take the last reachable bin's budget."""
+    from sparrow_jax.rollout.config import padded_length
+    last_bin = min(context // v.bin_size, len(v.budgets) - 1)
+    reachable = v.budgets[: last_bin + 1]
+    budgets = np.concatenate([reachable, np.repeat(reachable[-1:], len(v.budgets) - last_bin
+                                                   - 1)]).astype(np.int32)
+    cfg = dataclasses.replace(base_cfg, mode="sparse", max_budget=max(
+        base_cfg.max_budget, padded_length(int(reachable.max()), base_cfg.block_size)),
+        max_new_tokens=new_tokens, dense_layers=v.dense_layers,
+        selection="xla" if v.xla_selection else base_cfg.selection)
+    cfg, _ = cfg.fit_selection_width(reachable)
+    return cfg, budgets
+
+
 def selection_path(cfg) -> str:
     """Where a sparse program's block selection runs: "pallas_triton" (one kernel) or "xla"."""
     from sparrow_jax.sparsity import selection
@@ -67,15 +85,20 @@ def _dense_layer_sets(specs: Sequence[str] | None, default: tuple[int, ...]
             for s in specs]
 
 
+def schedule_arg(spec: str):
+    """`--schedule`: a name, a JSON table, or "config" - the gin files' `make_schedule` (a
+    shipped config's schedule, e.g. configs/qwen3_1p7b_gpu.gin's qwen3-1.7b-0.86)."""
+    from sparrow_jax.sparsity.schedule import resolve_schedule
+    return resolve_schedule(None if spec.strip() == "config" else spec)
+
+
 def sparse_runs(args: argparse.Namespace, default_dense_layers: tuple[int, ...]
                 ) -> list[SparseRun]:
     """Every (budget or schedule) x (dense layer set) to compare with dense."""
-    from sparrow_jax.sparsity.schedule import Schedule, load_schedule
     budgets = args.budget if args.budget is not None else ([] if args.schedule else [1024])
     tables = [(str(b), np.full(20, b, np.int32), 2000, True) for b in budgets]
     if args.schedule:
-        s = (Schedule.from_json(args.schedule) if args.schedule.lstrip().startswith(("[", "{"))
-             else load_schedule(args.schedule))
+        s = schedule_arg(args.schedule)
         tables.append((s.name or "schedule", np.asarray(s.budgets, np.int32), s.bin_size, False))
     runs = [SparseRun(label, b, bin_size, layers, fixed, before)
             for layers in _dense_layer_sets(args.dense_layers, default_dense_layers)

@@ -258,21 +258,11 @@ class PromptIterator:
     set to it.
     """
 
-    def __init__(
-        self,
-        records: Sequence[dict[str, Any]],
-        *,
-        batch_size: int,
-        seed: int = 0,
-        shuffle: bool = True,
-        num_epochs: int | None = None,
-        shard_index: int | None = None,
-        shard_count: int | None = None,
-        drop_remainder: bool = True,
-        pad_id: int = 0,
-        pad_multiple: int = 16,
-        pad_to: int | None = None,
-    ):
+    def __init__(self, records: Sequence[dict[str, Any]], *, batch_size: int, seed: int = 0,
+                 shuffle: bool = True, num_epochs: int | None = None,
+                 shard_index: int | None = None, shard_count: int | None = None,
+                 drop_remainder: bool = True, pad_id: int = 0, pad_multiple: int = 16,
+                 pad_to: int | None = None):
         if shard_index is None or shard_count is None:
             import jax  # only for the defaults: one shard per host
 
@@ -381,29 +371,16 @@ class PromptDataset:
 
 
 @gin.configurable
-def make_prompt_iterator(
-    path: str | Sequence[str],
-    tokenizer: Any,
-    *,
-    batch_size: int,
-    seed: int = 0,
-    shuffle: bool = True,
-    num_epochs: int | None = None,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
-    drop_remainder: bool = True,
-    max_prompt_len: int | None = None,
-    pad_to_max: bool = False,
-    pad_multiple: int = 16,
-    on_error: str = "skip",
-    on_too_long: str = "drop",
-    prompt_field: str | None = None,
-    messages_field: str | None = None,
-    answer_fields: Sequence[str] | None = None,
-    id_field: str | None = None,
-    use_chat_template: bool | None = None,
-    system_prompt: str | None = None,
-) -> PromptIterator:
+def make_prompt_iterator(path: str | Sequence[str], tokenizer: Any, *, batch_size: int,
+                         seed: int = 0, shuffle: bool = True, num_epochs: int | None = None,
+                         shard_index: int | None = None, shard_count: int | None = None,
+                         drop_remainder: bool = True, max_prompt_len: int | None = None,
+                         pad_to_max: bool = False, pad_multiple: int = 16,
+                         on_error: str = "skip", on_too_long: str = "drop",
+                         prompt_field: str | None = None, messages_field: str | None = None,
+                         answer_fields: Sequence[str] | None = None, id_field: str | None = None,
+                         use_chat_template: bool | None = None,
+                         system_prompt: str | None = None) -> PromptIterator:
     """Load `path` (file, directory, glob or list) and return a checkpointable batch iterator.
 
     batch_size = prompts per step on this host; shard_index/shard_count default to
@@ -417,22 +394,10 @@ def make_prompt_iterator(
     fmt = PromptFormat(**{k: v for k, v in given.items() if v is not None})
     if pad_to_max and max_prompt_len is None:
         raise ValueError("pad_to_max needs max_prompt_len")
-    dataset = PromptDataset.from_files(
-        path,
-        tokenizer,
-        fmt=fmt,
-        max_prompt_len=max_prompt_len,
-        on_error=on_error,
-        on_too_long=on_too_long,
-    )
-    return dataset.iterator(
-        batch_size=batch_size,
-        seed=seed,
-        shuffle=shuffle,
-        num_epochs=num_epochs,
-        shard_index=shard_index,
-        shard_count=shard_count,
-        drop_remainder=drop_remainder,
-        pad_multiple=pad_multiple,
-        pad_to=max_prompt_len if pad_to_max else None,
-    )
+    dataset = PromptDataset.from_files(path, tokenizer, fmt=fmt, max_prompt_len=max_prompt_len,
+                                       on_error=on_error, on_too_long=on_too_long)
+    return dataset.iterator(batch_size=batch_size, seed=seed, shuffle=shuffle,
+                            num_epochs=num_epochs, shard_index=shard_index,
+                            shard_count=shard_count, drop_remainder=drop_remainder,
+                            pad_multiple=pad_multiple,
+                            pad_to=max_prompt_len if pad_to_max else None)

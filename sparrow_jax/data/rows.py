@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 
 # Suffixes a directory is searched for; a file named explicitly may have any suffix (JSONL then).
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -91,6 +92,12 @@ def iter_rows(path: str) -> Iterator[tuple[int, Any]]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         for i, raw in enumerate(f, 1):
+            if i == 1 and (raw.startswith(_UTF16_BOMS) or b"\x00" in raw):
+                # UTF-16 (Windows' "Unicode"): every line would be skipped as malformed with
+                # no word about why (issue 58); one reason for the whole file instead.
+                yield i, RowError("the file is UTF-16 encoded (JSONL is UTF-8): convert it, e.g. "
+                                  "iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8.jsonl")
+                return
             if i == 1 and raw.startswith(_BOM):
                 raw = raw[len(_BOM):]  # written by Windows tools; json.loads rejects it
             try:

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from sparrow_jax.evaluation.metrics import aggregate, problem_metrics
+from sparrow_jax.runtime import interrupts
+from sparrow_jax.runtime.output_dir import RECORD_FILE
 
 _EDGE_BYTES = 1 << 20   # a weight file is fingerprinted by its size and first/last MiB
 
@@ -50,7 +52,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
                 h.update(fh.read(_EDGE_BYTES))
                 fh.seek(max(0, size - _EDGE_BYTES))
                 h.update(fh.read(_EDGE_BYTES))
-        elif f.suffix == ".json" and f.name != "sparrow_export.json":
+        elif f.suffix == ".json" and f.name not in ("sparrow_export.json", RECORD_FILE):
             h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
 
@@ -64,12 +66,13 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """JSON to `path` via a temporary file + fsync + rename (readers never see half a file)."""
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with interrupts.critical():      # a Ctrl-C waits for the rename (runtime.interrupts)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, ensure_ascii=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 def chunk_path(out: str | os.PathLike, chunk: int) -> Path:

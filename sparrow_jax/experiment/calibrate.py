@@ -38,6 +38,7 @@ from tqdm import tqdm
 from sparrow_jax.rl.learner import Learner, LearnerConfig, SparseReplay
 from sparrow_jax.rollout import RolloutConfig, generate
 from sparrow_jax.rollout.config import padded_length
+from sparrow_jax.runtime.run_files import write_text_atomic
 from sparrow_jax.sparsity import calibration, cost_model, exact_cost, mismatch
 from sparrow_jax.sparsity.controller import ControllerConfig
 from sparrow_jax.sparsity.evidence import exceedance_counts
@@ -86,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # dest must not be "target": cli.py keeps the subcommand's entry point in args.target.
     parser.add_argument("--target", dest="tail_target", type=float,
                         help="required tail alpha (CalibrateConfig.target, default 0.86)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let --out replace an earlier calibration with other settings "
+                             "(only its own files)")
 
 
 def _parse_budgets(items: Sequence[str]) -> tuple[int, ...]:
@@ -380,8 +384,13 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
     os.makedirs(cfg.output_dir, exist_ok=True)
     paths = {k: os.path.join(cfg.output_dir, f) for k, f in (
         ("schedule", "schedule.json"), ("heatmap", "heatmap.png"), ("report", "report.json"),
-        ("certified", "certified_schedule.json"), ("one_lower", "one_rung_lower_schedule.json"))}
+        ("certified", "certified_schedule.json"), ("one_lower", "one_rung_lower_schedule.json"),
+        ("exact", "exact_schedule.json"))}
     schedule.to_json(paths["schedule"])
+    # The exact plan's draft budgets as a schedule (dense bins at the dense rung): what
+    # `make_schedule.path` of an exact_sparse training run reads (exact_plan_config).
+    Schedule(exact_plan.budgets, cfg.bin_size, rcfg.block_size,
+             f"exact-{name}").to_json(paths["exact"])
     certified.to_json(paths["certified"])
     cert["one_rung_lower"].to_json(paths["one_lower"])
     cert["one_rung_lower"] = cert["one_rung_lower"].to_dict()
@@ -410,15 +419,41 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
         "config": dataclasses.asdict(cfg), "rollout": dataclasses.asdict(rcfg), "files": paths,
     }
     report = _jsonable(report)
-    with open(paths["report"], "w") as f:
-        json.dump(report, f, indent=1)
+    # Last and whole (a temporary file renamed; a Ctrl-C waits for it): report.json is there
+    # only when every file is.
+    write_text_atomic(paths["report"], json.dumps(report, indent=1))
     return report
 
 
+def exact_plan_config(gammas: Sequence[int], schedule_path: str) -> list[str]:
+    """The gin lines that train with calibration's exact_sparse plan: its draft length per bin
+    (`RolloutConfig.gamma_by_bin`, 0 = dense decoding there), `RolloutConfig.gamma` its largest
+    entry (the cache slack; 1 for a plan dense in every bin), the static engine (the one that
+    runs a plan per bin) and the plan's draft budgets as the schedule."""
+    gammas = tuple(int(g) for g in gammas)
+    return ["TrainConfig.rollout_mode = 'exact_sparse'", "RolloutConfig.engine = 'static'",
+            f"RolloutConfig.gamma = {max(gammas) or 1}", f"RolloutConfig.gamma_by_bin = {gammas}",
+            f"make_schedule.path = {schedule_path!r}"]
+
+
+def output_settings(cfg: CalibrateConfig, rcfg: RolloutConfig) -> dict[str, Any]:
+    """What decides a calibration's results (its output directory records them: a calibration
+    with other settings is not written over it without --overwrite)."""
+    from sparrow_jax.evaluation.results import file_sha256, model_fingerprint
+    return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "output_dir"},
+            "rollout": dataclasses.asdict(rcfg), "model_fingerprint":
+            model_fingerprint(cfg.model_path), "prompts_sha256": file_sha256(cfg.prompts_path)}
+
+
 def main(args: argparse.Namespace) -> int:
+    from sparrow_jax.runtime import output_dir
     try:
         cfg = apply_overrides(CalibrateConfig(), args)
         check_config(cfg, RolloutConfig())  # fail before loading anything
+        # Never over an earlier calibration with other settings (hours of accelerator time),
+        # another command's output or a model (sparrow_jax.runtime.output_dir).
+        output_dir.claim(cfg.output_dir, "calibrate", output_settings(cfg, RolloutConfig()),
+                         overwrite=getattr(args, "overwrite", False))
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"sparrow calibrate: {e}") from None
     start = time.time()
@@ -443,7 +478,15 @@ def main(args: argparse.Namespace) -> int:
     print(f"predicted rollout speedup vs dense on {report['hardware']} (cost model, measured "
           f"lengths): {report['predicted_speedup']:.2f}x")
     ex = report["exact_plan"]
-    print(f"exact_sparse plan (0 = dense): RolloutConfig.gamma_by_bin = {tuple(ex['gammas'])}, "
-          f"draft budgets {ex['budgets']}, x dense {[round(x, 2) for x in ex['speedup']]}")
+    drafts = ["dense" if b >= DENSE_BUDGET else str(b) for b in ex["budgets"]]
+    print(f"exact_sparse plan per bin (0 = dense decoding): gamma {list(ex['gammas'])}, draft "
+          f"budgets [{', '.join(drafts)}], x dense {[round(x, 2) for x in ex['speedup']]}")
+    if not any(ex["gammas"]):
+        print("  no draft beats dense decoding in any bin: exact_sparse would run as dense "
+              "decoding (TrainConfig.rollout_mode = 'dense' samples the same)")
+    print("  to train with it, paste into the training config (in place of its make_schedule "
+          "bindings):")
+    for line in exact_plan_config(ex["gammas"], report["files"]["exact"]):
+        print(f"  {line}")
     print(f"wrote {', '.join(report['files'].values())} in {time.time() - start:.0f} s")
     return 0

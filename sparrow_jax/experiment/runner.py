@@ -39,6 +39,7 @@ import numpy as np
 
 # Registers PreregConfig with gin, so an experiment's gin file can bind it.
 from sparrow_jax.experiment import figure, prereg
+from sparrow_jax.runtime import output_dir
 from sparrow_jax.runtime.faults import RunStopped
 
 log = logging.getLogger(__name__)
@@ -347,7 +348,13 @@ def run_experiment(gin_files: Sequence[str], gin_params: Sequence[str],
         raise SystemExit("sparrow experiment runs its arms on this host; for multi-host arms run "
                          "`sparrow train` per arm with the arm's bindings")
     out = Path(cfg.output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    # Never into another command's output or a model (sparrow_jax.runtime.output_dir); each
+    # arm's own run directory checks its resume as `sparrow train` does.
+    try:
+        output_dir.claim(out, "experiment", {"arms": dict(cfg.arms), "report": cfg.report},
+                         compare=False, name="ExperimentConfig.output_dir", option=None)
+    except output_dir.OutputDirError as e:
+        raise SystemExit(f"sparrow experiment: {e}") from None
     eval_prompts = gin.query_parameter("TrainConfig.eval_prompts") if _bound(
         "TrainConfig.eval_prompts") else train.TrainConfig.__dataclass_fields__["eval_prompts"].default
     failed: dict[str, int] = {}

@@ -55,11 +55,20 @@ def register_reward(name: str, *, preload: Sequence[str] = ()) -> Callable[[Rewa
 
 def reward_entry(name: str) -> RewardEntry:
     """The registry entry of `name` (or "module.path:name", which imports the module first)."""
+    module = None
     if ":" in name:
         module, name = name.rsplit(":", 1)
-        importlib.import_module(module)      # a user's reward module, named in a config
+        imported = importlib.import_module(module)   # a user's reward module, named in a config
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY)) or "(none)"
+        if module is not None:       # it imports, but registers nothing by that name
+            defined = callable(getattr(imported, name, None))
+            raise KeyError(
+                f"module {module!r} imports but registers no reward {name!r}"
+                f"{f' (it defines {name}() without registering it)' if defined else ''}: "
+                f"decorate the function with @register_reward({name!r}) from "
+                f"sparrow_jax.rewards.registry in {module}, or name one it registers; "
+                f"registered rewards: {known}")
         raise KeyError(f"unknown reward {name!r}; registered rewards: {known} (the synthetic "
                        f"task's register when sparrow_jax.data.synthetic is imported)")
     return _REGISTRY[name]

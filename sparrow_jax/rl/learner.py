@@ -37,6 +37,7 @@ from sparrow_jax.rollout.sampling import SamplingParams
 from sparrow_jax.rollout.state import Trajectories
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec, residual_spec
+from sparrow_jax.sparsity import cost_model
 
 log = logging.getLogger(__name__)
 # after_step(batch with logp_old, mini_index, num_mini) -> metrics; see Learner.update.
@@ -82,7 +83,8 @@ class LearnerConfig:
             raise ValueError(f"LearnerConfig: ppo_epochs must be >= 1 and ppo_mini_batch_size "
                              f">= 0, got {self.ppo_epochs} and {self.ppo_mini_batch_size}")
         bad = [f"LearnerConfig.{name} must be {rule}, got {getattr(self, name)}"
-               for name, rule, ok in (("learning_rate", "> 0", self.learning_rate > 0),
+               for name, rule, ok in (("learning_rate", "finite and > 0",
+                                       0 < self.learning_rate < float("inf")),
                                       ("micro_batch_size", ">= 0 (0 = all)",
                                        self.micro_batch_size >= 0),
                                       ("logit_chunk", "> 0", self.logit_chunk > 0)) if not ok]
@@ -298,14 +300,39 @@ class Learner:
 
         Analysis = logp_old [B, T] (pi_old), and alpha / logp_sparse_replay [B, T] per alpha_mode.
         Fused when possible (see `fused`): one dense forward for both. `sparse_model` and
-        `after_step`: see `update`."""
-        if self.fused(traj.tokens.shape[0]):
+        `after_step`: see `update`. The metrics also carry the work's model FLOPs
+        (`learner/model_flops`, `flops`) and the devices' bf16 peak where the cost model's table
+        knows them (`learner/peak_flops`)."""
+        fused = self.fused(traj.tokens.shape[0])
+        work = self.flops(traj, replay, fused)
+        if fused:
             metrics = self.update(LearnerBatch(traj=traj, logp_old=None, advantages=advantages),
                                   budgets, replay, sparse_model=sparse_model,
                                   after_step=after_step)
-            return self.last_analysis, metrics
+            return self.last_analysis, {**metrics, **work}
         analysis = self.analyze(traj, budgets, replay, sparse_model)
         metrics = self.update(LearnerBatch(traj=traj, logp_old=analysis.logp_old,
                                            advantages=advantages), budgets, replay,
                               sparse_model=sparse_model, after_step=after_step)
-        return analysis, metrics
+        return analysis, {**metrics, **work}
+
+    def flops(self, traj: Trajectories, replay: SparseReplay | None, fused: bool
+              ) -> dict[str, float]:
+        """`learner/model_flops` of one `step` over `traj` (`cost_model.learner_flops`: every
+        row at its padded prompt + response length; `ppo_epochs` forward+backward passes, plus
+        the analysis forward when not fused and the sparse replay's forward when alpha_mode is
+        "full" with a replay) and `learner/peak_flops`, the bf16 peak of every device together
+        (measured where the table has a measurement), where the device is in the table."""
+        rows = traj.tokens.shape[0]
+        seq = traj.prompt_tokens.shape[1] + traj.tokens.shape[1]
+        fields = {f: getattr(self.model.config, f) for f in (
+            "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "vocab_size")}
+        forwards = (not fused) + (self.cfg.alpha_mode == AlphaMode.FULL and replay is not None)
+        out = {"learner/model_flops": cost_model.learner_flops(
+            cost_model.ModelShape.from_hf_config(fields), rows, seq,
+            passes=self.cfg.ppo_epochs, forwards=forwards)}
+        hw = cost_model.hardware_for_device(jax.devices()[0].device_kind)
+        if hw is not None:
+            out["learner/peak_flops"] = hw.learner_peak_flops * jax.device_count()
+        return out

@@ -71,8 +71,8 @@ class RolloutConfig:
     # exact_sparse, static engine: the draft length per length bin (the bins of the budgets;
     # the last entry holds beyond), 0 = dense decoding in that bin (no draft), e.g. the plan of
     # sparsity/exact_cost.choose_per_bin; () = `gamma` in every bin. gamma must be the largest
-    # entry (the cache slack). One program holds a branch per distinct entry: keep the set
-    # small, e.g. {0, 1, 2, 4}.
+    # entry (the cache slack), unless every entry is 0 (dense in every bin). One program holds
+    # a branch per distinct entry: keep the set small, e.g. {0, 1, 2, 4}.
     gamma_by_bin: tuple[int, ...] = ()
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 16
@@ -202,10 +202,13 @@ class RolloutConfig:
     def _check_gamma_by_bin(self) -> None:
         """Raises on a per-bin gamma plan the exact_sparse engines cannot run."""
         plan = self.gamma_by_bin
-        if min(plan) < 0 or max(plan) != self.gamma:
+        # A plan dense in every bin (all 0, as calibration may find) drafts nothing: any gamma
+        # runs it (gamma only sizes the cache slack then).
+        if min(plan) < 0 or (max(plan) != self.gamma and max(plan) > 0):
             raise ValueError(f"RolloutConfig.gamma_by_bin={plan}: entries must be >= 0 and "
-                             f"gamma={self.gamma} must be their largest ({max(plan)}; it sizes "
-                             "the cache slack)")
+                             f"RolloutConfig.gamma={self.gamma} must be their largest "
+                             f"({max(plan)}; it sizes the cache slack): set "
+                             f"RolloutConfig.gamma = {max(plan)}")
         if self.engine != Engine.STATIC:
             raise ValueError(f"RolloutConfig.gamma_by_bin={plan} runs on the static engine only "
                              f"(engine={self.engine!r}); set engine='static' or a fixed gamma")

@@ -13,6 +13,7 @@ restart or preemption. With the cache, a re-run or resume loads them from disk.
 
 Every backend compile is logged with its program name and seconds ("compiled jit(step) in 41.2
 s" / "loaded jit(step) from the compilation cache in 0.3 s"): at INFO from 1 s, else DEBUG.
+`compile_seconds()` adds them up for the process (what `StepTimer` charges to each section).
 The cache is trusted code: never point it at a directory others can write.
 """
 
@@ -34,6 +35,7 @@ _INFO_SECONDS = 1.0          # shorter compiles go to DEBUG (hundreds of tiny on
 _state = threading.local()
 _listening = False
 _counters: list[list[str]] = []      # open `count_compiles` blocks
+_seconds = [0.0]                     # backend compile (and cache load) seconds, this process
 
 
 def default_dir() -> str:
@@ -62,6 +64,7 @@ def _on_duration(event: str, duration: float, **kwargs: object) -> None:
     if event != _COMPILE_EVENT:
         return
     name = kwargs.get("fun_name", "a program")
+    _seconds[0] += duration
     for names in _counters:
         names.append(str(name))
     hit, _state.hit = getattr(_state, "hit", False), False
@@ -78,6 +81,13 @@ def _listen() -> None:
         jax.monitoring.register_event_listener(_on_event)
         jax.monitoring.register_event_duration_secs_listener(_on_duration)
         _listening = True
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in backend compiles and persistent-cache loads since it
+    started listening (`log_compiles`, `configure` or `count_compiles`; tracing and lowering
+    not included); 0.0 before."""
+    return _seconds[0]
 
 
 def log_compiles() -> None:

@@ -11,6 +11,10 @@ Only what is certain is rejected: annotations it does not understand (`Any`, cal
 classes), gin references (`@fn`, `@fn()`) and macros (`%NAME`) pass. An int is accepted for a
 float, a list for a tuple (gin files write `(1, 2)` and `[1, 2]` alike), and `bool` is *not* an
 int (`TrainConfig.total_steps = True` is almost surely a mistake).
+
+A float that is not finite (`LearnerConfig.learning_rate = 1e999` is inf to Python) is refused
+too, in any setting: no setting of ours means anything at inf or NaN, and an infinite learning
+rate used to be found only as five skipped steps of "non-finite loss" (issue 58).
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from __future__ import annotations
 import collections.abc
 import enum
 import inspect
+import math
 import types
 import typing
 from typing import Any
 
 from gin import config as gin_config
 
-__all__ = ["check_bindings", "type_error"]
+__all__ = ["check_bindings", "type_error", "non_finite"]
 
 _UNKNOWN = object()   # "cannot tell": never an error
 
@@ -120,8 +125,20 @@ def type_error(selector: str, param: str, value: Any, hints: dict[str, Any]) -> 
             f"{type(value).__name__}")
 
 
+def non_finite(value: Any) -> bool:
+    """Whether `value` is, or holds (in a list, tuple or dict), a float that is inf or NaN."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return any(non_finite(v) for v in value)
+    if isinstance(value, dict):
+        return any(non_finite(v) for v in value.values())
+    return False
+
+
 def check_bindings() -> None:
-    """Raises TypeError listing every gin binding of a wrong type (see the module docstring)."""
+    """Raises TypeError listing every gin binding of a wrong type or with a non-finite float
+    (see the module docstring)."""
     errors = []
     for (scope, selector), params in sorted(gin_config._CONFIG.items(),
                                             key=lambda kv: (kv[0][0] or "", kv[0][1])):
@@ -134,6 +151,9 @@ def check_bindings() -> None:
             message = type_error(shown, param, value, hints)
             if message:
                 errors.append(message)
+            elif non_finite(value):
+                errors.append(f"{shown}.{param} = {value!r:.80}: not a finite number (every "
+                              f"float setting must be finite)")
     if errors:
-        raise TypeError("bad gin value type: " + "; ".join(errors))
+        raise TypeError("bad gin value: " + "; ".join(errors))
 

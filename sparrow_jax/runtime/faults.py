@@ -49,16 +49,20 @@ class RunError(RuntimeError):
 
 
 class RunStopped(Exception):
-    """The run saved its step and stopped early on a signal (Ctrl-C, SIGTERM, a preemption notice).
+    """The run saved its step and stopped early on a signal (Ctrl-C, SIGTERM, a preemption notice),
+    or (`saved=False`) stopped on one before its first step, with nothing to save.
 
     Not an error, but not a finished run either: `sparrow train` exits with `exit_code` (130 for
     Ctrl-C, 143 for SIGTERM or a preemption, as a shell reports a process the signal ended), so a
     scheduler requeues the job, `sparrow train && sparrow export` does not export a half-trained
     run, and `sparrow experiment` does not count the arm as finished. Re-running resumes."""
 
-    def __init__(self, step: int, reason: str, exit_code: int):
-        super().__init__(f"{reason}: saved step {step} and stopped before the run's last step; "
-                         f"the same command resumes from it")
+    def __init__(self, step: int, reason: str, exit_code: int, *, saved: bool = True):
+        super().__init__(
+            f"{reason}: saved step {step} and stopped before the run's last step; the same "
+            f"command resumes from it" if saved else
+            f"{reason} during start-up, before the first step: nothing was trained or saved; "
+            f"the run's checkpoints are as they were")
         self.step, self.reason, self.exit_code = step, reason, exit_code
 
 
@@ -351,7 +355,8 @@ def check_vocabulary(tokenizer: Any, vocab_size: int, model_path: str,
     if size > vocab_size:
         raise RunError(f"the tokenizer in {model_path} has {size} tokens but the model's "
                        f"vocab_size is {vocab_size}: ids >= {vocab_size} have no embedding. The "
-                       f"tokenizer and the weights do not belong together.")
+                       f"tokenizer and the weights do not belong together: copy the tokenizer "
+                       f"files of the model these weights came from into {model_path}")
     bad = {k: v for k, v in special_ids.items() if v is not None and not 0 <= int(v) < vocab_size}
     if bad:
         raise RunError(f"special token ids {bad} of {model_path} are outside the model's "

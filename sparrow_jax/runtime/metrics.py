@@ -43,6 +43,8 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from sparrow_jax.runtime import compile_cache
+
 __all__ = [
     "MetricsWriter",
     "StepTimer",
@@ -301,6 +303,7 @@ class _Section:
         self._name = name
         self._pending: list[Any] = []
         self._start = 0.0
+        self._compiled = 0.0
 
     def ready(self, tree: Any) -> Any:
         """Marks ``tree`` (outputs of async JAX dispatch) to be waited on before the clock stops.
@@ -311,6 +314,7 @@ class _Section:
         return tree
 
     def __enter__(self) -> "_Section":
+        self._compiled = self._timer.compile_seconds()
         self._start = time.perf_counter()
         return self
 
@@ -322,7 +326,8 @@ class _Section:
         if self._timer.block_until_ready is not None and self._pending and exc_type is None:
             self._timer.block_until_ready(self._pending)
         self._pending = []
-        self._timer._add(self._name, time.perf_counter() - self._start)
+        self._timer._add(self._name, time.perf_counter() - self._start,
+                         self._timer.compile_seconds() - self._compiled)
 
 
 class StepTimer:
@@ -332,6 +337,10 @@ class StepTimer:
       prefix: prepended to section names in :meth:`summary` (``"time/"`` -> ``time/rollout``).
       block_until_ready: called on the trees passed to ``section.ready(...)`` before a section's
         clock stops; ``None`` disables waiting (then times are dispatch times only).
+      compile_seconds: the process's compile seconds so far (`compile_cache.compile_seconds`,
+        which counts once the compile log listens): what a section's compiles took is reported
+        beside its time, as ``<prefix>compile/<name>`` where nonzero (inside, not beside, the
+        section's wall time).
 
     Usage::
 
@@ -350,16 +359,21 @@ class StepTimer:
         self,
         prefix: str = "time/",
         block_until_ready: Callable[[Any], Any] | None = jax.block_until_ready,
+        compile_seconds: Callable[[], float] = compile_cache.compile_seconds,
     ) -> None:
         self.prefix = prefix
         self.block_until_ready = block_until_ready
+        self.compile_seconds = compile_seconds
         self._totals: dict[str, float] = defaultdict(float)
+        self._compiles: dict[str, float] = defaultdict(float)
 
     def __call__(self, name: str) -> _Section:
         return _Section(self, name)
 
-    def _add(self, name: str, seconds: float) -> None:
+    def _add(self, name: str, seconds: float, compile_seconds: float = 0.0) -> None:
         self._totals[name] += seconds
+        if compile_seconds > 0:
+            self._compiles[name] += compile_seconds
 
     @property
     def totals(self) -> dict[str, float]:
@@ -368,10 +382,14 @@ class StepTimer:
 
     def reset(self) -> None:
         self._totals.clear()
+        self._compiles.clear()
 
     def summary(self, reset: bool = True) -> dict[str, float]:
-        """Returns ``{prefix + name: seconds}``; by default starts a new accumulation period."""
+        """Returns ``{prefix + name: seconds}`` and ``{prefix + "compile/" + name: seconds}``
+        where a section compiled; by default starts a new accumulation period."""
         out = {self.prefix + name: secs for name, secs in self._totals.items()}
+        out.update({f"{self.prefix}compile/{name}": secs
+                    for name, secs in self._compiles.items()})
         if reset:
             self.reset()
         return out

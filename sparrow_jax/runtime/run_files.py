@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from etils import epath  # orbax's own path library: local paths and gs:// (s3://, ...) URIs
 
+from sparrow_jax.runtime import interrupts
+
 PyTree = Any
 
 
@@ -61,17 +63,20 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # data on disk before the rename makes it visible
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    # A Ctrl-C that ends the command at once waits for the rename (runtime.interrupts): no
+    # temporary file is left behind.
+    with interrupts.critical():
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())  # data on disk before the rename makes it visible
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
 
 
 def save_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:

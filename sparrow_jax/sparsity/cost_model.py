@@ -24,6 +24,14 @@ shared-prefix kernels) the dense reads of the prompt KV, and the reads of the pr
 centroids, are charged ``1 / group_size`` per sequence; the sparse gather of selected blocks is
 per sequence either way because selections differ.
 
+The bytes limit of a decode step (issue 55; `decode_step_bytes`): the bytes one step of a batch
+must read - the weights once (shared by every row), each row's KV as attended (dense layers: the
+row's cached length; sparse layers: min(budget, length) tokens plus one centroid per full block)
+and the selection metadata (block ids; page-table entries on the paged engine) - divided by the
+copy bandwidth measured on the same device is the shortest time the step can take. The benches
+print a measured step's share of it. `learner_flops` counts the learner's model FLOPs (6 x params
+per token and the causal attention terms) for its achieved FLOP/s against the device's peak.
+
 Everything is host-side NumPy (float64): this is planning arithmetic, not a device kernel.
 """
 
@@ -37,8 +45,9 @@ import numpy as np
 from sparrow_jax.sparsity.schedule import DENSE_BUDGET, NUM_RESERVED_BLOCKS, Schedule
 
 __all__ = [
-    "ModelShape", "Hardware", "MODEL_SHAPES", "HARDWARE", "get_hardware", "decode_token_cost",
-    "rollout_cost", "predict_speedup", "choose_block_size",
+    "ModelShape", "Hardware", "MODEL_SHAPES", "HARDWARE", "get_hardware", "hardware_for_device",
+    "decode_token_cost", "StepBytes", "decode_step_bytes", "learner_flops", "rollout_cost",
+    "predict_speedup", "choose_block_size",
 ]
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4,
@@ -124,25 +133,40 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One accelerator: dense bf16 peak FLOP/s and HBM bandwidth (bytes/s)."""
+    """One accelerator: dense bf16 peak FLOP/s and HBM bandwidth (bytes/s), from the spec
+    sheet; `measured_flops`: a bf16 matmul's FLOP/s measured on such a device, where one was
+    (`measured_on` says where), which the learner's achieved FLOP/s is compared against;
+    `device_kinds`: jax's `device_kind` strings of the device."""
 
     name: str
     peak_flops: float
     hbm_bandwidth: float
+    measured_flops: float | None = None
+    measured_on: str = ""
+    device_kinds: tuple[str, ...] = ()
 
     @property
     def intensity(self) -> float:
         """I = FLOPs per byte: the equivalent-FLOPs price of one byte moved."""
         return self.peak_flops / self.hbm_bandwidth
 
+    @property
+    def learner_peak_flops(self) -> float:
+        """The bf16 peak a learner's FLOP/s is a share of: measured where known, else the
+        spec sheet's."""
+        return self.measured_flops or self.peak_flops
 
-# Public spec-sheet numbers (dense bf16, no sparsity; HBM bandwidth).
+
+# Public spec-sheet numbers (dense bf16, no sparsity; HBM bandwidth). The H200's measured bf16
+# matmul peak: ~790 TFLOP/s on the lent H200 of 2026-11-28 (its copy kernel: 3.59 TB/s).
 HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("h100", 989e12, 3.35e12),
-    "h200": Hardware("h200", 989e12, 4.8e12),
-    "tpu-v5e": Hardware("tpu-v5e", 197e12, 0.819e12),
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 2.765e12),
-    "tpu-v6e": Hardware("tpu-v6e", 918e12, 1.64e12),
+    "h100": Hardware("h100", 989e12, 3.35e12,
+                     device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100")),
+    "h200": Hardware("h200", 989e12, 4.8e12, measured_flops=790e12,
+                     measured_on="one lent H200, 2026-11-28", device_kinds=("NVIDIA H200",)),
+    "tpu-v5e": Hardware("tpu-v5e", 197e12, 0.819e12, device_kinds=("TPU v5 lite", "TPU v5e")),
+    "tpu-v5p": Hardware("tpu-v5p", 459e12, 2.765e12, device_kinds=("TPU v5", "TPU v5p")),
+    "tpu-v6e": Hardware("tpu-v6e", 918e12, 1.64e12, device_kinds=("TPU v6 lite", "TPU v6e")),
 }
 
 
@@ -155,6 +179,16 @@ def get_hardware(name: str | Hardware) -> Hardware:
     if key not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; known: {', '.join(sorted(HARDWARE))}")
     return HARDWARE[key]
+
+
+def hardware_for_device(device_kind: str) -> Hardware | None:
+    """The table's entry for a jax `device_kind` (e.g. "NVIDIA H200"), or None (a CPU, or a
+    device the table does not know: no peak to compare against)."""
+    kind = device_kind.strip().lower()
+    for hw in HARDWARE.values():
+        if any(kind == k.lower() for k in hw.device_kinds):
+            return hw
+    return None
 
 
 def get_model_shape(model: ModelShape | str) -> ModelShape:
@@ -205,6 +239,83 @@ def decode_token_cost(model: ModelShape | str, ctx: Any, budget: Any, *, block_s
     out["flops"] = out["linear_flops"] + out["attn_flops"] + out["centroid_flops"]
     out["bytes"] = out["linear_bytes"] + out["kv_bytes"] + out["centroid_bytes"]
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """Bytes one decode step of a batch must read (`decode_step_bytes`)."""
+
+    weights: float      # every matmul weight once (shared by the batch's rows)
+    kv: float           # K and V as attended, every row and layer
+    centroids: float    # the block centroids the sparse layers score
+    metadata: float     # selected block ids; page-table entries (paged engine)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv + self.centroids + self.metadata
+
+    def limit_seconds(self, bandwidth: float) -> float:
+        """The bytes limit: the shortest time a step reading these bytes at `bandwidth`
+        (bytes/s) can take."""
+        return self.total / bandwidth
+
+    def as_dict(self) -> dict[str, float]:
+        return {"weights": self.weights, "kv": self.kv, "centroids": self.centroids,
+                "metadata": self.metadata, "total": self.total}
+
+
+def decode_step_bytes(model: ModelShape | str, contexts: Any, budgets: Any = None, *,
+                      block_size: int = 16, weight_bytes: int | None = None,
+                      paged: bool = False) -> StepBytes:
+    """The bytes one decode step of a batch must read (the module docstring's bytes limit).
+
+    Args:
+      model: shape (or a name from ``MODEL_SHAPES``); ``dense_layers`` stay dense in sparse
+        decoding, ``dtype_bytes`` is the KV cache's element size.
+      contexts: ``[B]`` tokens each row attends at this step (its cached tokens, the current
+        one included).
+      budgets: None for dense decoding (every layer reads each row's whole context), else
+        ``[B]`` (or a scalar) KV budget in tokens of the sparse layers: a row with more blocks
+        than its budget reads ``budget // block_size`` blocks and scores one centroid per full
+        block (``decode_token_cost``'s rule); otherwise it reads its whole context.
+      weight_bytes: bytes per weight as run (default ``dtype_bytes``); the LM head counts once
+        (tied or not), the embedding's row gather not at all.
+      paged: the paged engine: every layer also reads each row's page-table entries (int32,
+        one per block of its context); the selected block ids (int32 per KV head) count in both
+        engines.
+    """
+    m = get_model_shape(model)
+    ctx = np.asarray(contexts, np.float64).reshape(-1)
+    dense = budgets is None
+    budget = np.broadcast_to(np.asarray(DENSE_BUDGET if dense else budgets, np.float64),
+                             ctx.shape)
+    per_row = decode_token_cost(m, ctx, budget, block_size=block_size)
+    # Sparse layers in sparse mode read budget // block_size block ids per KV head.
+    ids = per_row["centroid_layers"] * m.num_kv_heads * np.floor(budget / block_size) * 4
+    table = m.num_layers * np.ceil(ctx / block_size) * 4 if paged else 0.0
+    return StepBytes(
+        weights=float(m.linear_params * (weight_bytes or m.dtype_bytes)),
+        kv=float(per_row["kv_bytes"].sum()), centroids=float(per_row["centroid_bytes"].sum()),
+        metadata=float(np.sum(ids + table)))
+
+
+def learner_flops(model: ModelShape | str, rows: int, seq_len: int, *, passes: float = 1,
+                  forwards: float = 0) -> float:
+    """Model FLOPs of the learner over a batch of ``rows`` sequences of ``seq_len`` tokens
+    (prompt + response, as padded):
+
+        rows * seq_len * (passes * (6 N + 12 L Hq D c) + forwards * (2 N + 4 L Hq D c))
+
+    N = ``linear_params`` (the LM head included, the embedding gather not), c = (seq_len + 1)
+    / 2 the mean causal context of a token; ``passes`` forward+backward passes (3x a forward),
+    ``forwards`` forward-only passes (an analysis pass, a sparse replay - counted as dense, an
+    upper bound). Recomputation under remat is not counted: model FLOPs, as MFU counts them."""
+    m = get_model_shape(model)
+    c = (seq_len + 1) / 2.0
+    attn = m.num_layers * m.num_q_heads * m.head_dim * c
+    per_token = passes * (6.0 * m.linear_params + 12.0 * attn) \
+        + forwards * (2.0 * m.linear_params + 4.0 * attn)
+    return float(rows) * float(seq_len) * per_token
 
 
 def _as_lengths(lengths: Any) -> np.ndarray:

@@ -15,12 +15,27 @@ not the check):
             the paged engine
   train_real  2 steps of the shipped configs/qwen3_1p7b_gpu.gin at Qwen3-1.7B shape on random
             weights (`sparrow_jax.tools.config_smoke`): the real config's programs and memory
+            and the step's split (rollout, reward, learner, controller replay, compiles) with
+            the learner's share of the bf16 peak
+  gpu_limit (a group: `--only gpu_limit` runs its four stages, ~7.5 of at most 9 minutes on an
+            H200, docs/devices/README.md has the plan) - how far from the hardware's limit:
+    limit_rollout  `sparrow bench rollout --engine paged` on the shipped 1.7B GPU config (its
+            schedule's budgets, dense layers, paged settings): batch 32 at 8K and batch 8 at
+            32K, dense vs sparse, each step's % of its bytes limit
+    limit_kernels  `sparrow bench kernel` at 8K / 32K with the schedule's budgets there, each
+            kernel's % of its bytes limit, on Pallas Triton and jax-triton (reported
+            unavailable where `triton` is not installed)
+    limit_rl   `sparrow bench rollout --workload rl` on that config: distinct prompts x 8
+            samples, long-tailed lengths, tokens/s and % of the bytes limit, dense vs sparse
+    limit_step `sparrow bench step` on that config at 4 layers: dense and sparse RL steps
+            side by side, seconds by phase and their ratio
 A dated report, markdown and JSON, is rewritten after every stage (docs/devices/ by default), so
 what finished survives a stage that fails or a check that is killed; each stage's whole output is
 in <report>-logs/ beside it. `--quick`: the same stages
 at toy sizes, for CPU (CI runs it: tests/test_device_check.py).
 
   python -m sparrow_jax.tools.device_check [--quick] [--out DIR] [--only doctor,rollout]
+  python -m sparrow_jax.tools.device_check --only gpu_limit
 """
 
 from __future__ import annotations
@@ -72,6 +87,72 @@ _SMALL_POOL = ("--gin_param", "RolloutConfig.pool_bytes = 67108864",
                "--gin_param", "RolloutConfig.min_table_pages = 16",
                "--gin_param", "RolloutConfig.prompt_buckets = (64,)",
                "--gin_param", "RolloutConfig.prefill_chunk = 64")
+GPU_CONFIG = "configs/qwen3_1p7b_gpu.gin"
+# Stages `--only NAME` selects together.
+GROUPS = {"gpu_limit": ("limit_rollout", "limit_kernels", "limit_rl", "limit_step")}
+
+
+def gpu_limit_stages(quick: bool, run_dir: str) -> list[Stage]:
+    """The gpu_limit group (module docstring). Full: the shipped 1.7B GPU config at Qwen3-1.7B
+    shape on one H200, timeouts adding up to 540 s (docs/devices/README.md: the time plan);
+    quick: the same commands at toy sizes for CPU (the demo config for the step bench: the GPU
+    config's warm-up compiles take minutes on a CPU)."""
+    if quick:
+        toy = ("--layers", "3", "--hidden", "64", "--heads", "4", "--kv_heads", "2",
+               "--head_dim", "16", "--vocab", "128", "--dtype", "float32")
+        small = (*_SMALL_POOL, "--gin_param", "RolloutConfig.chunk_steps = 8")
+        tiny_schedule = ("--gin_param", "make_schedule.name = None",
+                         "--gin_param", f"make_schedule.budgets = {[48] * 20}",
+                         "--gin_param", "make_schedule.bin_size = 16",
+                         "--gin_param", "RolloutConfig.max_budget = 64")
+        return [
+            Stage("limit_rollout", ("bench", "rollout", "--", GPU_CONFIG, "--json", *toy,
+                                    "--engine", "paged", "--schedule", "config", "--context",
+                                    "128", "--batch", "2", "--new_tokens", "17", "--repeats",
+                                    "1", *small, *tiny_schedule), 300,
+                  "paged decode vs its bytes limit, toy model"),
+            Stage("limit_kernels", ("bench", "kernel", "--", "--json", "--contexts", "1024",
+                                    "--budgets", "256", "--models", "1.7b", "--iters", "2",
+                                    "--backend", "xla,jax_triton"), 300,
+                  "decode kernels vs their bytes limit, 1K context"),
+            Stage("limit_rl", ("bench", "rollout", "--", GPU_CONFIG, "--json", *toy,
+                               "--workload", "rl", "--samples", "4", "--group", "2",
+                               "--prompt_len", "32", "--mean_len", "16", "--new_tokens", "48",
+                               "--repeats", "1", *small, *tiny_schedule,
+                               "--gin_param", "RolloutConfig.min_slots = 4"), 300,
+                  "an RL-shaped rollout vs its bytes limit, toy model"),
+            Stage("limit_step", ("bench", "step", "configs/demo_cpu.gin", "--model_config",
+                                 f"{run_dir}-model.json", "--steps", "1", "--prompts", "1",
+                                 "--new_tokens", "16", "--json", "--out", f"{run_dir}-step",
+                                 "--gin_param", "TrainConfig.group_size = 2",
+                                 "--gin_param", "LearnerConfig.micro_batch_size = 0",
+                                 *tiny_schedule), 600,
+                  "dense vs sparse RL step, toy model"),
+        ]
+    shipped = (GPU_CONFIG, "--json", "--preset", "qwen3-1.7b", "--dtype", "bfloat16")
+    return [
+        Stage("limit_rollout", ("bench", "rollout", "--", *shipped, "--engine", "paged",
+                                "--schedule", "config", "--context", "8192", "32768",
+                                "--batch", "32", "8", "--new_tokens", "65", "--repeats", "2"),
+              170, "paged decode step vs its bytes limit, 1.7B, the shipped schedule: batch 32 "
+                   "at 8K, batch 8 at 32K"),
+        Stage("limit_kernels", ("bench", "kernel", "--", "--json", "--contexts", "8192,32768",
+                                "--budgets", "2048,4096", "--models", "1.7b",
+                                "--backend", "pallas_triton,jax_triton"), 60,
+              "decode kernels vs their bytes limit at 8K / 32K, the schedule's budgets there"),
+        # min_slots 32: one decode program per mode (the shipped slot ladder would compile
+        # 32 / 16 / 8 slots, ~75 s more on the H200)
+        Stage("limit_rl", ("bench", "rollout", "--", *shipped, "--workload", "rl",
+                           "--samples", "32", "--group", "8", "--prompt_len", "2048",
+                           "--mean_len", "256", "--new_tokens", "1024", "--repeats", "1",
+                           "--gin_param", "RolloutConfig.min_slots = 32"), 130,
+              "an RL-shaped rollout (4 prompts x 8, long-tailed lengths) vs its bytes limit, "
+              "1.7B, the shipped engine and schedule"),
+        Stage("limit_step", ("bench", "step", GPU_CONFIG, "--preset", "qwen3-1.7b",
+                             "--layers", "4", "--steps", "2", "--prompts", "2",
+                             "--new_tokens", "1024", "--json", "--out", f"{run_dir}-step"), 180,
+              "dense vs sparse RL step of the shipped 1.7B GPU config at 4 layers, by phase"),
+    ]
 
 
 def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
@@ -115,6 +196,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
                                  *_SMALL_POOL), 600,
                   "1 step of the shipped GPU config, toy random model",
                   "sparrow_jax.tools.config_smoke"),
+            *gpu_limit_stages(True, run_dir),
         ]
     return [
         Stage("doctor", ("doctor",), 150, "every kernel backend vs the XLA reference; rollouts"),
@@ -147,6 +229,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
                              "--out", f"{run_dir}-real"), 540,
               "2 steps of configs/qwen3_1p7b_gpu.gin at Qwen3-1.7B shape, random weights, "
               "64 rollouts x 4096 tokens", "sparrow_jax.tools.config_smoke"),
+        *gpu_limit_stages(False, run_dir),
     ]
 
 
@@ -248,20 +331,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "docs" / "devices"),
                     help="report directory (default docs/devices)")
     ap.add_argument("--only", default="", help="comma-separated stage names (default: all)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace today's report of another check (other --quick / --only) on "
+                         "this device in --out")
     ap.add_argument("--keep_profile", action="store_true",
                     help="keep the rollout's raw profiles (traces and optimized HLO, ~50 MB) "
                          "in the temporary folder the last line names")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=out, prefix=".device-check-probe-").close()
+    except OSError as e:         # issue 58: a traceback before any stage ran
+        raise SystemExit(f"device_check: --out {args.out} is not writable "
+                         f"({e.strerror or e}): choose another --out") from None
     work = Path(tempfile.mkdtemp(prefix="sparrow-device-check-"))
     todo = stages(args.quick, str(work / "run"), str(work / "profile"))
     (work / "run-model.json").write_text(json.dumps(TOY_MODEL))      # quick train_real's shape
-    only = [s for s in args.only.split(",") if s]
+    only = [name for s in args.only.split(",") if s for name in GROUPS.get(s, (s,))]
     unknown = set(only) - {s.name for s in todo}
     if unknown:
         raise SystemExit(f"device_check: unknown --only stages {sorted(unknown)}; choose from "
-                         f"{[s.name for s in todo]}")
+                         f"{[s.name for s in todo] + list(GROUPS)}")
     todo = [s for s in todo if not only or s.name in only]
     now = datetime.datetime.now(datetime.timezone.utc)
     device = device_summary()
@@ -270,7 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     # Each stage's whole output beside the report (one folder: an offline host's results come
     # back as one directory), not in a temporary folder that goes with the machine.
     log_dir = base.parent / f"{base.name}-logs"
-    log_dir.mkdir(exist_ok=True)
+    # Today's report of another check on this device is not replaced without --overwrite
+    # (sparrow_jax.runtime.output_dir; the same check again replaces it, as before).
+    from sparrow_jax.runtime import output_dir
+    try:
+        output_dir.claim(log_dir, "device_check", {"quick": args.quick, "only": only,
+                                                   "device": device.get("kind")},
+                         overwrite=args.overwrite, name="the report's log folder")
+    except output_dir.OutputDirError as e:
+        raise SystemExit(f"device_check: {e}") from None
     report = {"date": now.isoformat(timespec="seconds"), "device": device,
               "command": "launch/device_check.sh" + (" --quick" if args.quick else ""),
               "planned": len(todo), "stages": [], "seconds": 0.0}
@@ -284,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
         base.with_suffix(".md").write_text(markdown(report))
         print(f"device_check: {stage.name} {rec['status']} in {rec['seconds']:.0f} s", flush=True)
+        if rec["status"] != "ok":    # the cause, not only the status (issue 58)
+            print("\n".join(f"  | {line}" for line in rec["tail"][-4:]), flush=True)
         if stage.name == "profile" and not args.keep_profile:
             shutil.rmtree(work / "profile", ignore_errors=True)   # traces + HLO: ~50 MB
     failed = [s["stage"] for s in report["stages"] if s["status"] != "ok"]

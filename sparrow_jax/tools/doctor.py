@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from sparrow_jax.runtime.bandwidth import copy_bandwidth
 
 HEADS = {"qwen3-1.7b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
 BLOCK = 16
@@ -155,19 +156,6 @@ def _time(fn: Callable, args, iters: int) -> tuple[object, float]:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return result, statistics.median(times) * 1e3
-
-
-def copy_bandwidth(nbytes: int, iters: int) -> float:
-    """Bytes/s of an in-place elementwise update (read + write): the practical bandwidth
-    ceiling (the same measurement as `sparrow bench kernel`, which the layout keeps apart)."""
-    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
-    x = jax.block_until_ready(f(jnp.ones((nbytes // 4,), jnp.float32)))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        x = jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / statistics.median(times)
 
 
 def check_kernels(platform: str, copy_bw: float | None,

@@ -42,6 +42,8 @@ class EvalError(SystemExit):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--out", required=True, help="output directory (eval.json; rerun to resume)")
+    a("--overwrite", action="store_true", help="let --out replace an earlier evaluation with "
+      "other settings (only its own files), or write beside files no sparrow command wrote")
     a("--n", type=int, default=8, help="samples per problem")
     a("--k", default="1", help="comma-separated k for pass@k and maj@k, each <= n")
     a("--temperature", type=float, default=None)
@@ -176,10 +178,23 @@ def main(args: argparse.Namespace) -> int:
     from sparrow_jax.rollout.config import RolloutConfig
     from sparrow_jax.runtime.faults import RunError, check_vocabulary, prompt_capacity
 
+    from sparrow_jax.model.dir_check import model_problems
+    from sparrow_jax.runtime import output_dir
+
     ks = parse_ks(args.k, args.n)
     if args.problems_per_chunk < 1:
         raise EvalError(f"--problems_per_chunk must be >= 1, got {args.problems_per_chunk}")
+    overwrite = getattr(args, "overwrite", False)
+    try:    # never into a training run, a model or another command's output (issue 58)
+        output_dir.check(args.out, "eval", {}, overwrite=overwrite, compare=False)
+    except output_dir.OutputDirError as e:
+        raise EvalError(str(e)) from None
     model_dir, step = _model_dirs(args.model, args.step)
+    # The model directory as `sparrow train` checks it (config.json, tokenizer files, a real
+    # vocabulary), before anything is written or the weights load.
+    problems = model_problems(str(model_dir))
+    if problems:
+        raise EvalError("; ".join(p.replace("TrainConfig.model_path", "MODEL") for p in problems))
     if args.schedule == "run":
         args.schedule = _run_schedule(args.model, step)
     try:
@@ -217,7 +232,8 @@ def main(args: argparse.Namespace) -> int:
                 "mode": args.mode, "engine": args.engine, "scorer": args.scorer,
                 "problems_per_chunk": args.problems_per_chunk,
                 "prompt_format": dataclasses.asdict(PromptFormat())}
-    try:
+    try:    # an earlier evaluation with other settings is refused, unless --overwrite
+        output_dir.claim(args.out, "eval", settings, overwrite=overwrite)
         done = results.check_settings(args.out, settings)
     except ValueError as e:
         raise EvalError(str(e)) from None

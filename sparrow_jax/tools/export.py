@@ -15,6 +15,8 @@ the sparse actor the run sampled with. It writes
     DIR/generation_config.json   the base model's, or eos/bos/pad synthesized from config.json
     DIR/sparrow_export.json      provenance: run directory, step, stored and exported dtypes,
                                  the files written (what a later --overwrite may replace)
+    DIR/sparrow_output.json      the record every command's output directory has
+                                 (sparrow_jax.runtime.output_dir)
 
 The base model directory is `TrainConfig.model_path` of the run's operative gin config;
 `--model_path` replaces it when the run was trained elsewhere. RUN_DIR may be a URI (gs://...);
@@ -47,7 +49,7 @@ from flax import nnx
 from sparrow_jax.model import (Qwen3ForCausalLM, load_tokenizer, read_config, save_hf,
                                stop_token_ids)
 from sparrow_jax.runtime import checkpoint as ckpt
-from sparrow_jax.runtime import faults
+from sparrow_jax.runtime import faults, interrupts, output_dir
 from sparrow_jax.runtime.base_model import base_model_dir, operative_config
 from sparrow_jax.runtime.gin_files import gin_binding
 
@@ -166,10 +168,16 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
-        if not (out / PROVENANCE_FILE).is_file():
+        try:
+            found = output_dir.inspect(out)
+        except output_dir.OutputDirError as e:
+            raise ExportError(str(e)) from None
+        if found.kind is None or found.kind.name != "export":
+            what = (found.kind.what if found.kind is not None
+                    else f"files no sparrow command wrote ({found.listing()})")
             raise ExportError(f"--out {out} is not empty and is not an earlier `sparrow export` "
-                              f"(no {PROVENANCE_FILE}): choose a new directory (--overwrite "
-                              f"replaces only an earlier export)")
+                              f"(no {PROVENANCE_FILE}; it holds {what}): choose a new directory "
+                              f"(--overwrite replaces only an earlier export)")
         if not overwrite:
             raise ExportError(f"--out {out} is not empty (an earlier export); choose a new "
                               f"directory or pass --overwrite to replace it")
@@ -319,6 +327,8 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
 
     # Assemble beside `out`, then rename: an interrupted export leaves no half directory at `out`.
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
+    # A Ctrl-C ends the command at once (runtime.interrupts): the staging goes with it.
+    undo = interrupts.at_exit(lambda: shutil.rmtree(staging, ignore_errors=True))
     try:
         save_hf(model, staging, tokenizer=tokenizer, dtype=dtype)
         # The base config.json verbatim (fields our Qwen3Config does not model survive), with
@@ -329,15 +339,23 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         (staging / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         num_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
         # `files`: what a later --overwrite may replace (and nothing else).
-        files = sorted({p.name for p in staging.iterdir()} | {PROVENANCE_FILE})
+        files = sorted({p.name for p in staging.iterdir()}
+                       | {PROVENANCE_FILE, output_dir.RECORD_FILE})
         (staging / PROVENANCE_FILE).write_text(json.dumps(
             {"run_dir": str(run), "step": step, "stored_dtype": stored_dtype, "dtype": dtype,
              "base_model": str(model_dir), "num_params": num_params,
              "merged_lora": lora_info, "files": files}, indent=2) + "\n")
-        _replace_export(staging, out)   # empty, or an earlier export + --overwrite (checked)
+        # What the directory holds, as every command's output records it (runtime.output_dir).
+        output_dir.write_record(staging, "export", {
+            "run_dir": str(run), "step": step, "dtype": dtype, "base_model": str(model_dir),
+            "merged_lora": lora_info is not None})
+        with interrupts.critical():     # the renames finish before a Ctrl-C's exit
+            _replace_export(staging, out)   # empty, or an earlier export + --overwrite (checked)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        undo()
     stops = stop_token_ids(tokenizer, out)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     log.info("wrote %s: step %d, %.2fM params as %s in %s, tokenizer, generation_config.json "

@@ -29,6 +29,7 @@ from sparrow_jax.data.prompts import PromptBatch
 from sparrow_jax.model import stop_token_ids
 from sparrow_jax.rollout import RolloutConfig, Trajectories, generate
 from sparrow_jax.rollout.config import RolloutMode, padded_length, rollout_config
+from sparrow_jax.runtime import output_dir
 from sparrow_jax.sparsity.schedule import resolve_schedule
 
 log = logging.getLogger(__name__)
@@ -73,24 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "directory (never the prompts it reads)")
 
 
-def _owner(path: str) -> str | None:
-    """'model directory D' / 'run directory D' when `path` lies in one (what a stray --out
-    would damage: a model's config.json, a run's metrics.jsonl), else None."""
-    parent = os.path.dirname(path)
-    if os.path.isfile(os.path.join(parent, "config.json")) and (
-            any(n.endswith(".safetensors") for n in os.listdir(parent))
-            or os.path.isfile(os.path.join(parent, "tokenizer.json"))):
-        return f"model directory {parent}"
-    d = parent
-    for _ in range(4):               # the run directory or a few levels inside it
-        if os.path.isdir(os.path.join(d, "checkpoints")) and any(
-                os.path.exists(os.path.join(d, n))
-                for n in ("metrics.jsonl", "operative_config.gin", "sparrow.lock")):
-            return f"run directory {d}"
-        d = os.path.dirname(d)
-    return None
-
-
 def check_out(out: str, prompts: Any, model: str, overwrite: bool) -> None:
     """Refuses, before anything loads, an --out that is a directory, one of the inputs (the
     prompt files, the model's files), or an existing file of a model or run directory unless
@@ -110,10 +93,13 @@ def check_out(out: str, prompts: Any, model: str, overwrite: bool) -> None:
     if os.path.dirname(path) == os.path.realpath(model):
         raise RolloutError(f"--out {out!r} is inside the model directory {model!r} it loads; "
                            f"write the samples elsewhere")
-    owner = _owner(path) if os.path.exists(path) else None
+    # A model, a training run or another command's output (sparrow_jax.runtime.output_dir),
+    # the file's directory or a few levels up.
+    owner = output_dir.enclosing(path) if os.path.exists(path) else None
     if owner and not overwrite:
-        raise RolloutError(f"--out {out!r} exists in the {owner}: writing would replace that "
-                           f"directory's file. Choose another --out (or pass --overwrite)")
+        raise RolloutError(f"--out {out!r} exists in {owner[1].what} ({owner[0]}): writing "
+                           f"would replace that directory's file. Choose another --out (or "
+                           f"pass --overwrite)")
 
 
 # -- setup ---------------------------------------------------------------------------------------
@@ -202,9 +188,16 @@ def main(args: argparse.Namespace) -> int:
         schedule = resolve_schedule(args.schedule)
     except (ValueError, OSError) as e:
         raise RolloutError(f"bad --schedule: {e}") from None
+    from sparrow_jax.runtime.faults import RunError, check_vocabulary
     try:
         mcfg = read_config(args.model)
         tokenizer = load_tokenizer(args.model)
+        # A tokenizer larger than the model's vocabulary (ids with no embedding row) said only
+        # `top_k` deep in sampling (issue 58).
+        check_vocabulary(tokenizer, mcfg.vocab_size, args.model,
+                         {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id})
+    except RunError as e:
+        raise RolloutError(str(e)) from None
     except (OSError, ValueError) as e:
         raise RolloutError(f"cannot load model/tokenizer from {args.model!r}: {e}") from None
     try:

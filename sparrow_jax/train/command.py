@@ -6,9 +6,9 @@ Bad input and run-stopping faults end in one line `sparrow train: ...` and exit 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -16,7 +16,7 @@ import threading
 import jax
 
 from sparrow_jax.runtime import checkpoint as ckpt
-from sparrow_jax.runtime import compile_cache, config_check, faults, run_lock
+from sparrow_jax.runtime import compile_cache, faults, interrupts, output_dir, run_lock
 from sparrow_jax.data.rows import expand_paths
 from sparrow_jax.train import preflight, resume_config
 from sparrow_jax.train.config import TrainConfig
@@ -27,27 +27,15 @@ __all__ = ["train", "main"]
 log = logging.getLogger(__name__)
 
 
-def _startup_signal(signum: int, frame: object) -> None:
-    """Ctrl-C or SIGTERM before the training loop (loading, compiling): nothing is trained
-    yet, so the process leaves at once with a message. Raising KeyboardInterrupt here could
-    unwind through a C++ call of XLA or a library thread and abort the process (status 134)."""
-    del frame
-    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-    sys.stderr.write(f"\nsparrow train: interrupted ({name}) during start-up, before the first "
-                     f"step: nothing was trained or saved; the run's checkpoints are as they "
-                     f"were\n")
-    sys.stderr.flush()
-    os._exit(130 if signum == signal.SIGINT else 128 + signum)
-
-
 def _startup_handlers(cfg: TrainConfig) -> dict[int, object]:
-    """Installs `_startup_signal` (the trainer's checkpoint manager replaces it with the loop's
-    save-and-stop handlers); returns the previous handlers. A multi-process run leaves SIGTERM
-    to JAX's preemption notifier."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    sigs = [signal.SIGINT] + ([] if cfg.distributed else [signal.SIGTERM])
-    return {sig: signal.signal(sig, _startup_signal) for sig in sigs}
+    """Installs the start-up handlers (sparrow_jax.runtime.interrupts: nothing is trained yet, so
+    a signal ends the process at once with one line; the trainer's checkpoint manager replaces
+    them with the loop's save-and-stop handlers); returns the previous handlers. A multi-process run leaves
+    SIGTERM to JAX's preemption notifier."""
+    if cfg.distributed and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sigs = (signal.SIGINT,) + (() if cfg.distributed else (signal.SIGTERM,))
+    return interrupts.install(interrupts.TRAIN_STARTUP_MESSAGE, sigs)
 
 
 def train(cfg: TrainConfig | None = None) -> dict[str, float]:
@@ -59,8 +47,7 @@ def train(cfg: TrainConfig | None = None) -> dict[str, float]:
     try:
         return _train(cfg)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        interrupts.restore(previous)
 
 
 def _train(cfg: TrainConfig) -> dict[str, float]:
@@ -73,11 +60,21 @@ def _train(cfg: TrainConfig) -> dict[str, float]:
         log.info("process %d of %d", jax.process_index(), jax.process_count())
     preflight.check_devices(cfg)   # the mesh against the devices, before the model loads
     compile_cache.configure(cfg.compile_cache_dir)   # before the first compile; logs each one
-    faults.check_run_dir_writable(ckpt.resolve_run_dir(cfg.run_dir))
-    # One trainer per run directory (process 0 holds the lock for the run's processes).
-    lock = run_lock.RunLock(ckpt.resolve_run_dir(cfg.run_dir))
+    run_dir = ckpt.resolve_run_dir(cfg.run_dir)
+    faults.check_run_dir_writable(run_dir)
+    # One trainer per run directory (process 0 holds the lock for the run's processes), and
+    # never in another command's output or a model (sparrow_jax.runtime.output_dir). The run's
+    # own resume checks compare its settings (resume_config, resume_check).
+    lock = run_lock.RunLock(run_dir)
+    undo = lambda: None  # noqa: E731
     if jax.process_index() == 0:
+        try:
+            output_dir.claim(run_dir, "train", dataclasses.asdict(cfg), compare=False,
+                             name="TrainConfig.run_dir", option=None)
+        except output_dir.OutputDirError as e:
+            raise faults.RunError(str(e)) from None
         lock.acquire()
+        undo = interrupts.at_exit(lock.release)    # a Ctrl-C in start-up leaves no stale lock
     try:
         # A resume continues the same run: its settings and data are compared with the saved
         # ones before the model loads (sparrow_jax.train.resume_config).
@@ -104,6 +101,7 @@ def _train(cfg: TrainConfig) -> dict[str, float]:
                 f"resume.") from e
         raise
     finally:
+        undo()
         lock.release()
 
 
@@ -121,7 +119,6 @@ def main(args: argparse.Namespace) -> int:
     del args
     faults.quiet_library_tracebacks()
     try:
-        config_check.check_bindings()   # a gin value of the wrong type, before anything runs
         result = train()
     except USER_ERRORS as e:
         log.debug("sparrow train stopped", exc_info=True)

@@ -269,15 +269,10 @@ def check_devices(cfg: Any) -> None:
     import jax
 
     from sparrow_jax.train.config import ConfigError, gin_value
-    try:
-        jax.device_count()
-    except Exception as e:  # noqa: BLE001 - jax fails here with RuntimeError or AssertionError
-        wanted = os.environ.get("JAX_PLATFORMS")
-        raise ConfigError([
-            f"JAX cannot start its backend{f' (JAX_PLATFORMS={wanted!r})' if wanted else ''}: "
-            f"{type(e).__name__}{': ' + str(e).splitlines()[0][:200] if str(e) else ''}. Is "
-            f"the accelerator there and its jax plugin installed (`sparrow doctor`)? Unset "
-            f"JAX_PLATFORMS or set it to cpu to run on the CPU"], "devices") from None
+    from sparrow_jax.runtime.backend import backend_problem
+    problem = backend_problem()
+    if problem:
+        raise ConfigError([problem], "devices")
     problems = device_problems(cfg, devices=jax.device_count(),
                                local_devices=jax.local_device_count(),
                                processes=jax.process_count(), platform=jax.default_backend(),

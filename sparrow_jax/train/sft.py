@@ -34,6 +34,7 @@ from sparrow_jax.model import Qwen3Config, Qwen3ForCausalLM, save_hf
 from sparrow_jax.model.attention import (chunked_causal_attention, dense_causal_attention,
                                          layer_splits_of)
 from sparrow_jax.rollout.teacher_forced import sparse_attention_fn
+from sparrow_jax.runtime import interrupts, output_dir
 
 log = logging.getLogger(__name__)
 
@@ -294,11 +295,15 @@ def check_output_dir(cfg: SFTConfig) -> None:
     """FileExistsError unless `output_dir` is new or empty, or `overwrite` is set: checked
     before training, so that minutes of training do not end by replacing a model."""
     out = Path(cfg.output_dir)
-    if cfg.overwrite or not out.exists():
+    if not out.exists():
         return
     if not out.is_dir():
         raise FileExistsError(f"SFTConfig.output_dir {str(out)!r} exists and is not a directory")
-    if any(out.iterdir()):
+    # A model (an earlier warm-up, or a model directory) is what overwrite may replace; another
+    # command's output never (sparrow_jax.runtime.output_dir).
+    output_dir.check(out, "sft", {}, overwrite=True, compare=False,
+                     name="SFTConfig.output_dir", option=None)
+    if not cfg.overwrite and any(out.iterdir()):
         raise FileExistsError(
             f"SFTConfig.output_dir {str(out)!r} already holds a model; choose a new directory "
             f"(--gin_param \"SFTConfig.output_dir = 'DIR'\") or replace it with "
@@ -367,10 +372,13 @@ def run_sft(cfg: SFTConfig) -> Path:
     max_new = synthetic.target_tokens(cfg.long_k_range[1]) + 16
     exact = greedy_exact(model, tokenizer, eval_problems, max_new)
     log.info("held-out greedy exact (K in %s): %.3f", cfg.long_k_range, exact)
-    out = save_hf(model, cfg.output_dir, tokenizer=tokenizer)
-    (out / "sft_summary.txt").write_text(
-        f"greedy_exact={exact:.4f} problems={cfg.eval_problems} k_range={cfg.long_k_range} "
-        f"steps={total} seconds={time.time() - start:.0f}\n")
+    with interrupts.critical():      # a Ctrl-C now waits for the whole model (runtime.interrupts)
+        out = save_hf(model, cfg.output_dir, tokenizer=tokenizer)
+        output_dir.write_record(out, "sft", {k: v for k, v in dataclasses.asdict(cfg).items()
+                                             if k not in ("output_dir", "overwrite")})
+        (out / "sft_summary.txt").write_text(
+            f"greedy_exact={exact:.4f} problems={cfg.eval_problems} k_range={cfg.long_k_range} "
+            f"steps={total} seconds={time.time() - start:.0f}\n")
     return out
 
 
@@ -382,7 +390,7 @@ def main(args) -> int:
     del args
     try:
         out = run_sft(SFTConfig())
-    except (FileExistsError, ValueError) as e:
+    except (FileExistsError, ValueError) as e:    # output_dir.OutputDirError among them
         raise SystemExit(f"sparrow sft: {e}") from None
     print(f"warm-up checkpoint written to {out}: {(out / 'sft_summary.txt').read_text().strip()}")
     return 0

@@ -105,8 +105,10 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
             """The adapter's update after each base optimizer step (base frozen)."""
             with timer("distill"):
                 return stages.distiller.update(mini_batch, index, num_mini, budgets)
-        # Before the update: the policy that sampled.
+    # -- controller replay: the probe budgets' alpha, before the update (the sampling policy)
+    with timer("probe"):
         probe = probe_alpha(plan, stages, traj, actor)
+    with timer("learner"):
         # The alpha replay runs the actor that sampled (merged adapter, if any).
         analysis, loss_metrics = stages.learner.step(
             traj, stages.learner.advantages(rows), budgets, plan.replay,

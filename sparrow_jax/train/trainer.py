@@ -53,6 +53,18 @@ __all__ = ["Trainer"]
 log = logging.getLogger(__name__)
 
 
+def learner_speed(m: dict[str, float]) -> dict[str, float]:
+    """The learner's achieved model FLOP/s (`learner/model_flops` / `time/learner`) and, where
+    the devices' peak is known (`learner/peak_flops`), its share of it: timing, hence under
+    time/ (a first step's includes its compiles: `time/compile/learner`)."""
+    if not m.get("time/learner") or "learner/model_flops" not in m:
+        return {}
+    out = {"time/learner_flops_per_s": m["learner/model_flops"] / m["time/learner"]}
+    if m.get("learner/peak_flops"):
+        out["time/learner_flops_share"] = out["time/learner_flops_per_s"] / m["learner/peak_flops"]
+    return out
+
+
 class Trainer:
     """Builds every stage from gin and runs/resumes the loop."""
 
@@ -308,16 +320,20 @@ class Trainer:
         warm = compile_plan.warm_for_run(self.plan, self.model.config, shape, self.rollout_cfg)
         compile_plan.log_plan(compile_plan.for_run(self.plan, self.model.config, shape,
                                                    self.rollout_cfg, warm))
+        self.stop_if_interrupted()
+        timer = StepTimer()
         if warm:                   # the plan's rollout programs, one progress line each
             sched = self.controller.schedule
-            warmup.warm(self.rollout_model(), warm, spec=self.spec,
-                        budgets=np.asarray(sched.budgets, np.int32), bin_size=sched.bin_size)
-        timer = StepTimer()
+            # time/warmup and time/compile/warmup join the first step's metrics
+            with timer("warmup"):
+                warmup.warm(self.rollout_model(), warm, spec=self.spec,
+                            budgets=np.asarray(sched.budgets, np.int32), bin_size=sched.bin_size)
         history = {}
         if self.step == 0 and self.eval_batch is not None and cfg.eval_at_start:
             history["first"] = self.evaluate()     # compiles: no speeds (see evaluate)
             self.writer.scalars(0, history["first"])
             log.info("eval at step 0: %s", evaluation.short_line(history["first"], self.eval_modes))
+        self.stop_if_interrupted()
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")
         while self.step < cfg.total_steps:
             start = time.perf_counter()
@@ -325,6 +341,7 @@ class Trainer:
             self.step += 1
             m.update(timer.summary())
             m["time/step"] = time.perf_counter() - start
+            m.update(learner_speed(m))
             # A non-finite loss/gradient skipped the update; too many in a row stop the run.
             stop = self.guard.observe(self.step, m.get("learner/skipped_updates", 0.0), m)
             m["train/skipped_steps"] = self.guard.total
@@ -353,6 +370,14 @@ class Trainer:
         if self.step < cfg.total_steps:     # stopped early by a signal: not a finished run
             raise faults.RunStopped(self.step, self.ckpt.stop_reason, self.ckpt.stop_exit_code)
         return result
+
+    def stop_if_interrupted(self) -> None:
+        """A Ctrl-C or SIGTERM that came after the loop's handlers were installed but before
+        its first step (restoring, reward workers starting, compiles, the first evaluation):
+        stop now, with nothing trained, rather than after a step (issue 58)."""
+        if self.ckpt.stop_requested:
+            raise faults.RunStopped(self.step, self.ckpt.stop_reason, self.ckpt.stop_exit_code,
+                                    saved=False)
 
     def report(self, history: dict) -> dict[str, float]:
         # A resumed (or already finished) run keeps the evaluations of earlier processes.

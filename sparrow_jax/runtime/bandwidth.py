@@ -1,0 +1,38 @@
+"""The device's copy bandwidth, measured: the denominator of every bytes limit.
+
+A decode step reads its weights and KV once; the fastest it can go is those bytes over the
+bandwidth a plain copy reaches on the same device (`sparsity.cost_model.decode_step_bytes`).
+`sparrow bench kernel`, `sparrow bench rollout` and `sparrow doctor` measure it with this one
+function, in the same process as the timings they compare against it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["copy_bandwidth", "default_probe_bytes"]
+
+
+def default_probe_bytes() -> int:
+    """The probe's buffer: 256 MiB on CPU (well past its caches), 2 GiB on an accelerator."""
+    return (256 if jax.default_backend() == "cpu" else 2048) << 20
+
+
+def copy_bandwidth(nbytes: int | None = None, iters: int = 10) -> float:
+    """Bytes/s of a large in-place elementwise update (read + write, both counted): the
+    practical bandwidth ceiling, the median of `iters` timed calls after one that compiles.
+    The buffer is donated so every call reuses it: a fresh output allocation would measure
+    page-fault (first-touch) cost on CPU instead of memory bandwidth."""
+    nbytes = nbytes or default_probe_bytes()
+    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    x = jax.block_until_ready(f(jnp.ones((nbytes // 4,), jnp.float32)))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(times)
