@@ -129,6 +129,21 @@ def _kernel(scores_ref, total_ref, budget_ref, ids_ref, num_ref, *, nb: int, wid
     num_ref[...] = jnp.full((1,), num, jnp.int32)
 
 
+
+def _check_launch(width: int) -> None:
+    """What both entry points need: a selection width that holds the reserved blocks, and
+    Triton's Pallas backend."""
+    if width < NUM_RESERVED:
+        raise ValueError(f"width must be >= {NUM_RESERVED}, got {width}")
+    if _triton.pltriton is None:
+        raise RuntimeError(_triton.status()[1])
+
+
+def _slot_chunk(nbp: int, kp: int) -> int:
+    """Selected slots compacted per pass for a row of nbp scores (a power of two) and kp slots:
+    about _CHUNK_ELEMENTS elements of the [chunk, nbp] comparison a pass holds."""
+    return max(1, min(kp, _triton.next_pow2(max(1, _CHUNK_ELEMENTS // nbp))))
+
 def select_ids_triton(scores: jax.Array, total: jax.Array, budget: jax.Array, *, width: int,
                       radix_bits: int = 1, num_warps: int | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -143,13 +158,10 @@ def select_ids_triton(scores: jax.Array, total: jax.Array, budget: jax.Array, *,
     if scores.ndim != 2 or total.shape != scores.shape[:1] or budget.shape != scores.shape[:1]:
         raise ValueError(f"scores must be [R, NB] and total/budget [R]; got {scores.shape}, "
                          f"{total.shape}, {budget.shape}")
-    if width < NUM_RESERVED:
-        raise ValueError(f"width must be >= {NUM_RESERVED}, got {width}")
-    if _triton.pltriton is None:
-        raise RuntimeError(_triton.status()[1])
+    _check_launch(width)
     rows, nb = scores.shape
     nbp, kp = _triton.next_pow2(nb), _triton.next_pow2(width)
-    chunk = max(1, min(kp, _triton.next_pow2(max(1, _CHUNK_ELEMENTS // nbp))))
+    chunk = _slot_chunk(nbp, kp)
     if nbp != nb:      # padding blocks are never candidates: blk >= total for every row
         scores = jnp.pad(scores, ((0, 0), (0, nbp - nb)))
     # More warps for longer rows: the row's vectors live in registers (4 warps up to 2K blocks).
@@ -272,16 +284,13 @@ def select_pages_triton(q: jax.Array, centroids: jax.Array, page_table: jax.Arra
     if lengths.shape != (b,) or budget.shape != (b,):
         raise ValueError(f"lengths and budget must be [B]=[{b}], got {lengths.shape}, "
                          f"{budget.shape}")
-    if width < NUM_RESERVED:
-        raise ValueError(f"width must be >= {NUM_RESERVED}, got {width}")
-    if _triton.pltriton is None:
-        raise RuntimeError(_triton.status()[1])
+    _check_launch(width)
     _triton.check_triton_shapes(d, block_size)
     g, rows_per_pool = hq // hkv, b // pools
     blocks = n_pages if page_table is None else page_table.shape[1]
     nbp = max(_triton.next_pow2(blocks), SCORE_CHUNK)
     kp = _triton.next_pow2(width)
-    chunk = max(1, min(kp, _triton.next_pow2(max(1, _CHUNK_ELEMENTS // nbp))))
+    chunk = _slot_chunk(nbp, kp)
     num_warps = num_warps or min(16, max(4, nbp // 512))
     kernel = functools.partial(_pages_kernel, group=g, nb=nbp, slots=kp, chunk=chunk,
                                block_size=block_size, radix_bits=radix_bits,
