@@ -244,3 +244,34 @@ def test_layer_census_differences_and_full_depth():
     dense_rc = RolloutConfig(mode="dense")
     assert kernel_census.layer_depths(dense_rc, 28) == (
         (kernel_census.Depth(2), kernel_census.Depth(3)), None)
+
+
+def test_decode_compiler_options_reach_the_decode_programs_only():
+    """`RolloutConfig.decode_command_buffers` / `decode_split_k` become XLA options of the decode
+    programs (`*_program_for`): none at the defaults (the plain jitted program), one cached jit
+    per setting otherwise, which compiles on CPU too (GPU options, ignored there); bad values
+    fail at config time."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparrow_jax.rollout import paged, static
+    from sparrow_jax.runtime import compiler_options
+
+    assert RolloutConfig().decode_compiler_options == ()
+    assert paged.decode_chunk_program_for(RolloutConfig()) is paged.decode_chunk_program
+    assert static.decode_program_for(RolloutConfig()) is static.decode_program
+    cfg = RolloutConfig(decode_command_buffers="off", decode_split_k=1)
+    assert cfg.decode_compiler_options == (("xla_gpu_enable_command_buffer", ""),
+                                           ("xla_gpu_experimental_force_split_k", "1"))
+    loop = dict(RolloutConfig(decode_command_buffers="loop").decode_compiler_options)
+    assert "WHILE" in loop["xla_gpu_enable_command_buffer"].split(",")
+    program = paged.decode_chunk_program_for(cfg)
+    assert program is not paged.decode_chunk_program
+    assert program is paged.decode_chunk_program_for(cfg)
+    double = compiler_options.with_options(jax.jit(lambda x: 2 * x), {},
+                                           cfg.decode_compiler_options)
+    assert float(double(jnp.ones(()))) == 2.0
+    with pytest.raises(ValueError, match="decode_command_buffers"):
+        RolloutConfig(decode_command_buffers="sometimes")
+    with pytest.raises(ValueError, match="decode_split_k"):
+        RolloutConfig(decode_split_k=-1)
