@@ -9,6 +9,7 @@
 # is kept when a later stage fails. docs/devices/README.md says how to run it on a new machine.
 #   launch/device_check.sh [--quick] [--out DIR] [--only doctor,kernels,rollout,train]
 #   launch/device_check.sh --only gpu_limit   # issue 55's bytes-limit benches, <= 9 min on an H200
+#   launch/device_check.sh --only promise     # issue 56: warm-up + dense/controller/exact RL, <= 9 min
 # --quick: toy sizes (CPU; CI runs it), no install, on the project's environment: PYTHON if set,
 # else ./.venv (launch/local.sh makes it), else the active virtual environment, else the system
 # Python; one that cannot import the project stops here, naming what is missing.

@@ -26,6 +26,8 @@ COMMANDS = {
     "dryrun": ("sparrow_jax.dryrun.run", "main", "compile one RL step for a TPU slice / GPU node: fits?"),
     "export": ("sparrow_jax.tools.export", "main", "a training checkpoint -> Hugging Face directory"),
     "experiment": ("sparrow_jax.experiment.runner", "main", "training arms side by side -> comparison"),
+    "promise": ("sparrow_jax.experiment.promise", "main",
+                "warm-up + dense/controller/exact RL arms on one GPU in one call -> report"),
     "data": ("sparrow_jax.tools.data_check", "main", "data check FILE --model DIR: rows, reasons, a prompt"),
     "eval": ("sparrow_jax.tools.evaluate", "main", "eval MODEL DATA...: avg@n, pass@k, maj@k on math data"),
     "doctor": ("sparrow_jax.tools.doctor", "main", "kernels vs the XLA reference + a rollout, on this device"),
@@ -96,7 +98,9 @@ CONFIGURABLE_MODULES = (
     "sparrow_jax.experiment.calibrate",
     # ExperimentConfig: `sparrow experiment --parallel` runs each arm as `sparrow train` on the
     # experiment's own gin files
-    "sparrow_jax.experiment.runner")
+    "sparrow_jax.experiment.runner",
+    # PromiseConfig: `sparrow promise` runs `sparrow sft` and `sparrow train` on its own gin files
+    "sparrow_jax.experiment.promise")
 
 
 def parse_gin(config_files: Sequence[str], params: Sequence[str]) -> None:
@@ -158,12 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # From the first line, Ctrl-C and SIGTERM end the command at once with one line
     # (sparrow_jax.runtime.interrupts): a KeyboardInterrupt raised inside a C extension's import
     # or an XLA call is a traceback or an abort (issue 58). `sparrow train`'s loop replaces the
-    # handler (it saves at the step's end); `sparrow experiment` stops its arms on a
-    # KeyboardInterrupt, reported below.
+    # handler (it saves at the step's end); `sparrow experiment` and `sparrow promise` stop
+    # their arms on a KeyboardInterrupt (their children run in sessions of their own: a parent
+    # that left at once would orphan them), reported below.
     message = (interrupts.TRAIN_STARTUP_MESSAGE if command == "train" else
                f"sparrow{' ' + command if command else ''}: interrupted ({{signal}}) before it "
                f"finished")
-    previous = {} if command == "experiment" else interrupts.install(message)
+    previous = {} if command in ("experiment", "promise") else interrupts.install(message)
     try:
         return _main(argv, command)
     except KeyboardInterrupt:

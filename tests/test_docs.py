@@ -452,6 +452,15 @@ _REGISTRY = {
         (Hardware(), ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report"),
          ByTest("tests/test_device_check.py::test_only_a_group_runs_its_stages"),
          ByTest("tests/test_device_check.py::test_the_stated_timeouts_are_the_stages_own")),
+    # docs/devices/README.md, docs/experiment.md: the promise in one GPU call (issue 56)
+    "launch/device_check.sh --only promise":
+        (Hardware(), ByTest("tests/test_promise.py::test_the_cpu_twin_runs_end_to_end_and_two_runs_pool"),
+         ByTest("tests/test_promise.py::test_the_promise_stage_runs_only_when_asked"),
+         ByTest("tests/test_promise.py::test_the_time_plan_fits_one_nine_minute_call")),
+    "sparrow promise configs/experiment_promise_gpu.gin --out DIR":
+        (ByTest("tests/test_promise.py::test_the_cpu_twin_runs_end_to_end_and_two_runs_pool"),),
+    "sparrow promise configs/experiment_promise_gpu.gin --plan":
+        (ByTest("tests/test_promise.py::test_the_time_plan_fits_one_nine_minute_call"),),
     # docs/devices/README.md: a shipped config at its model's shape on random weights
     "python -m sparrow_jax.tools.config_smoke configs/qwen3_1p7b_gpu.gin --preset qwen3-1.7b":
         (ByTest("tests/test_config_smoke.py::test_the_gpu_config_runs_a_step_on_a_random_tiny_model"),),

@@ -247,7 +247,7 @@ def run_parallel(commands: Mapping[str, Sequence[str]], log_dir: Path, parallel:
     Ctrl-C kills them)."""
     pending, codes = list(commands), {}
     running: dict[str, tuple[subprocess.Popen, Any, float]] = {}
-    restore = _sigterm_as_interrupt()
+    restore = sigterm_as_interrupt()
     try:
         while pending or running:
             while pending and len(running) < parallel:
@@ -312,7 +312,7 @@ def _stop(running: Mapping[str, tuple[subprocess.Popen, Any, float]]) -> None:
             f.close()
 
 
-def _sigterm_as_interrupt():
+def sigterm_as_interrupt():
     """While arms run, SIGTERM to this process stops them as Ctrl-C does. Returns the undo."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None

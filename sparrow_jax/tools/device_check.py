@@ -29,6 +29,10 @@ not the check):
             samples, long-tailed lengths, tokens/s and % of the bytes limit, dense vs sparse
     limit_step `sparrow bench step` on that config at 4 layers: dense and sparse RL steps
             side by side, seconds by phase and their ratio
+  promise   `sparrow promise configs/experiment_promise_gpu.gin` (issue 56; at most 9 minutes
+            on one H200): a model trained from scratch on the device, then the registered dense /
+            controller / exact RL arms from it, its own report, checkpoint file and pooled
+            results file beside this report (quick: the CPU twin); only when `--only` names it
 A dated report, markdown and JSON, is rewritten after every stage (docs/devices/ by default), so
 what finished survives a stage that fails or a check that is killed; each stage's whole output is
 in <report>-logs/ beside it. `--quick`: the same stages
@@ -36,6 +40,7 @@ at toy sizes, for CPU (CI runs it: tests/test_device_check.py).
 
   python -m sparrow_jax.tools.device_check [--quick] [--out DIR] [--only doctor,rollout]
   python -m sparrow_jax.tools.device_check --only gpu_limit
+  python -m sparrow_jax.tools.device_check --only promise
 """
 
 from __future__ import annotations
@@ -90,6 +95,9 @@ _SMALL_POOL = ("--gin_param", "RolloutConfig.pool_bytes = 67108864",
 GPU_CONFIG = "configs/qwen3_1p7b_gpu.gin"
 # Stages `--only NAME` selects together.
 GROUPS = {"gpu_limit": ("limit_rollout", "limit_kernels", "limit_rl", "limit_step")}
+# Stages that run only when `--only` names them (a call of their own: the promise stage takes
+# a whole 9-minute call and writes its own report and results file).
+ON_REQUEST = ("promise",)
 
 
 def gpu_limit_stages(quick: bool, run_dir: str) -> list[Stage]:
@@ -155,11 +163,32 @@ def gpu_limit_stages(quick: bool, run_dir: str) -> list[Stage]:
     ]
 
 
-def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
+PROMISE_CONFIG = "configs/experiment_promise_gpu.gin"
+PROMISE_TWIN = "configs/experiment_promise_twin.gin"
+
+
+def promise_stage(quick: bool, run_dir: str, report: str, device: str) -> Stage:
+    """`sparrow promise` on the registered GPU experiment (issue 56; docs/devices/README.md:
+    its time plan): its report, checkpoint file and results file beside the check's report
+    (`report`: the check's report path without suffix; `device`: the device's kind). Quick: the
+    CPU twin (the same parts at toy size, configs/experiment_promise_twin.gin)."""
+    base = Path(report or f"{run_dir}-report")
+    argv = ("promise", PROMISE_CONFIG, *((PROMISE_TWIN,) if quick else ()),
+            "--out", str(base.parent), "--stem", f"{base.name}-promise",
+            "--work", f"{run_dir}-promise", *(("--device", device) if device else ()))
+    what = ("the promise's CPU twin: toy warm-up, dense / controller / exact arms, report"
+            if quick else "warm-up on the device, then dense / controller / exact RL arms of "
+            "256 rows at 4-6K tokens, the report and the pooled results")
+    return Stage("promise", argv, 540, what)
+
+
+def stages(quick: bool, run_dir: str, profile_dir: str = "", report: str = "",
+           device: str = "") -> list[Stage]:
     """The check's stages; quick: toy sizes for CPU (tens of seconds each on an idle 2-core
     machine; timeouts generous for a loaded one). Full: sized for one H100/H200; the stages
     before train take ~7 minutes there (2026-11-28 H200: 385 s for the five it had then),
-    their timeouts add up to 1410 s, and the most telling come first."""
+    their timeouts add up to 1410 s, and the most telling come first. `report`, `device`: where
+    the check writes its report (no suffix) and the device's kind, for the promise stage."""
     profile_dir = profile_dir or f"{run_dir}-profile"
     train = ("train", "configs/demo_cpu.gin", "--gin_param", "TrainConfig.total_steps = 2",
              "--gin_param", f"TrainConfig.run_dir = '{run_dir}'",
@@ -197,6 +226,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
                   "1 step of the shipped GPU config, toy random model",
                   "sparrow_jax.tools.config_smoke"),
             *gpu_limit_stages(True, run_dir),
+            promise_stage(True, run_dir, report, device),
         ]
     return [
         Stage("doctor", ("doctor",), 150, "every kernel backend vs the XLA reference; rollouts"),
@@ -230,6 +260,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "") -> list[Stage]:
               "2 steps of configs/qwen3_1p7b_gpu.gin at Qwen3-1.7B shape, random weights, "
               "64 rollouts x 4096 tokens", "sparrow_jax.tools.config_smoke"),
         *gpu_limit_stages(False, run_dir),
+        promise_stage(False, run_dir, report, device),
     ]
 
 
@@ -346,18 +377,20 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"device_check: --out {args.out} is not writable "
                          f"({e.strerror or e}): choose another --out") from None
     work = Path(tempfile.mkdtemp(prefix="sparrow-device-check-"))
-    todo = stages(args.quick, str(work / "run"), str(work / "profile"))
+    names = [s.name for s in stages(args.quick, str(work / "run"), str(work / "profile"))]
     (work / "run-model.json").write_text(json.dumps(TOY_MODEL))      # quick train_real's shape
     only = [name for s in args.only.split(",") if s for name in GROUPS.get(s, (s,))]
-    unknown = set(only) - {s.name for s in todo}
+    unknown = set(only) - set(names)
     if unknown:
         raise SystemExit(f"device_check: unknown --only stages {sorted(unknown)}; choose from "
-                         f"{[s.name for s in todo] + list(GROUPS)}")
-    todo = [s for s in todo if not only or s.name in only]
+                         f"{names + list(GROUPS)}")
     now = datetime.datetime.now(datetime.timezone.utc)
     device = device_summary()
     kind = re.sub(r"[^a-z0-9]+", "-", str(device.get("kind", "unknown")).lower()).strip("-")
     base = out / f"{now:%Y-%m-%d}-{kind}{'-quick' if args.quick else ''}"
+    todo = [s for s in stages(args.quick, str(work / "run"), str(work / "profile"),
+                              report=str(base), device=kind)
+            if (s.name in only if only else s.name not in ON_REQUEST)]
     # Each stage's whole output beside the report (one folder: an offline host's results come
     # back as one directory), not in a temporary folder that goes with the machine.
     log_dir = base.parent / f"{base.name}-logs"

@@ -247,11 +247,12 @@ def plan(rc: RolloutConfig, *, group_size: int, prompts_per_call: int, calls_per
             out.append(Planned("eval/rollout", f"prefill + decode per mode "
                                f"({'/'.join(eval_modes)}) at prompt width {eval_width}",
                                2 * n, 2 * n))
-        if reference:
-            out.append(Planned("eval/reference", "teacher-forced, dense and sparse", 2, 2))
-        if not eval_at_start:       # no step-0 evaluation: its programs come later
-            out = [dataclasses.replace(p, first=0, per=p.per + "; first evaluation after step 1")
-                   if p.name.startswith("eval/") else p for p in out]
+    if reference and eval_modes:    # with or without held-out prompts to decode
+        out.append(Planned("eval/reference", "teacher-forced, dense and sparse", 2, 2))
+    if (reference or eval_width is not None) and eval_modes and not eval_at_start:
+        # no step-0 evaluation: its programs come later
+        out = [dataclasses.replace(p, first=0, per=p.per + "; first evaluation after step 1")
+               if p.name.startswith("eval/") else p for p in out]
     return CompilePlan(tuple(out))
 
 

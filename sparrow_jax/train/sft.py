@@ -91,6 +91,18 @@ class SFTConfig:
     sparse_budget: int = 256
     sparse_dense_layers: tuple[int, ...] = (0, 1)
     sparse_block_size: int = 16
+    # A wall-clock budget (issue 56: a warm-up that must end inside one lent-GPU call): > 0 =
+    # train for this many seconds (compiles included), crops for the first `crop_share` of them,
+    # then whole sequences; crop_steps / long_steps become upper bounds and the learning rate
+    # follows the elapsed share of the budget (warm-up over `warmup_steps` steps, then a cosine
+    # to a tenth of the peak at the budget's end). 0 = the step counts alone (as before).
+    max_seconds: float = 0.0
+    crop_share: float = 0.5
+    # > 0: whole-sequence batches are padded to exactly this many tokens (one program to
+    # compile, not one per multiple of 64 a batch's longest sequence lands on); at least the
+    # longest prompt + target + <eos> of long_k_range.
+    long_width: int = 0
+    save_dtype: str = ""              # the checkpoint's weights' dtype ("" = as trained, float32)
 
     def __post_init__(self):
         fractions = (self.crop_start_fraction, self.crop_end_fraction)
@@ -110,17 +122,25 @@ class SFTConfig:
                              f"sparse_block_size = {self.sparse_block_size} of at least 3 blocks "
                              f"(sink + 2 local); sparse_block_size must divide {PACK_WIDTH} (the "
                              f"whole-sequence batches' width multiple)")
+        if self.max_seconds < 0 or not 0 <= self.crop_share <= 1 or self.long_width < 0:
+            raise ValueError(f"SFTConfig.max_seconds = {self.max_seconds} must be >= 0 (0 = no "
+                             f"time budget), crop_share = {self.crop_share} in [0, 1] and "
+                             f"long_width = {self.long_width} >= 0")
         if self.attention_chunk < 0 or self.max_position_embeddings < 0:
             raise ValueError(f"SFTConfig.attention_chunk = {self.attention_chunk} and "
                              f"max_position_embeddings = {self.max_position_embeddings} must be "
                              f">= 0 (0 = off)")
 
 
-def pack(pairs, pad_id: int, block: int = PACK_WIDTH):
+def pack(pairs, pad_id: int, block: int = PACK_WIDTH, width: int = 0):
     """(prompt, target) id pairs -> tokens [B, L], loss mask [B, L] (1 where the next token is a
-    target token), L padded to a multiple of `block` (few shapes, few recompiles)."""
+    target token), L padded to a multiple of `block` (few shapes, few recompiles), or to exactly
+    `width` when it is given (one shape)."""
     lengths = [len(p) + len(t) for p, t in pairs]
-    width = -(-max(lengths) // block) * block
+    if width and width < max(lengths):
+        raise ValueError(f"SFTConfig.long_width = {width} is shorter than a training sequence "
+                         f"({max(lengths)} tokens of prompt and target, SFTConfig.long_k_range)")
+    width = width or -(-max(lengths) // block) * block
     tokens = np.full((len(pairs), width), pad_id, np.int32)
     weights = np.zeros((len(pairs), width), np.float32)
     for i, (p, t) in enumerate(pairs):
@@ -254,9 +274,13 @@ def sft_loss(model: Qwen3ForCausalLM, tokens, positions, weights, mask, prompt_l
 
 @functools.partial(nnx.jit, static_argnames=("attention_chunk", "sparse"))
 def train_step(model, optimizer, tokens, positions, weights, mask, prompt_lengths,
-               attention_chunk: int = 0, sparse: tuple | None = None):
+               attention_chunk: int = 0, sparse: tuple | None = None, learning_rate=None):
     """One optimiser step on `sft_loss` (model and optimizer updated in place); returns its
-    metrics (dense nll, dense acc, sparse nll, sparse acc)."""
+    metrics (dense nll, dense acc, sparse nll, sparse acc). `learning_rate`: this step's, for
+    an optimizer whose AdamW takes it as an injected hyperparameter (`make_optimizer` with a
+    time budget); None: the optimizer's own step-count schedule."""
+    if learning_rate is not None:
+        optimizer.opt_state[1].hyperparams["learning_rate"][...] = learning_rate
     (_, metrics), grads = nnx.value_and_grad(sft_loss, has_aux=True)(
         model, tokens, positions, weights, mask, prompt_lengths, attention_chunk, sparse)
     optimizer.update(model, grads)
@@ -324,12 +348,11 @@ def run_sft(cfg: SFTConfig) -> Path:
         mcfg = demo_model_config(cfg, tokenizer)
         model = Qwen3ForCausalLM(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
     total = cfg.crop_steps + cfg.long_steps
-    lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, min(cfg.warmup_steps, total - 1), total,
-                                            cfg.learning_rate * 0.1)
-    optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
-                                                 optax.adamw(lr, weight_decay=0.01)), wrt=nnx.Param)
-    log.info("sft: %.2fM params, %d crop + %d full-length steps", mcfg.num_params() / 1e6,
-             cfg.crop_steps, cfg.long_steps)
+    optimizer = make_optimizer(model, cfg)
+    log.info("sft: %.2fM params, %d crop + %d full-length steps%s", mcfg.num_params() / 1e6,
+             cfg.crop_steps, cfg.long_steps,
+             f" at most, for {cfg.max_seconds:.0f} s (crops for the first "
+             f"{cfg.crop_share:.0%})" if cfg.max_seconds else "")
     sparse = None
     if cfg.sparse_loss_coef > 0:
         bad = [i for i in cfg.sparse_dense_layers if not 0 <= i < mcfg.num_hidden_layers]
@@ -342,9 +365,19 @@ def run_sft(cfg: SFTConfig) -> Path:
                  "dense layers %s, weight %g)", cfg.sparse_budget, sparse[2], sparse[0])
     rng = np.random.default_rng(cfg.seed)
     start = time.time()
+    done = {"crop": 0, "full": 0}
+    last: dict[str, float] = {}
+    metrics = None
     with tqdm(total=total, desc="sft", unit="step") as bar:
-        for step in range(total):
-            crop = step < cfg.crop_steps
+        while True:
+            if cfg.max_seconds and metrics is not None:
+                jax.block_until_ready(metrics)    # the budget counts finished steps' time
+            elapsed = time.time() - start
+            phase = next_phase(cfg, done["crop"], done["full"], elapsed)
+            if phase is None:
+                break
+            step = done["crop"] + done["full"]
+            crop = phase == "crop"
             batch = cfg.crop_batch if crop else cfg.long_batch
             problems = [synthetic.make_problem(rng, cfg.long_k_range) for _ in range(batch)]
             pairs = synthetic.sft_examples(tokenizer, problems=problems)
@@ -353,32 +386,107 @@ def run_sft(cfg: SFTConfig) -> Path:
                     pairs, cfg.crop_length, synthetic.cycle_tokens() + 3, rng,
                     cfg.crop_start_fraction, cfg.crop_keep_prompt, cfg.crop_end_fraction)
             else:
-                tokens, weights = pack(pairs, tokenizer.pad_token_id)
+                tokens, weights = pack(pairs, tokenizer.pad_token_id, width=cfg.long_width)
                 positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
                 mask = np.ones_like(tokens)
             prompt_lengths = np.asarray([len(p) for p, _ in pairs], np.int32)
-            loss, acc, s_loss, s_acc = train_step(
+            lr = (None if not cfg.max_seconds else
+                  jnp.float32(budgeted_learning_rate(cfg, step, elapsed / cfg.max_seconds)))
+            metrics = train_step(
                 model, optimizer, jnp.asarray(tokens), jnp.asarray(positions),
                 jnp.asarray(weights), jnp.asarray(mask), jnp.asarray(prompt_lengths),
-                attention_chunk=cfg.attention_chunk, sparse=None if crop else sparse)
+                attention_chunk=cfg.attention_chunk, sparse=None if crop else sparse,
+                learning_rate=lr)
+            done[phase] += 1
             bar.update(1)
             if step % cfg.log_every == 0 or step == total - 1:
-                extra = {} if crop or sparse is None else dict(
-                    sparse_loss=f"{float(s_loss):.3f}", sparse_acc=f"{float(s_acc):.4f}")
-                bar.set_postfix(loss=f"{float(loss):.3f}", token_acc=f"{float(acc):.3f}",
-                                phase="crop" if crop else "full", **extra)
-    log.info("sft done in %.0f s", time.time() - start)
-    eval_problems = synthetic.make_problems(cfg.eval_problems, cfg.seed + 10_000, cfg.long_k_range)
-    max_new = synthetic.target_tokens(cfg.long_k_range[1]) + 16
-    exact = greedy_exact(model, tokenizer, eval_problems, max_new)
-    log.info("held-out greedy exact (K in %s): %.3f", cfg.long_k_range, exact)
+                last = step_summary(metrics, phase, sparse is not None)
+                bar.set_postfix(**{k: f"{v:.4g}" if isinstance(v, float) else v
+                                   for k, v in last.items()})
+    if metrics is not None:
+        last = step_summary(metrics, phase_of_last(done), sparse is not None)
+    seconds = time.time() - start
+    log.info("sft done in %.0f s: %d crop + %d full-length steps", seconds, done["crop"],
+             done["full"])
+    summary = {"crop_steps_done": done["crop"], "long_steps_done": done["full"],
+               "train_seconds": round(seconds, 1), **last}
+    if cfg.eval_problems:
+        eval_problems = synthetic.make_problems(cfg.eval_problems, cfg.seed + 10_000,
+                                                cfg.long_k_range)
+        max_new = synthetic.target_tokens(cfg.long_k_range[1]) + 16
+        exact = greedy_exact(model, tokenizer, eval_problems, max_new)
+        log.info("held-out greedy exact (K in %s): %.3f", cfg.long_k_range, exact)
+        summary = {"greedy_exact": round(exact, 4), "problems": cfg.eval_problems, **summary}
+    summary.update(k_range=cfg.long_k_range, steps=done["crop"] + done["full"])
     with interrupts.critical():      # a Ctrl-C now waits for the whole model (runtime.interrupts)
-        out = save_hf(model, cfg.output_dir, tokenizer=tokenizer)
+        out = save_hf(model, cfg.output_dir, tokenizer=tokenizer,
+                      dtype=jnp.dtype(cfg.save_dtype) if cfg.save_dtype else None)
         output_dir.write_record(out, "sft", {k: v for k, v in dataclasses.asdict(cfg).items()
                                              if k not in ("output_dir", "overwrite")})
-        (out / "sft_summary.txt").write_text(
-            f"greedy_exact={exact:.4f} problems={cfg.eval_problems} k_range={cfg.long_k_range} "
-            f"steps={total} seconds={time.time() - start:.0f}\n")
+        summary["seconds"] = round(time.time() - start)
+        (out / SUMMARY_NAME).write_text(" ".join(
+            f"{k}={str(v).replace(' ', '')}" for k, v in summary.items()) + "\n")
+    return out
+
+
+SUMMARY_NAME = "sft_summary.txt"
+
+
+def read_summary(model_dir: str | Path) -> dict[str, str]:
+    """A warm-up checkpoint's `sft_summary.txt` as {key: value text} ({} when it has none)."""
+    path = Path(model_dir) / SUMMARY_NAME
+    if not path.is_file():
+        return {}
+    return dict(field.split("=", 1) for field in path.read_text().split() if "=" in field)
+
+
+def make_optimizer(model: Qwen3ForCausalLM, cfg: SFTConfig) -> nnx.Optimizer:
+    """AdamW (weight decay 0.01) after global-norm clipping at 1. Its learning rate: warm-up over
+    `warmup_steps`, then a cosine to a tenth of the peak over the steps - or, with a time budget
+    (`max_seconds`), set per step from `budgeted_learning_rate` (an injected hyperparameter)."""
+    if cfg.max_seconds:
+        adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=0.01)
+    else:
+        total = cfg.crop_steps + cfg.long_steps
+        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate,
+                                                min(cfg.warmup_steps, total - 1), total,
+                                                cfg.learning_rate * 0.1)
+        adamw = optax.adamw(lr, weight_decay=0.01)
+    return nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), adamw),
+                         wrt=nnx.Param)
+
+
+def budgeted_learning_rate(cfg: SFTConfig, step: int, progress: float) -> float:
+    """A time-budgeted run's learning rate: linear from 0 over `warmup_steps` steps, then the
+    peak times a cosine over the budget's elapsed share `progress` (0..1) down to a tenth."""
+    if step < cfg.warmup_steps:
+        return cfg.learning_rate * step / cfg.warmup_steps
+    cosine = 0.5 * (1.0 + np.cos(np.pi * min(max(progress, 0.0), 1.0)))
+    return float(cfg.learning_rate * (0.1 + 0.9 * cosine))
+
+
+def next_phase(cfg: SFTConfig, crops_done: int, longs_done: int, elapsed: float) -> str | None:
+    """The next step's phase - "crop", "full" (whole sequences) - or None when training is
+    over: crops first (crop_steps of them, or with a time budget until its `crop_share` has
+    passed), then whole sequences (long_steps, or until the budget ends)."""
+    budget = cfg.max_seconds
+    if budget and elapsed >= budget:
+        return None
+    if crops_done < cfg.crop_steps and not (budget and elapsed >= cfg.crop_share * budget):
+        return "crop"
+    return "full" if longs_done < cfg.long_steps else None
+
+
+def phase_of_last(done: dict[str, int]) -> str:
+    return "full" if done["full"] else "crop"
+
+
+def step_summary(metrics, phase: str, sparse: bool) -> dict[str, float | str]:
+    """One step's (dense nll, dense acc, sparse nll, sparse acc) as named numbers."""
+    loss, acc, s_loss, s_acc = (float(x) for x in metrics)
+    out: dict[str, float | str] = {"phase": phase, "loss": loss, "token_acc": acc}
+    if phase == "full" and sparse:
+        out.update(sparse_loss=s_loss, sparse_acc=s_acc)
     return out
 
 
@@ -392,5 +500,5 @@ def main(args) -> int:
         out = run_sft(SFTConfig())
     except (FileExistsError, ValueError) as e:    # output_dir.OutputDirError among them
         raise SystemExit(f"sparrow sft: {e}") from None
-    print(f"warm-up checkpoint written to {out}: {(out / 'sft_summary.txt').read_text().strip()}")
+    print(f"warm-up checkpoint written to {out}: {(out / SUMMARY_NAME).read_text().strip()}")
     return 0

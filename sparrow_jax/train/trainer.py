@@ -261,13 +261,23 @@ class Trainer:
         per_call = self.cfg.rollout_batch_prompts or self.cfg.prompts_per_step
         return self.rollout_cfg.max_slots or per_call * self.cfg.group_size * jax.process_count()
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates: held-out prompts to decode (`TrainConfig.eval_data`)
+        and/or references to score teacher-forced (`ReferenceEvalConfig.data`; alone, the
+        evaluation decodes nothing: cheap at long generations)."""
+        return self.eval_batch is not None or self.reference is not None
+
     def evaluate(self) -> dict[str, float]:
-        if self.eval_batch is None:
+        if not self.evaluates:
             return {}
         out = {}
         sched = self.controller.schedule
         rng = jax.random.key(self.cfg.seed + 1)
         for mode in self.eval_modes:
+            if self.eval_batch is None:          # the references alone
+                out.update(self.score_references(mode))
+                continue
             rc = dataclasses.replace(self.rollout_cfg, mode=mode,
                                      temperature=self.cfg.eval_temperature,
                                      max_slots=self.train_slots(),
@@ -287,12 +297,7 @@ class Trainer:
                                     rng=rng, spec=self.spec, diagnostics=self.diagnostics,
                                     samples=self.cfg.eval_samples)
             out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
-            if self.reference is not None and mode in (RolloutMode.DENSE, RolloutMode.SPARSE):
-                rc = self.rollout_cfg
-                r = self.reference(model, mode, self.step, budgets=np.asarray(sched.budgets),
-                                   bin_size=sched.bin_size, max_budget=rc.max_budget,
-                                   block_size=rc.block_size, dense_layers=tuple(rc.dense_layers))
-                out.update({f"eval_{mode}/{k}": v for k, v in r.items()})
+            out.update(self.score_references(mode, model))
             log.info("held-out evaluation at step %d, %s: done in %.0f s", self.step, mode,
                      time.perf_counter() - t0)
         if not self._eval_warm:
@@ -301,6 +306,20 @@ class Trainer:
             self._eval_warm = True
             out = {k: v for k, v in out.items() if not k.endswith(("/tokens_per_s", "/seconds"))}
         return out
+
+    def score_references(self, mode: RolloutMode, model=None) -> dict[str, float]:
+        """The teacher-forced reference metrics (`eval_<mode>/ref_*`) of the dense policy or
+        the sparse actor at the schedule; {} without references or in another mode."""
+        if self.reference is None or mode not in (RolloutMode.DENSE, RolloutMode.SPARSE):
+            return {}
+        if model is None:
+            model = (compute_copy(self.model) if self.distiller and mode == RolloutMode.DENSE
+                     else self.rollout_model())
+        rc, sched = self.rollout_cfg, self.controller.schedule
+        r = self.reference(model, mode, self.step, budgets=np.asarray(sched.budgets),
+                           bin_size=sched.bin_size, max_budget=rc.max_budget,
+                           block_size=rc.block_size, dense_layers=tuple(rc.dense_layers))
+        return {f"eval_{mode}/{k}": v for k, v in r.items()}
 
     # -- loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
@@ -329,7 +348,7 @@ class Trainer:
                 warmup.warm(self.rollout_model(), warm, spec=self.spec,
                             budgets=np.asarray(sched.budgets, np.int32), bin_size=sched.bin_size)
         history = {}
-        if self.step == 0 and self.eval_batch is not None and cfg.eval_at_start:
+        if self.step == 0 and self.evaluates and cfg.eval_at_start:
             history["first"] = self.evaluate()     # compiles: no speeds (see evaluate)
             self.writer.scalars(0, history["first"])
             log.info("eval at step 0: %s", evaluation.short_line(history["first"], self.eval_modes))
