@@ -255,12 +255,70 @@ def _check_cuda(sh: SingleDeviceSharding) -> None:
             (jax.ShapeDtypeStruct((rows, nb), jnp.float32, sharding=sh),
              jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh),
              jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh)), "__gpu$xla.gpu.triton"))
+    _check_fused_layer(tag, sh)
     _, b, hq, hkv, d, s, budget = SHAPES[0]
     _check(f"{tag} negative control (shared memory overflow)", lambda: _compile(
         functools.partial(dispatch.contiguous_view, ptriton.paged_block_sparse_decode_triton,
                           blocks_per_step=256, num_stages=4),
         _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16), "__gpu$xla.gpu.triton"),
         expect_error=r"Shared memory size limit exceeded")
+
+
+def _check_fused_layer(tag: str, sh: SingleDeviceSharding) -> None:
+    """The kernels of a decode layer as the fewest kernels (sparrow_jax/rollout/fused.py) at
+    PAGED_SHAPE, each reading the raw heads of one [B, Hq + 2 Hkv, D] array and finishing them
+    (RMSNorm + RoPE): the K/V/centroid write (aliased, in place), the fused scores + selection
+    + page lookup, and the attention reading every row's page table or, covered or not, its
+    selection; plus the static cache's forms (page i = block i) and a batch of 4 (split-K
+    partials merged after the kernel)."""
+    from pallas_kernels import pallas_triton as ptriton
+    from pallas_kernels import pallas_triton_select, pallas_triton_write
+    from pallas_kernels.reference import HeadFinish, SelectedPages
+    _, b, hq, hkv, d, pools, n_pages, p_width, kk = PAGED_SHAPE
+    heads = hq + 2 * hkv
+
+    def sds(shape, dt=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+
+    def finish(rows):
+        return HeadFinish(sds((d,), jnp.bfloat16), sds((rows, d), jnp.float32),
+                          sds((rows, d), jnp.float32), 1e-6)
+
+    pool = sds((pools, hkv, n_pages, BLOCK, d), jnp.bfloat16)
+    cents = sds((pools, hkv, n_pages, d), jnp.bfloat16)
+    qkv = sds((b, heads, d), jnp.bfloat16)
+    _check(f"{tag} pallas_triton token write (K, V, centroid) {PAGED_SHAPE[0]}", lambda: _compile(
+        lambda kp, vp, cp, x, pg, off, w, f: pallas_triton_write.write_token_triton(
+            kp, vp, cp, x, x, pg, off, w, k_finish=f, k_first=hq, v_first=hq + hkv),
+        (pool, pool, cents, qkv, sds((b,)), sds((b,)), sds((b,), jnp.bool_), finish(b)),
+        "__gpu$xla.gpu.triton"))
+    _check(f"{tag} pallas_triton scores + selection + pages {PAGED_SHAPE[0]}", lambda: _compile(
+        lambda x, cp, t, ln, bud, f: pallas_triton_select.select_pages_triton(
+            x, cp, t, ln, bud, width=kk, block_size=BLOCK, q_finish=f, q_heads=hq),
+        (qkv, cents, sds((b, p_width)), sds((b,)), sds((b,)), finish(b)),
+        "__gpu$xla.gpu.triton"))
+    for rows in (b, 4):
+        _check(f"{tag} pallas_triton attention, table or selection per row, {rows} rows",
+               lambda rows=rows: _compile(
+                   lambda x, kp, vp, t, pid, blk, nb, cov, ln, f:
+                   ptriton.paged_table_decode_triton(
+                       x, kp, vp, t, ln, selection=SelectedPages(pid, blk, nb), covered=cov,
+                       q_finish=f, q_heads=hq),
+                   (sds((rows, heads, d), jnp.bfloat16), pool, pool, sds((rows, p_width)),
+                    sds((rows, hkv, kk)), sds((rows, hkv, kk)), sds((rows, hkv)),
+                    sds((rows,), jnp.bool_), sds((rows,)), finish(rows)),
+                   "__gpu$xla.gpu.triton"))
+    blocks = p_width // 4                       # a contiguous cache of 8K tokens per row
+    rows_pool = sds((4, hkv, blocks, BLOCK, d), jnp.bfloat16)
+    _check(f"{tag} pallas_triton static-cache selection and attention (page i = block i)",
+           lambda: _compile(
+               lambda x, kp, vp, cp, ln, bud, cov, f: ptriton.identity_decode_triton(
+                   x, kp, vp, ln, selection=pallas_triton_select.select_pages_triton(
+                       x, cp, None, ln, bud, width=kk // 4, block_size=BLOCK, q_finish=f,
+                       q_heads=hq)[0], covered=cov, q_finish=f, q_heads=hq),
+               (sds((4, heads, d), jnp.bfloat16), rows_pool, rows_pool,
+                sds((4, hkv, blocks, d), jnp.bfloat16), sds((4,)), sds((4,)),
+                sds((4,), jnp.bool_), finish(4)), "__gpu$xla.gpu.triton"))
 
 
 def _triton_cubin(meta: dict, dtype, num_warps: int = 4, num_stages: int = 2) -> str:

@@ -29,7 +29,7 @@ from pallas_kernels import jax_triton as _jt
 from pallas_kernels import reference as _ref
 from pallas_kernels import pallas_tpu as _tpu
 from pallas_kernels import pallas_triton as _triton
-from pallas_kernels.reference import (all_blocks_selection, check_decode_inputs,
+from pallas_kernels.reference import (SelectedPages, all_blocks_selection, check_decode_inputs,
                                       check_paged_inputs, contiguous_as_pages, physical_pages)
 
 log = logging.getLogger(__name__)
@@ -141,13 +141,18 @@ DenseTiling = Callable[[int, object], tuple[int, int]]
 
 
 def dense_view(kernel: PagedKernel, tiling: DenseTiling, q, k, v, lengths, *,
-               scale: float | None = None, **options):
+               scale: float | None = None, identity: Callable | None = None, **options):
     """Dense decode as `kernel` over the contiguous view with every tile selected: tiling(S,
     dtype) -> (tile tokens, tiles per kernel step) is the backend's (large tiles: fewer copies
     and steps than 16-token blocks). Tiles at or past ceil(length / tile) are never read (the
-    kernels loop to each row's num_blocks). Shapes as in ``dense_decode``."""
+    kernels loop to each row's num_blocks). identity: the backend's kernel that reads tile i
+    as block i by itself (the same reads, no index arrays built: `IDENTITY_KERNELS`). Shapes
+    as in ``dense_decode``."""
     b, _, hkv, s, _, _ = check_decode_inputs(q, k, v, lengths, block_size=1)
     tile, per_step = tiling(s, k.dtype)
+    if identity is not None:
+        return identity(q, contiguous_as_pages(k, tile), contiguous_as_pages(v, tile), lengths,
+                        scale=scale, blocks_per_step=per_step, **options)
     idx, nb = all_blocks_selection(b, hkv, s, lengths, tile)
     return kernel(q, contiguous_as_pages(k, tile), contiguous_as_pages(v, tile), idx, idx, nb,
                   lengths, scale=scale, blocks_per_step=per_step, **options)
@@ -167,6 +172,9 @@ def paged_kernel(name: str, *, interpret: bool = False) -> PagedKernel:
 # Dense decode's tiles per backend (the raw Triton kernel has the Pallas Triton one's limits).
 DENSE_TILING = {"pallas_tpu": _tpu.dense_tiling, "pallas_triton": _triton.dense_tiling,
                 "jax_triton": _triton.dense_tiling}
+# Backends whose kernel reads every block of a row in order without an index array: dense decode
+# builds none for them (on GPU an index array is a kernel launch of its own, every layer).
+IDENTITY_KERNELS = {"pallas_triton": _triton.identity_decode_triton}
 
 
 # -- the entry points -----------------------------------------------------------------------------
@@ -233,5 +241,52 @@ def dense_decode(
     name = resolve_backend(backend, interpret=interpret)
     if name == "xla":
         return _ref.dense_decode_xla(q, k, v, lengths, scale=scale)
+    identity = IDENTITY_KERNELS.get(name)
     return dense_view(paged_kernel(name, interpret=interpret), DENSE_TILING[name], q, k, v,
-                      lengths, scale=scale)
+                      lengths, scale=scale, identity=identity and functools.partial(
+                          identity, interpret=interpret))
+
+
+def paged_dense_decode(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    lengths: jax.Array, *, scale: float | None = None, backend: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Dense decode over a paged cache: every block < ceil(length / bs) of each row, read
+    through its page table [B, P]. The same attention as ``paged_block_sparse_decode`` with
+    every block selected (``reference.all_blocks_selection``), which is what the XLA, TPU and
+    jax-triton backends run; the Pallas Triton kernel reads the table as its entry list (no
+    index arrays). Other shapes as in ``paged_block_sparse_decode``."""
+    name = resolve_backend(backend, interpret=interpret)
+    if name == "pallas_triton":
+        return _triton.paged_table_decode_triton(q, k_pages, v_pages, page_table, lengths,
+                                                 scale=scale, interpret=interpret)
+    b, hkv, bs = q.shape[0], k_pages.shape[1], k_pages.shape[3]
+    idx, num = all_blocks_selection(b, hkv, page_table.shape[1] * bs, lengths, bs)
+    return paged_block_sparse_decode(q, k_pages, v_pages, page_table, idx, num, lengths,
+                                     scale=scale, backend=name, interpret=interpret)
+
+
+def paged_covered_decode(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    selection: SelectedPages, covered: jax.Array, lengths: jax.Array, *,
+    scale: float | None = None, backend: str = "auto", interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """A sparse layer's decode, one call for every row: rows with covered [B] (bool: the budget
+    covers the length) attend densely through their page table [B, P], the others over their
+    selection (the kernels' own form, physical page ids: `selection.select_pages`). The Pallas
+    Triton kernel does both in one launch; other backends run the dense and the sparse
+    attention and keep each row's (``jnp.where``). Shapes as in ``paged_block_sparse_decode``."""
+    name = resolve_backend(backend, interpret=interpret)
+    if name == "pallas_triton":
+        return _triton.paged_table_decode_triton(q, k_pages, v_pages, page_table, lengths,
+                                                 selection=selection, covered=covered,
+                                                 scale=scale, interpret=interpret)
+    dense = paged_dense_decode(q, k_pages, v_pages, page_table, lengths, scale=scale,
+                               backend=name, interpret=interpret)
+    check_paged_inputs(q, k_pages, v_pages, page_table, selection.block_indices,
+                       selection.num_blocks, lengths)
+    sparse = paged_kernel(name, interpret=interpret)(q, k_pages, v_pages, *selection, lengths,
+                                                     scale=scale)
+    return tuple(jnp.where(covered.reshape((-1,) + (1,) * (x.ndim - 1)), x, y)
+                 for x, y in zip(dense, sparse))

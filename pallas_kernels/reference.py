@@ -22,7 +22,10 @@ physical page). The contiguous form above is the paged one with G = B and page i
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +211,28 @@ def check_page_ids(
     if not jnp.issubdtype(page_ids.dtype, jnp.integer):
         raise ValueError(f"page_ids must be integer, got {page_ids.dtype}")
     return dims
+
+
+class SelectedPages(NamedTuple):
+    """A selection in the kernels' own form (what they read per entry): per (row, KV head) the
+    physical page and the logical block of each entry, valid entries first, and their count."""
+    page_ids: jax.Array          # [B, Hkv, K] int32 pages in the row's pool
+    block_indices: jax.Array     # [B, Hkv, K] int32 logical blocks (the length mask)
+    num_blocks: jax.Array        # [B, Hkv] int32 valid entries
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["weight", "cos", "sin"],
+                   meta_fields=["eps"])
+@dataclasses.dataclass(frozen=True)
+class HeadFinish:
+    """What makes a projected query or key head the one attention uses, for a kernel that
+    applies it as it reads the head (the Pallas Triton decode kernels): the model's per-head
+    RMSNorm, then RoPE at each row's position (`sparrow_jax.model.qwen3.RMSNorm`, `apply_rope`,
+    in the head's dtype)."""
+    weight: jax.Array        # [D] the RMSNorm weight
+    cos: jax.Array           # [B, D] f32 RoPE table at each row's position
+    sin: jax.Array           # [B, D] f32
+    eps: float               # the RMSNorm epsilon (static)
 
 
 def physical_pages(page_table: jax.Array, block_indices: jax.Array) -> jax.Array:

@@ -187,7 +187,7 @@ def test_dryrun_counts_decode_kernels(tiny):
     assert k["per_dense_layer"] > 0 and k["per_sparse_layer"] > k["per_dense_layer"], k
     assert k["per_step"] == pytest.approx(
         k["outside"] + k["per_dense_layer"] + 2 * k["per_sparse_layer"]), k
-    assert "pallas sparrow_block_select_triton" in k["sparse_layer_kernels"], k
+    assert "pallas sparrow_select_pages_triton" in k["sparse_layer_kernels"], k
     line = kernel_census.format_line(k)
     assert line.startswith(f"decode step kernels: {k['per_dense_layer']} per dense layer"), line
     assert line in report_text.format_report(report).splitlines()

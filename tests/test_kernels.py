@@ -498,6 +498,123 @@ def test_paged_kernel_knobs(monkeypatch):
         assert_close(jax.jit(fn)(q, kp, vp, ids, bi, nb, ln), want, jnp.float32)
 
 
+# -- the Pallas Triton kernel's other reads: the page table, table or selection per row -------
+
+def _finished(x, weight, cos, sin, eps):
+    """The model's finishing of raw heads x [B, H, D]: per-head RMSNorm, then RoPE (the
+    reference of `pallas_triton.finished_rows`)."""
+    from flax import nnx
+    from sparrow_jax.model.qwen3 import RMSNorm, apply_rope
+    norm = RMSNorm(x.shape[-1], eps, "head_dim")
+    norm.weight = nnx.Param(weight)
+    return apply_rope(norm(x)[:, None], cos[:, None], sin[:, None])[:, 0]
+
+
+def _rope_tables(lengths, d):
+    from sparrow_jax.model.qwen3 import rope_cos_sin
+    cos, sin = rope_cos_sin((jnp.asarray(lengths) - 1)[:, None], d, 10000.0)
+    return cos[:, 0], sin[:, 0]
+
+
+@pytest.mark.parametrize("g,dtype,splits", [(2, jnp.float32, None), (4, jnp.bfloat16, 3)],
+                         ids=["g2-f32", "g4-bf16-split3"])
+def test_triton_table_and_either_reads_match_xla(g, dtype, splits):
+    """The Triton kernel reading rows' pages through their page table: every row (dense:
+    `paged_dense_decode`), and covered rows only with the others on their selection (one
+    kernel for a sparse layer: `paged_covered_decode`), against the XLA path (all blocks
+    selected / the dense and sparse results picked per row), on a shared pool of shuffled
+    pages, one split (the kernel finishes the softmax) and three (merged after it)."""
+    from pallas_kernels import reference
+    from pallas_kernels.pallas_triton import paged_table_decode_triton
+    q, k, v, ln = make_inputs(40 + g, b=4, hkv=2, g=g, s=128, d=32, dtype=dtype,
+                              lengths=PAGED_LENGTHS)
+    bi, nb = make_selection(40 + g, PAGED_LENGTHS, 2, 5, empty_rows=((2, 1),))
+    kp, vp, table = make_pages(40 + g, k, v, PAGED_LENGTHS, 1)
+    selected = reference.SelectedPages(reference.physical_pages(table, bi), bi, nb)
+    covered = jnp.asarray([True, False, False, True])
+    kw = dict(num_splits=splits, blocks_per_step=2, interpret=True)
+    dense = jax.jit(lambda *a: paged_table_decode_triton(*a, **kw))(q, kp, vp, table, ln)
+    either = jax.jit(lambda *a: paged_table_decode_triton(*a[:5], selection=a[5], covered=a[6],
+                                                          **kw))(q, kp, vp, table, ln,
+                                                                 selected, covered)
+    want_dense = run_paged("xla", q, kp, vp, table, *all_blocks_selection(4, 2, 128, ln, BS),
+                           ln)
+    want_either = pk.paged_covered_decode(q, kp, vp, table, selected, covered, ln,
+                                          backend="xla")
+    for got, want in ((dense, want_dense), (either, want_either)):
+        for a, c in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
+                                       **tol(dtype))
+    assert_close(dense, numpy_dense(q, k, v, ln), dtype)
+
+
+def test_triton_finishes_raw_query_heads():
+    """With a HeadFinish the kernel RMSNorms and rotates the raw query heads as it reads them
+    (the model's own math), and reads the queries as the first Hq heads of one [B, Hq + 2 Hkv,
+    D] array of a layer's q, k and v heads."""
+    from pallas_kernels.pallas_triton import paged_table_decode_triton
+    from pallas_kernels.reference import HeadFinish
+    q, k, v, ln = make_inputs(51, b=4, hkv=2, g=2, s=128, d=32, dtype=jnp.bfloat16,
+                              lengths=PAGED_LENGTHS)
+    kp, vp, table = make_pages(51, k, v, PAGED_LENGTHS, 1)
+    rng = np.random.default_rng(51)
+    weight = jnp.asarray(1 + 0.1 * rng.standard_normal(32), jnp.bfloat16)
+    cos, sin = _rope_tables(PAGED_LENGTHS, 32)
+    finish = HeadFinish(weight, cos, sin, 1e-6)
+    heads = jnp.concatenate([q, k[:, :, 0], v[:, :, 0]], axis=1)          # [B, Hq + 2 Hkv, D]
+    got = jax.jit(lambda *a: paged_table_decode_triton(*a, q_finish=finish, q_heads=4,
+                                                       interpret=True))(heads, kp, vp, table,
+                                                                        ln)
+    want = pk.paged_dense_decode(_finished(q, weight, cos, sin, 1e-6), kp, vp, table, ln,
+                                 backend="xla")
+    for a, c in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
+                                   **tol(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("finish", [False, True], ids=["finished", "raw"])
+def test_triton_token_write_matches_xla(finish):
+    """One kernel writes each slot's key and value row into the page pools and, where the
+    token fills its page, the page's centroid - the rows `paged.write_token_rows` writes and the
+    centroid the XLA decode stores; inactive slots write nothing. raw: the keys arrive raw (the
+    kernel finishes them) inside one array of q, k and v heads (k and v at offsets)."""
+    from pallas_kernels.pallas_triton_write import write_token_triton
+    from pallas_kernels.reference import HeadFinish
+    from sparrow_jax.rollout.paged import write_token_rows
+    rng = np.random.default_rng(60)
+    s, hq, hkv, n, d = 4, 4, 2, 6, 32
+    kp = jnp.asarray(rng.standard_normal((1, hkv, n, BS, d)), jnp.bfloat16)
+    vp = jnp.asarray(rng.standard_normal((1, hkv, n, BS, d)), jnp.bfloat16)
+    cp = jnp.asarray(rng.standard_normal((1, hkv, n, d)), jnp.bfloat16)
+    heads = jnp.asarray(rng.standard_normal((s, hq + 2 * hkv, d)), jnp.bfloat16)
+    page = jnp.asarray([3, 0, 5, 1], jnp.int32)
+    offset = jnp.asarray([BS - 1, 4, BS - 1, BS - 1], jnp.int32)
+    write = jnp.asarray([True, True, True, False])
+    weight = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.bfloat16)
+    cos, sin = _rope_tables([40, 5, 16, 32], d)
+    finishing = HeadFinish(weight, cos, sin, 1e-6) if finish else None
+    k_new, v_new = heads[:, hq:hq + hkv], heads[:, hq + hkv:]
+    got = jax.jit(lambda *a: write_token_triton(
+        *a, k_finish=finishing, k_first=hq if finish else 0, v_first=hq + hkv if finish else 0,
+        interpret=True))(kp, vp, cp, heads if finish else k_new, heads if finish else v_new,
+                         page, offset, write)
+    keys = _finished(k_new, weight, cos, sin, 1e-6) if finish else k_new
+    want_k = write_token_rows(kp, keys, page, offset, write)
+    want_v = write_token_rows(vp, v_new, page, offset, write)
+    filled = write & (offset == BS - 1)
+    pages = want_k[0][:, page].astype(jnp.float32)                        # [Hkv, S, bs, D]
+    cent = jnp.mean(pages, axis=2).astype(cp.dtype)
+    want_c = cp[0].at[:, jnp.where(filled, page, n)].set(cent, mode="drop")[None]
+    for a, c in zip(got, (want_k, want_v, want_c)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+    dense_only = jax.jit(lambda *a: write_token_triton(*a, interpret=True))(
+        kp, vp, None, k_new, v_new, page, offset, write)
+    assert dense_only[2] is None
+    np.testing.assert_array_equal(np.asarray(dense_only[0], np.float32),
+                                  np.asarray(write_token_rows(kp, k_new, page, offset, write),
+                                             np.float32))
+
+
 def test_tpu_paged_loops_over_each_rows_entries_only(monkeypatch):
     """The TPU kernel's per-row loop (manual double-buffered page copies) against the XLA
     reference: ragged num_blocks (a whole row empty, one head empty, a row of every entry), GQA

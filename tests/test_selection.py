@@ -319,3 +319,79 @@ def test_selection_backend_follows_the_attention_backend():
     assert sel.selection_backend("pallas_triton", interpret=True) == "pallas_triton"
     with pytest.raises(BackendUnavailableError, match="pallas_triton"):
         sel.selection_backend("pallas_triton")
+
+
+# (pools, GQA group, table width P, selection width K): one shared centroid pool and two of
+# two rows each; P past a power of two (its scores padded), K no power of two (masked stores).
+PAGES_CASES = [(1, 2, 12, 6), (2, 4, 9, 5)]
+
+
+@pytest.mark.parametrize("pools,g,p,width", PAGES_CASES)
+def test_triton_select_pages_matches_the_xla_form(pools, g, p, width):
+    """The fused kernel (pallas_triton_select.select_pages_triton: each row's centroids read
+    through its page table, scored, selected, looked up) against `select_pages`' XLA form (the
+    centroids gathered, `select_blocks`, `physical_pages`): small-integer queries and centroids
+    make every score exact in any summation order, so the ids must match exactly - ties,
+    dense rows, an empty row, budgets under 3 and above the width included."""
+    from pallas_kernels import pallas_triton_select
+    rng = np.random.default_rng(pools * 10 + g)
+    b, hkv, d, n = 4, 2, 16, 3 * p
+    q = jnp.asarray(rng.integers(-3, 4, (b, hkv * g, d)), jnp.float32)
+    cp = jnp.asarray(rng.integers(-3, 4, (pools, hkv, n, d)), jnp.bfloat16)
+    table = jnp.asarray(np.stack([rng.permutation(n)[:p] for _ in range(b)]), jnp.int32)
+    lengths = jnp.asarray([0, p * BS, 5 * BS + 3, 2 * BS], jnp.int32)
+    budget = jnp.asarray([3, 4, 1, width + 5], jnp.int32)
+    # Under jit a budget under 3 is clamped to 3 (eagerly the XLA form rejects it).
+    want = jax.jit(lambda *a: sel.select_pages(*a, max_selected=width, block_size=BS))(
+        q, cp, table, lengths, budget)
+    got, scores = jax.jit(lambda *a: pallas_triton_select.select_pages_triton(
+        *a, width=width, block_size=BS, interpret=True))(q, cp, table, lengths, budget)
+    for a, c in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    via_api = jax.jit(lambda *a: sel.select_pages(
+        *a, max_selected=width, block_size=BS, backend="pallas_triton", interpret=True))(
+        q, cp, table, lengths, budget)
+    for a, c in zip(via_api, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    # The scores it ranked are the XLA scores (below each row's block count).
+    pool = np.arange(b) // (b // pools)
+    cents = np.asarray(cp, np.float32)[pool[:, None], :, np.asarray(table)].swapaxes(1, 2)
+    ref = np.asarray(block_scores.centroid_scores(q, jnp.asarray(cents)))
+    for r in range(b):
+        blocks = -(-int(lengths[r]) // BS)
+        np.testing.assert_array_equal(np.asarray(scores)[r, :, :blocks], ref[r, :, :blocks])
+
+
+def test_triton_select_pages_finishes_raw_queries():
+    """With a HeadFinish the kernel scores the model's finished queries (RMSNorm, RoPE) of
+    raw heads, read as the first Hq heads of one array of q, k and v heads: its scores are
+    the XLA scores of the finished queries (to bf16 rounding: under jit XLA may keep the bf16
+    RoPE's products in f32), and its ids those the selection rule gives for its own scores."""
+    from pallas_kernels import pallas_triton_select
+    from pallas_kernels.reference import HeadFinish
+    from sparrow_jax.model.qwen3 import RMSNorm, apply_rope, rope_cos_sin
+    from flax import nnx
+    rng = np.random.default_rng(7)
+    b, hq, hkv, d, p, n, width = 2, 4, 2, 32, 10, 24, 5
+    heads = jnp.asarray(rng.standard_normal((b, hq + 2 * hkv, d)), jnp.bfloat16)
+    cp = jnp.asarray(rng.standard_normal((1, hkv, n, d)), jnp.bfloat16)
+    table = jnp.asarray(np.stack([rng.permutation(n)[:p] for _ in range(b)]), jnp.int32)
+    lengths = jnp.asarray([p * BS, 7 * BS + 1], jnp.int32)
+    budget = jnp.asarray([4, 5], jnp.int32)
+    weight = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.bfloat16)
+    cos, sin = rope_cos_sin((lengths - 1)[:, None], d, 10000.0)
+    got, scores = jax.jit(lambda *a: pallas_triton_select.select_pages_triton(
+        *a, width=width, block_size=BS, q_finish=HeadFinish(weight, cos[:, 0], sin[:, 0], 1e-6),
+        q_heads=hq, interpret=True))(heads, cp, table, lengths, budget)
+    norm = RMSNorm(d, 1e-6, "head_dim")
+    norm.weight = nnx.Param(weight)
+    q = apply_rope(norm(heads[:, None, :hq]), cos, sin)[:, 0]
+    cents = jnp.asarray(cp)[0][:, table].swapaxes(0, 1)                   # [B, Hkv, P, D]
+    ref = np.asarray(block_scores.centroid_scores(q, cents))
+    np.testing.assert_allclose(np.asarray(scores)[:, :, :p], ref, rtol=2e-2, atol=5e-2)
+    idx, num = sel.select_from_scores(scores[:, :, :p], jnp.broadcast_to(lengths[:, None],
+                                                                       (b, hkv)),
+                                      jnp.broadcast_to(budget[:, None], (b, hkv)),
+                                      max_selected=width, block_size=BS)
+    np.testing.assert_array_equal(np.asarray(got.block_indices), np.asarray(idx))
+    np.testing.assert_array_equal(np.asarray(got.num_blocks), np.asarray(num))

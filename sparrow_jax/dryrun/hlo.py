@@ -61,7 +61,9 @@ def kernel_launches(hlo: str) -> dict[str, int]:
     """The instructions of an optimised GPU module that each launch work - fusions, custom calls,
     copies, sorts - outside fused computations (whose instructions run inside their fusion's
     kernel), counted once per program text: a loop body once, both sides of a branch each.
-    Plus "block_select_kernels": the custom calls of the one-kernel block selection."""
+    Plus "block_select_kernels": the custom calls of the one-kernel block selection (the
+    fused scores + selection + page lookup of `pallas_triton_select.select_pages_triton`, or
+    the selection from scores alone)."""
     counts = dict.fromkeys(_LAUNCHES, 0)
     for comp in _COMPUTATION.split(hlo):
         if re.match(r"%(fused|wrapped|gemm_fusion|triton|command_buffer)", comp):
@@ -72,7 +74,7 @@ def kernel_launches(hlo: str) -> dict[str, int]:
                 counts[m.group(2)] += 1
     counts["total"] = sum(counts.values())
     counts["block_select_kernels"] = len(re.findall(
-        r"custom-call\([^\n]*sparrow_block_select_triton", hlo))
+        r"custom-call\([^\n]*sparrow_(?:block_select|select_pages)_triton", hlo))
     return counts
 
 

@@ -222,7 +222,8 @@ def format_line(k: dict) -> str:
     per step at full depth."""
     calls = (f"{k['outside_per_call']} per {k['steps_per_call']}-step call"
              if k["steps_per_call"] else f"{k['outside_per_call']} per call")
-    sparse = (f", {k['per_sparse_layer']} per sparse layer (its sparse branch)"
+    branch = " (its sparse branch)" if k.get("sparse_layer_conditionals") else ""
+    sparse = (f", {k['per_sparse_layer']} per sparse layer{branch}"
               if k["per_sparse_layer"] is not None else "")
     step = (f"~{k['per_step_dense']:.0f} / ~{k['per_step']:.0f} per step at {k['layers']} "
             f"layers dense / sparse ({k['sparse_layers']} sparse layers)" if k["sparse_layers"]

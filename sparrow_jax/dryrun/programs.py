@@ -154,8 +154,9 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
     return [Program("rollout.prefill", static.prefill_program, (graphdef, state, *prompts, rng),
                     ("static", "state", "local", "local", "local"),
                     dict(cfg=rc, group_size=n, spec=spec), traj),
-            Program("rollout.decode", exact.decode_program if rc.mode == RolloutMode.EXACT_SPARSE
-                    else static.decode_program, (graphdef, state, None, budgets),
+            Program("rollout.decode", exact.decode_program_for(rc)
+                    if rc.mode == RolloutMode.EXACT_SPARSE else static.decode_program_for(rc),
+                    (graphdef, state, None, budgets),
                     ("static", "state", "local", "local"),
                     dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
 
@@ -222,7 +223,8 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
     # exact_sparse: the chunk of draft + verify rounds (rollout/paged_exact.py), named so.
     exact_mode = rc.mode == RolloutMode.EXACT_SPARSE
     decode = Program("rollout.paged_decode" + ("[exact_sparse]" if exact_mode else ""),
-                     paged_exact.decode_chunk_program if exact_mode else paged.decode_chunk_program,
+                     paged_exact.decode_chunk_program_for(cfg) if exact_mode
+                     else paged.decode_chunk_program_for(cfg),
                      (graphdef, state, kv, slots, budgets, rng),
                      ("static", "state", "local", "local", "local", "local"),
                      dict(cfg=cfg, steps=rc.chunk_steps, bin_size=shape.bin_size, spec=spec))

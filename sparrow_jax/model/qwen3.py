@@ -97,13 +97,17 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d)
 
-    def project(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
-        """x [B, T, H] -> q [B, T, Hq, D], k/v [B, T, Hkv, D]; q/k RMS-normed per head, then RoPE."""
+    def project(self, x: Array, cos: Array, sin: Array, *, raw_qk: bool = False
+                ) -> tuple[Array, Array, Array]:
+        """x [B, T, H] -> q [B, T, Hq, D], k/v [B, T, Hkv, D]; q/k RMS-normed per head, then RoPE
+        (raw_qk: q and k as projected, neither normed nor rotated - `run_layers`)."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if raw_qk:
+            return q, k, v
+        return (apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v)
 
     def output(self, attn: Array) -> Array:
         b, t = attn.shape[:2]
@@ -132,10 +136,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: Array, cos: Array, sin: Array,
-                 attend: Callable[[Array, Array, Array], Array]) -> Array:
+                 attend: Callable[[Array, Array, Array], Array], *, raw_qk: bool = False
+                 ) -> Array:
         # Named scopes: a profile (`sparrow bench rollout --profile`) attributes time to them.
         with jax.named_scope("qkv_proj"):
-            q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+            q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin, raw_qk=raw_qk)
         a = attend(q, k, v)
         with jax.named_scope("o_proj"):
             x = x + self.self_attn.output(a)
@@ -173,7 +178,7 @@ class Qwen3ForCausalLM(nnx.Module):
                    remat: str | None = None,
                    layer_splits: tuple[int, ...] | None = None,
                    residual_spec: ShardingSpec | None = None,
-                   layers: tuple[int, int] | None = None) -> Array:
+                   layers: tuple[int, int] | None = None, raw_qk: bool = False) -> Array:
         """x [B, T, H] -> final-normed hidden [B, T, H]; `attend` sees every layer's q/k/v.
 
         remat: one of REMAT_MODES for this call (None: "full" if the model was built with
@@ -191,6 +196,10 @@ class Qwen3ForCausalLM(nnx.Module):
         layer start - 1), and returns their output without the final norm when stop is not the
         last layer: two forwards that share their first layers (the sparsity-aware warm-up's
         dense and sparse ones) run those once. None: all layers.
+        raw_qk: `attend` gets q and k as projected, before their per-head RMSNorms
+        (`Attention.q_norm` / `k_norm`) and RoPE (`rope_cos_sin` at `positions`), and applies
+        them itself: the GPU decode kernels do it as they read the heads, where XLA would spend
+        kernels of its own on it (`pallas_kernels.reference.HeadFinish`). Unrolled layers only.
         """
         constrain = functools.partial(constrain_residual, spec=residual_spec)
         mode = remat or ("full" if self.remat else "none")
@@ -204,6 +213,8 @@ class Qwen3ForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         finish = self.norm if stop == n else (lambda h: h)
         if layer_splits is not None:
+            if raw_qk:
+                raise ValueError("raw_qk needs unrolled layers (layer_splits=None)")
             bounds = sorted({start, stop, *(i for i in layer_splits if start < i < stop)})
             for lo, hi in zip(bounds[:-1], bounds[1:]):
                 x = self._scan_layers(lo, hi, constrain(x), cos, sin, attend, mode, constrain)
@@ -211,7 +222,8 @@ class Qwen3ForCausalLM(nnx.Module):
 
         def layer_call(i: int):
             # i is closed over, not a default argument: nnx.remat would trace that into an array.
-            return lambda layer, x, cos, sin: layer(x, cos, sin, lambda q, k, v: attend(i, q, k, v))
+            return lambda layer, x, cos, sin: layer(x, cos, sin, lambda q, k, v: attend(i, q, k, v),
+                                                    raw_qk=raw_qk)
 
         for i in range(start, stop):
             layer_fn = layer_call(i)

@@ -42,6 +42,20 @@ class SelectionBackend(Choice):
     XLA = "xla"                      # the XLA form everywhere (for comparison)
 
 
+class CommandBuffers(Choice):
+    """Which kernels of a GPU decode program XLA records into CUDA graphs (command buffers),
+    which the GPU then runs without a launch from the host per kernel."""
+    DEFAULT = "default"              # XLA's own set (its fusions, gemms, custom calls)
+    OFF = "off"                      # none: the host launches every kernel
+    LOOP = "loop"                    # also the loops and branches: a whole decode step one graph
+
+
+# The XLA option values of each CommandBuffers setting (DEFAULT: no option given).
+COMMAND_BUFFER_TYPES = {CommandBuffers.OFF: "",
+                        CommandBuffers.LOOP: "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
+                                             "CONDITIONAL"}
+
+
 MODES = RolloutMode.values()
 
 
@@ -127,12 +141,21 @@ class RolloutConfig:
     # rounding of the order blocks are summed in), so that a sparse run's dense evaluation
     # compiles no decode programs of its own (Trainer.evaluate sets it).
     dense_via_sparse: bool = False
+    # GPU decode compiles (docs/dryrun.md, "Kernels per decode step"): which kernels become
+    # CUDA graphs, and the split-K of the decode's gemms - 0: XLA's choice (its heuristics, or
+    # its autotuner on a GPU: skinny decode gemms get split-K); 1: none, which saves the kernels
+    # that add the partial sums (3 per layer on the 1.7B H100 step) but runs each gemm on fewer
+    # SMs. Which is faster is for a GPU to time (the device check); the defaults are XLA's own.
+    # Applied to the decode programs only (`decode_compiler_options`).
+    decode_command_buffers: CommandBuffers = CommandBuffers.DEFAULT
+    decode_split_k: int = 0
 
     def __post_init__(self):
         # gin binds plain strings: each mode becomes its enum here, or fails naming the choices.
         for name, choice in (("mode", RolloutMode), ("engine", Engine),
                              ("selection", SelectionBackend), ("compress_scorer", CompressScorer),
-                             ("draft_scorer", DraftScorer)):
+                             ("draft_scorer", DraftScorer),
+                             ("decode_command_buffers", CommandBuffers)):
             object.__setattr__(self, name, choice.parse(getattr(self, name),
                                                         f"RolloutConfig.{name}"))
         if self.gamma < 1:
@@ -165,6 +188,9 @@ class RolloutConfig:
                              f"{self.min_table_pages}, min_slots={self.min_slots} (each >= 1)")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.decode_split_k < 0:
+            raise ValueError(f"RolloutConfig.decode_split_k must be >= 0 (0: XLA's choice), got "
+                             f"{self.decode_split_k}")
         if self.record_topk < 0:
             raise ValueError(f"record_topk must be >= 0, got {self.record_topk}")
         if self.max_budget % self.block_size or self.max_budget < 3 * self.block_size:
@@ -215,6 +241,18 @@ class RolloutConfig:
         """Whether an exact_sparse round's rows may differ in what they run (a gamma per bin,
         or approximate bins): the engines then pick each round's branch per batch."""
         return len(self.round_gammas) > 1 or bool(self.approximate_from_bin)
+
+    @property
+    def decode_compiler_options(self) -> tuple[tuple[str, str], ...]:
+        """The XLA options the decode programs compile with (`runtime.compiler_options`): none
+        at the defaults. GPU options: other compilers ignore them."""
+        options = []
+        if self.decode_command_buffers != CommandBuffers.DEFAULT:
+            options.append(("xla_gpu_enable_command_buffer",
+                            COMMAND_BUFFER_TYPES[self.decode_command_buffers]))
+        if self.decode_split_k:
+            options.append(("xla_gpu_experimental_force_split_k", str(self.decode_split_k)))
+        return tuple(options)
 
     @property
     def selection_backend(self) -> str:

@@ -335,8 +335,9 @@ class PagedRollout:
                       mode=self.program_cfg.mode, pages=self.pages_per_pool,
                       dtype=jnp.dtype(self.model.dtype).name)
         self._note_dispatch()
-        program = (paged_exact.decode_chunk_program if cfg.mode == RolloutMode.EXACT_SPARSE
-                   else paged.decode_chunk_program)
+        program = (paged_exact.decode_chunk_program_for(self.program_cfg)
+                   if cfg.mode == RolloutMode.EXACT_SPARSE
+                   else paged.decode_chunk_program_for(self.program_cfg))
         self.kv, out_slots, rec = program(
             self.graphdef, self.params, self.kv, slots, jnp.asarray(decode_budgets(cfg, budgets)),
             self.rng, cfg=self.program_cfg, steps=cfg.chunk_steps, bin_size=self.bin_size,

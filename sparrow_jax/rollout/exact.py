@@ -43,11 +43,12 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import dense_attention, speculative
+from sparrow_jax.rollout import dense_attention, fused, speculative
 from sparrow_jax.rollout.config import DraftScorer, RolloutConfig
-from sparrow_jax.rollout.static import layer_attention_fns
+from sparrow_jax.rollout.static import DECODE_JIT, decode_step_hidden, layer_attention_fns
 from sparrow_jax.rollout.kv_cache import KVCache, write_token
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain)
+from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.rollout.verify import (accept_round, approximate_round, cascade_attention,
                                         draft_sample, guide_scores, round_blocks)
@@ -180,8 +181,7 @@ def guided_attention_fn(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_he
                          out_specs=(q, kv), check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "bin_size", "spec"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, **DECODE_JIT)
 def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
                    bin_size: int, spec: ShardingSpec | None):
     """The exact-sparse decode `while_loop` (one draft + verify round per iteration).
@@ -192,11 +192,15 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     b, t_new = state.tokens.shape
     s_max = state.cache.max_length
     max_selected = min(cfg.max_budget, s_max) // bs
-    attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected)
+    attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected,
+                                   mcfg.rms_norm_eps)
     sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
     # Verify-guided drafts: the sparse layers' block scores from the verify passes.
     guided_layers = tuple(i for i, sp in enumerate(sparse_layers)
                           if sp and cfg.draft_scorer == DraftScorer.VERIFY)
+    if guided_layers and fused.fewest_kernels(cfg.backend):
+        raise ValueError("RolloutConfig.draft_scorer = 'verify' does not run on the fused GPU "
+                         "decode (backend pallas_triton) yet; use draft_scorer = 'centroid'")
     guided_fn = guided_attention_fn(cfg, spec, mcfg.num_key_value_heads, max_selected)
     rows = jnp.arange(b)[:, None]
     gammas = cfg.round_gammas                     # the draft lengths a round can run (static)
@@ -227,18 +231,22 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
             budget_blocks = jnp.minimum(budget // bs, max_selected).astype(jnp.int32)
             covered = budget >= lengths
 
-            def attend(i, q, k, v):
-                ks[i] = write_token(ks[i], k[:, 0], start + jj)
-                vs[i] = write_token(vs[i], v[:, 0], start + jj)
-                if i in guided_layers:
-                    out, cs[i] = guided_fn(q[:, 0], ks[i], vs[i], cs[i], lengths, budget_blocks,
-                                           covered, scores[guided_layers.index(i)], guided)
-                else:
-                    out, cs[i] = attn_fns[sparse_layers[i]](q[:, 0], ks[i], vs[i], cs[i],
-                                                           lengths, budget_blocks, covered)
-                return out[:, None]
+            def guided_layer(i):
+                """Layer i's draft attention with blocks ranked by the verify passes (unfused:
+                the model hands it finished heads)."""
+                def attend(q, k, v, k_cache, v_cache, centroids, lengths, budget_blocks,
+                           covered, *unused_finish):   # finish: for the fused kernels only
+                    k_cache = write_token(k_cache, k, lengths - 1)
+                    v_cache = write_token(v_cache, v, lengths - 1)
+                    out, centroids = guided_fn(q, k_cache, v_cache, centroids, lengths,
+                                               budget_blocks, covered,
+                                               scores[guided_layers.index(i)], guided)
+                    return out, k_cache, v_cache, centroids
+                return attend
 
-            hidden = model.run_layers(model.embed(tok[:, None]), (start + jj)[:, None], attend)
+            hidden = decode_step_hidden(model, attn_fns, [ks, vs, cs], tok, start + jj,
+                                        budget_blocks, covered, cfg=cfg, spec=spec,
+                                        own_attention={i: guided_layer(i) for i in guided_layers})
             x, q_logp = draft_sample(model.logits(hidden[:, 0]), rng=st.rng,
                                      sample_ids=st.sample_ids, index=st.response_lengths + jj,
                                      cfg=cfg)
@@ -372,9 +380,15 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
                   gamma_by_bin=cfg.gamma_by_bin, approximate_from_bin=cfg.approximate_from_bin,
                   draft_scorer=cfg.draft_scorer, max_budget=cfg.max_budget,
                   dtype=jnp.dtype(model.dtype).name)
-    traj, _ = decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
-                             bin_size=bin_size, spec=spec)
+    traj, _ = decode_program_for(cfg)(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
+                                      bin_size=bin_size, spec=spec)
     return traj
+
+
+def decode_program_for(cfg: RolloutConfig):
+    """`decode_program` compiled with cfg's GPU decode options
+    (`RolloutConfig.decode_compiler_options`: itself at the defaults)."""
+    return compiler_options.with_options(decode_program, DECODE_JIT, cfg.decode_compiler_options)
 
 
 def acceptance_by_bin(traj: Trajectories, *, gamma: int | Sequence[int], bin_size: int,

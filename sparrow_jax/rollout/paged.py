@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +23,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from pallas_kernels.reference import all_blocks_selection
+from pallas_kernels import pallas_triton, pallas_triton_select, pallas_triton_write
+from pallas_kernels.reference import HeadFinish
 from sparrow_jax.model.attention import masked_gqa_attention
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
+from sparrow_jax.rollout import fused
 from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.prefill import prefill, prefill_attention
 from sparrow_jax.rollout.sampling import sample_rows, topk_logprobs
 from sparrow_jax.rollout.state import budget_for_lengths, sample_tokens
+from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import block_scores, selection
 
@@ -214,14 +218,21 @@ def writes_whole_pages(backend: str) -> bool:
 
 
 def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, lengths, write,
-                     budget_blocks, covered, *, sparse: bool, cfg: RolloutConfig,
-                     max_selected: int):
+                     budget_blocks, covered, cos, sin, q_norm, k_norm, *, sparse: bool,
+                     cfg: RolloutConfig, max_selected: int, norm_eps: float,
+                     combined: bool = False):
     """One layer, one token per slot, on one pool (under shard_map: this shard's).
 
     q [S, Hq, D]; k_new/v_new [S, Hkv, D] the fed token's key/value, written at position
     lengths - 1; pools [1, Hkv, N, bs, D], centroids [1, Hkv, N, D]; page_table [S, P];
     lengths [S] tokens including the fed one; write [S] bool (inactive slots write nothing);
     covered [S] bool: budget >= length, attended densely (also beyond the selection width).
+    Where the layer runs as the fewest kernels (`fused.fewest_kernels`) q and k_new are the raw
+    projected heads, which the kernels RMSNorm (weights q_norm / k_norm [D], norm_eps) and
+    rotate (cos / sin [S, D] f32 at the fed token's position) as they read them; elsewhere
+    they are finished already (the model's own norms and RoPE) and these go unused.
+    combined: q, k_new and v_new are one array [S, Hq + 2 Hkv, D], the layer's q, k and v heads
+    in that order (`fused.combined_heads`).
     Returns (out [S, Hq, D], k_pool, v_pool, c_pool).
     """
     bs = cfg.block_size
@@ -229,7 +240,17 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
     s, p = page_table.shape
     pos = lengths - 1
     page = jnp.take_along_axis(page_table, (pos // bs)[:, None], axis=1)[:, 0]
-    if writes_whole_pages(cfg.backend):
+    triton = fused.fewest_kernels(cfg.backend)
+    q_heads = q.shape[1] - 2 * hkv if combined else None
+    if triton:
+        # One kernel writes K, V and (sparse layers) the filled page's centroid, in place.
+        k_pool, v_pool, c_written = pallas_triton_write.write_token_triton(
+            k_pool, v_pool, c_pool if sparse else None, k_new, v_new, page, pos % bs, write,
+            k_finish=HeadFinish(k_norm, cos, sin, norm_eps), k_first=q_heads or 0,
+            v_first=(q_heads or 0) + hkv if combined else 0)
+        c_pool = c_written if sparse else c_pool
+        q_finish = HeadFinish(q_norm, cos, sin, norm_eps)
+    elif writes_whole_pages(cfg.backend):
         k_page, k_pool = write_token_pages(k_pool, k_new, page, pos % bs, write)
         _, v_pool = write_token_pages(v_pool, v_new, page, pos % bs, write)
     else:
@@ -242,7 +263,23 @@ def _layer_attention(q, k_new, v_new, k_pool, v_pool, c_pool, page_table, length
                                                         lengths, backend=cfg.backend)[0]
 
     def dense():
-        return attend(*all_blocks_selection(s, hkv, p * bs, lengths, bs))
+        return pallas_kernels.paged_dense_decode(q, k_pool, v_pool, page_table, lengths,
+                                                 backend=cfg.backend)[0]
+    if triton:
+        # No branch: the kernel reads covered rows' every block through their page tables and
+        # the other rows' selected pages (a lax.cond costs a predicate and branch kernels per
+        # layer on GPU, where each kernel launch is a cost of its own).
+        picked = covered_rows = None
+        if sparse:
+            picked = pallas_triton_select.select_pages_triton(
+                q, c_pool, page_table, lengths, budget_blocks, width=max_selected,
+                block_size=bs, q_finish=q_finish, q_heads=q_heads,
+                radix_bits=selection.TRITON_RADIX_BITS)[0]
+            covered_rows = covered
+        out = pallas_triton.paged_table_decode_triton(
+            q, k_pool, v_pool, page_table, lengths, selection=picked, covered=covered_rows,
+            q_finish=q_finish, q_heads=q_heads)[0]
+        return out, k_pool, v_pool, c_pool
     if not sparse:
         return dense(), k_pool, v_pool, c_pool
     # The page this token filled gets its centroid (mean post-RoPE key, f32 accumulation).
@@ -283,23 +320,49 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
     data, heads = mesh_axes(spec, num_kv_heads)
     tok, pool, cent, row = P(data, heads, None), P(data, heads, None, None, None), \
         P(data, heads, None, None), P(data)
+    table, weight = P(data, None), P(None)
     return jax.shard_map(fn, mesh=spec.mesh,
-                         in_specs=(tok, tok, tok, pool, pool, cent, P(data, None), row, row, row,
-                                   row),
+                         in_specs=(tok, tok, tok, pool, pool, cent, table, row, row, row, row,
+                                   table, table, weight, weight),
                          out_specs=(tok, pool, pool, cent), check_vma=False)
 
 
 def layer_attention_fns(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_heads: int,
-                        max_selected: int) -> dict:
+                        max_selected: int, norm_eps: float) -> dict:
     """One layer's attention over the page pools, jitted, for dense (False) and sparse (True)
-    layers: `_layer_attention`'s arguments and results, under shard_map when sharded. Shared
-    with paged_exact.py's drafts. One jitted function per kind of layer: every layer of a kind
+    layers: `_layer_attention`'s arguments and results, under shard_map when sharded
+    (norm_eps: the model's RMSNorm epsilon). Used through `decode_step_hidden`, which paged_exact.py's
+    drafts share. One jitted function per kind of layer: every layer of a kind
     has the same shapes, so jax traces (and lowers) its attention - the kernel calls of the
     dense, mixed and sparse branches - once instead of once per layer (the 8B pod chunk: ~400
     Pallas calls traced)."""
+    combined = fused.combined_heads(cfg, spec)
     return {sp: jax.jit(_sharded(functools.partial(_layer_attention, sparse=sp, cfg=cfg,
-                                                   max_selected=max_selected), spec,
+                                                   max_selected=max_selected,
+                                                   norm_eps=norm_eps, combined=combined), spec,
                                  num_kv_heads)) for sp in (False, True)}
+
+
+def decode_step_hidden(model: Qwen3ForCausalLM, attn: dict, kv: list[list], tokens, positions,
+                       page_table, write, budget_blocks, covered, *, cfg: RolloutConfig,
+                       spec: ShardingSpec | None,
+                       own_attention: Mapping[int, Callable] | None = None):
+    """One decode step's layers over the page pools (`fused.decode_layers`): tokens [S] fed at
+    positions [S] (their cache index) -> final-normed hidden [S, 1, H]. attn:
+    `layer_attention_fns`; kv: [ks, vs, cs], each the layers' pools, updated in place (the list
+    entries); write, budget_blocks, covered [S] as `_layer_attention`. own_attention: layers
+    whose attention the caller supplies (paged_exact.py's verify-guided drafts), with attn's
+    arguments and results."""
+    ks, vs, cs = kv
+    lengths = positions + 1
+
+    def layer(i, q, k, v, *finish):
+        fn = (own_attention or {}).get(i) or attn[cfg.sparse_layer(i)]
+        out, ks[i], vs[i], cs[i] = fn(q, k, v, ks[i], vs[i], cs[i], page_table, lengths, write,
+                                      budget_blocks, covered, *finish)
+        return out
+
+    return fused.decode_layers(model, layer, tokens, positions, cfg=cfg, spec=spec)
 
 
 @jax.tree_util.register_dataclass
@@ -314,8 +377,11 @@ class Slots:
     page_table: jax.Array    # [S, P] int32 physical pages (N = none)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "steps", "bin_size", "spec"),
-                   donate_argnames=("kv",))
+DECODE_CHUNK_JIT = dict(static_argnames=("graphdef", "cfg", "steps", "bin_size", "spec"),
+                        donate_argnames=("kv",))
+
+
+@functools.partial(jax.jit, **DECODE_CHUNK_JIT)
 def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, rng, *,
                          cfg: RolloutConfig, steps: int, bin_size: int,
                          spec: ShardingSpec | None):
@@ -331,7 +397,8 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
     s, p = slots.page_table.shape
     max_selected = min(cfg.max_budget // cfg.block_size, p)
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
-    attn = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected)
+    attn = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected,
+                               mcfg.rms_norm_eps)
     k_rec = cfg.record_topk
     rec0 = (jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps), jnp.float32),
             jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps, k_rec), jnp.float32),
@@ -344,15 +411,9 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
         budget_blocks = jnp.minimum(budget // cfg.block_size, max_selected).astype(jnp.int32)
         covered = budget >= lengths          # dense for this slot (the dense rung, short rows)
         ks, vs, cs = list(kv.k), list(kv.v), list(kv.centroids)
-
-        def attend(i, q, k, v):
-            sparse = cfg.sparse_layer(i)
-            out, ks[i], vs[i], cs[i] = attn[sparse](
-                q[:, 0], k[:, 0], v[:, 0], ks[i], vs[i], cs[i], sl.page_table, lengths,
-                sl.active, budget_blocks, covered)
-            return out[:, None]
-
-        hidden = model.run_layers(model.embed(sl.token[:, None]), sl.length[:, None], attend)
+        hidden = decode_step_hidden(model, attn, [ks, vs, cs], sl.token, sl.length,
+                                    sl.page_table, sl.active, budget_blocks, covered, cfg=cfg,
+                                    spec=spec)
         tok, lp, top_v, top_i = sample_tokens(rng, model.logits(hidden[:, 0]), sl.sample_id,
                                               sl.generated, cfg)
         act = sl.active
@@ -370,3 +431,10 @@ def decode_chunk_program(graphdef, params, kv: PagedKV, slots: Slots, budgets, r
 
     kv, slots, rec = jax.lax.fori_loop(0, steps, body, (kv, slots, rec0))
     return kv, slots, rec
+
+
+def decode_chunk_program_for(cfg: RolloutConfig):
+    """`decode_chunk_program` compiled with cfg's GPU decode options
+    (`RolloutConfig.decode_compiler_options`: itself at the defaults)."""
+    return compiler_options.with_options(decode_chunk_program, DECODE_CHUNK_JIT,
+                                         cfg.decode_compiler_options)

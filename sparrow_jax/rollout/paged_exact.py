@@ -46,11 +46,12 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import dense_attention, paged
+from sparrow_jax.rollout import dense_attention, fused, paged
 from sparrow_jax.rollout.config import DraftScorer, RolloutConfig
 from sparrow_jax.rollout.state import budget_for_lengths
 from sparrow_jax.rollout.verify import (accept_round, approximate_round, cascade_attention,
                                         draft_sample, guide_scores, round_blocks)
+from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import block_scores, selection
 
@@ -180,8 +181,7 @@ def _shard(fn, spec: ShardingSpec | None, num_kv_heads: int, kind: str):
     return jax.shard_map(fn, mesh=spec.mesh, in_specs=ins, out_specs=outs, check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "steps", "bin_size", "spec"),
-                   donate_argnames=("kv",))
+@functools.partial(jax.jit, **paged.DECODE_CHUNK_JIT)
 def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots, budgets, rng,
                          *, cfg: RolloutConfig, steps: int, bin_size: int,
                          spec: ShardingSpec | None):
@@ -202,10 +202,13 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
     s, p = slots.page_table.shape
     hkv = mcfg.num_key_value_heads
     max_selected = min(cfg.max_budget // bs, p)
-    attn = paged.layer_attention_fns(cfg, spec, hkv, max_selected)
+    attn = paged.layer_attention_fns(cfg, spec, hkv, max_selected, mcfg.rms_norm_eps)
     sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
     guided_layers = tuple(i for i, sp in enumerate(sparse_layers)
                           if sp and cfg.draft_scorer == DraftScorer.VERIFY)
+    if guided_layers and fused.fewest_kernels(cfg.backend):
+        raise ValueError("RolloutConfig.draft_scorer = 'verify' does not run on the fused GPU "
+                         "decode (backend pallas_triton) yet; use draft_scorer = 'centroid'")
     verify_layer, verify_mass_layer = (jax.jit(_shard(functools.partial(
         _verify_layer, block_size=bs, backend=cfg.backend, mass=m), spec, hkv,
         "verify_mass" if m else "verify")) for m in (False, True))
@@ -233,7 +236,7 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
     def draft(kv: paged.PagedKV, sl: paged.Slots, guide, n: int):
         """n sparse decode steps from sl.token -> (kv with the draft's K/V, drafts [S, n],
         the draft's log-probs [S, n, V])."""
-        scores, guided = guide
+        scores, guided_rows = guide
 
         def step(carry, jj):
             ks, vs, cs, tok = list(carry[0]), list(carry[1]), list(carry[2]), carry[3]
@@ -242,18 +245,18 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
             budget_blocks = jnp.minimum(budget // bs, max_selected).astype(jnp.int32)
             covered = budget >= lengths
 
-            def attend(i, q, k, v):
-                args = (q[:, 0], k[:, 0], v[:, 0], ks[i], vs[i], cs[i], sl.page_table, lengths,
-                        sl.active, budget_blocks, covered)
-                if i in guided_layers:
-                    out, ks[i], vs[i], cs[i] = guided_layer(
-                        *args, scores[guided_layers.index(i)], guided)
-                else:
-                    out, ks[i], vs[i], cs[i] = attn[sparse_layers[i]](*args)
-                return out[:, None]
+            def guided(i):
+                """Layer i's draft attention with blocks ranked by the verify passes (unfused:
+                the model hands it finished heads)."""
+                # args: decode_step_hidden's 11 per-layer arguments, then the head-finishing
+                # ones that only the fused kernels use.
+                return lambda *args: guided_layer(*args[:11], scores[guided_layers.index(i)],
+                                                  guided_rows)
 
-            hidden = model.run_layers(model.embed(tok[:, None]), (sl.length + jj)[:, None],
-                                      attend)
+            hidden = paged.decode_step_hidden(model, attn, [ks, vs, cs], tok, sl.length + jj,
+                                              sl.page_table, sl.active, budget_blocks, covered,
+                                              cfg=cfg, spec=spec,
+                                              own_attention={i: guided(i) for i in guided_layers})
             x, q_logp = draft_sample(model.logits(hidden[:, 0]), rng=rng,
                                      sample_ids=sl.sample_id, index=sl.generated + jj, cfg=cfg)
             return (tuple(ks), tuple(vs), tuple(cs), x), (x, q_logp)
@@ -350,3 +353,10 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
     kv, slots, _, rec, _ = jax.lax.fori_loop(0, width // (g + 1), body,
                                              (kv, slots, count0, rec0, guide0))
     return kv, slots, rec
+
+
+def decode_chunk_program_for(cfg: RolloutConfig):
+    """`decode_chunk_program` compiled with cfg's GPU decode options
+    (`RolloutConfig.decode_compiler_options`: itself at the defaults)."""
+    return compiler_options.with_options(decode_chunk_program, paged.DECODE_CHUNK_JIT,
+                                         cfg.decode_compiler_options)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +20,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels import pallas_triton, pallas_triton_select, pallas_triton_write
+from pallas_kernels.reference import HeadFinish, contiguous_as_pages
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import dense_attention
+from sparrow_jax.rollout import dense_attention, fused
 from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.kv_cache import CACHE_AXES, KVCache, check_cache_fits, write_token
 from sparrow_jax.rollout.prefill import prefill
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain,
                                        prepare_prompts, record)
-from sparrow_jax.runtime import multihost
+from sparrow_jax.runtime import compiler_options, multihost
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import block_scores, selection
@@ -35,19 +38,34 @@ log = logging.getLogger(__name__)
 
 
 # -- decode -----------------------------------------------------------------------------------
-def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, covered, *,
-                      sparse: bool, cfg: RolloutConfig, max_selected: int):
-    """One layer, one token. q [B, Hq, D]; returns (out [B, Hq, D], centroids).
+def _decode_attention(q, k_new, v_new, k_cache, v_cache, centroids, lengths, budget_blocks,
+                      covered, cos, sin, q_norm, k_norm, *, sparse: bool, cfg: RolloutConfig,
+                      max_selected: int, norm_eps: float, combined: bool = False):
+    """One layer, one token. q [B, Hq, D]; k_new/v_new [B, Hkv, D] the fed token's key/value
+    (index lengths - 1); k/v_cache [B, Hkv, S, D]; centroids [B, Hkv, NB, D]; returns (out
+    [B, Hq, D], k_cache, v_cache, centroids).
 
     covered [B] bool: the row's budget covers its length (budget >= length, e.g. the dense rung
     `DENSE_BUDGET`): exact dense attention, also when the static selection width
     `max_selected` is narrower than the cache (then the dense kernel runs for those rows; a
-    `lax.cond` skips whichever path no row needs)."""
+    `lax.cond` skips whichever path no row needs). With `fused.fewest_kernels` the layer is
+    `_fused_attention` (q/k raw, finished in the kernels with cos/sin [B, D] and the norm
+    weights q_norm/k_norm [D]; combined: q, k_new and v_new are one [B, Hq + 2 Hkv, D] array);
+    elsewhere those go unused."""
+    if fused.fewest_kernels(cfg.backend):
+        return _fused_attention(q, k_new, v_new, k_cache, v_cache, centroids, lengths,
+                                budget_blocks, covered, HeadFinish(q_norm, cos, sin, norm_eps),
+                                HeadFinish(k_norm, cos, sin, norm_eps), sparse=sparse, cfg=cfg,
+                                max_selected=max_selected, combined=combined)
+    with jax.named_scope("kv_write"):
+        k_cache = write_token(k_cache, k_new, lengths - 1)
+        v_cache = write_token(v_cache, v_new, lengths - 1)
+
     def dense():
         with jax.named_scope("dense_attention"):
             return dense_attention.decode(q, k_cache, v_cache, lengths, backend=cfg.backend)[0]
     if not sparse:
-        return dense(), centroids
+        return dense(), k_cache, v_cache, centroids
     with jax.named_scope("centroid_update"):
         centroids = block_scores.update_centroid(centroids, k_cache, lengths,
                                               block_size=cfg.block_size)
@@ -63,13 +81,48 @@ def _decode_attention(q, k_cache, v_cache, centroids, lengths, budget_blocks, co
                                                       block_size=cfg.block_size,
                                                       backend=cfg.backend)[0]
     if max_selected * cfg.block_size >= k_cache.shape[2]:
-        return sparse_out(), centroids     # the selection itself is dense for covered rows
+        return sparse_out(), k_cache, v_cache, centroids  # selection is dense for covered rows
 
     def mixed():
         return jnp.where(covered[:, None, None], dense(), sparse_out())
     out = jax.lax.cond(jnp.all(covered), dense,
                        lambda: jax.lax.cond(jnp.any(covered), mixed, sparse_out))
-    return out, centroids
+    return out, k_cache, v_cache, centroids
+
+
+def _fused_attention(q, k_new, v_new, k_cache, v_cache, centroids, lengths, budget_blocks,
+                     covered, q_finish: HeadFinish, k_finish: HeadFinish, *, sparse: bool,
+                     cfg: RolloutConfig, max_selected: int, combined: bool):
+    """`_decode_attention` as the fewest kernels (`fused`): the cache viewed as one page pool
+    per row (block i = page i, a reshape), one kernel writing the token's K and V (and the
+    filled block's centroid), one selecting (sparse layers), one attending - every row of a
+    sparse layer, covered or not."""
+    bs = cfg.block_size
+    b, hkv, s, _ = k_cache.shape
+    hq = q.shape[1] - 2 * hkv if combined else None
+    pos = lengths - 1
+    with jax.named_scope("kv_write"):
+        k_pages, v_pages, written = pallas_triton_write.write_token_triton(
+            contiguous_as_pages(k_cache, bs), contiguous_as_pages(v_cache, bs),
+            centroids if sparse else None, k_new, v_new, pos // bs, pos % bs, pos < s,
+            k_finish=k_finish, k_first=hq or 0, v_first=(hq or 0) + hkv if combined else 0)
+    k_cache, v_cache = k_pages.reshape(k_cache.shape), v_pages.reshape(v_cache.shape)
+    if not sparse:
+        with jax.named_scope("dense_attention"):
+            tile, per_step = pallas_triton.dense_tiling(s, k_cache.dtype)
+            out = pallas_triton.identity_decode_triton(
+                q, contiguous_as_pages(k_cache, tile), contiguous_as_pages(v_cache, tile),
+                lengths, q_finish=q_finish, q_heads=hq, blocks_per_step=per_step)[0]
+        return out, k_cache, v_cache, centroids
+    with jax.named_scope("block_select"):
+        picked = pallas_triton_select.select_pages_triton(
+            q, written, None, lengths, budget_blocks, width=max_selected, block_size=bs,
+            q_finish=q_finish, q_heads=hq, radix_bits=selection.TRITON_RADIX_BITS)[0]
+    with jax.named_scope("sparse_attention"):
+        out = pallas_triton.identity_decode_triton(
+            q, k_pages, v_pages, lengths, selection=picked, covered=covered, q_finish=q_finish,
+            q_heads=hq)[0]
+    return out, k_cache, v_cache, written
 
 
 def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
@@ -80,18 +133,46 @@ def _sharded(fn, spec: ShardingSpec | None, num_kv_heads: int):
     heads = "model" if num_kv_heads % model_size == 0 else None
     data = spec.rules.get("batch")
     kv, q, row = P(data, heads, None, None), P(data, heads, None), P(data)
-    return jax.shard_map(fn, mesh=spec.mesh, in_specs=(q, kv, kv, kv, row, row, row),
-                         out_specs=(q, kv), check_vma=False)
+    table, weight = P(data, None), P(None)
+    return jax.shard_map(fn, mesh=spec.mesh,
+                         in_specs=(q, q, q, kv, kv, kv, row, row, row, table, table, weight,
+                                   weight),
+                         out_specs=(q, kv, kv, kv), check_vma=False)
 
 
 def layer_attention_fns(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_heads: int,
-                        max_selected: int) -> dict:
+                        max_selected: int, norm_eps: float) -> dict:
     """One layer's decode attention over the static cache, for dense (False) and sparse (True)
-    layers: (q, k_cache, v_cache, centroids, lengths, budget_blocks, covered) -> (out,
-    centroids), under shard_map when sharded. Shared with exact.py's drafts."""
+    layers: `_decode_attention`'s arguments and results, under shard_map when sharded
+    (norm_eps: the model's RMSNorm epsilon). Used through `decode_step_hidden`, which
+    exact.py's drafts share."""
+    combined = fused.combined_heads(cfg, spec)
     return {sp: _sharded(functools.partial(_decode_attention, sparse=sp, cfg=cfg,
-                                           max_selected=max_selected), spec, num_kv_heads)
+                                           max_selected=max_selected, norm_eps=norm_eps,
+                                           combined=combined), spec, num_kv_heads)
             for sp in (False, True)}
+
+
+def decode_step_hidden(model: Qwen3ForCausalLM, attn: dict, cache: list[list], tokens,
+                       positions, budget_blocks, covered, *, cfg: RolloutConfig,
+                       spec: ShardingSpec | None,
+                       own_attention: Mapping[int, Callable] | None = None):
+    """One decode step's layers over the static cache (`fused.decode_layers`): tokens [B] fed
+    at positions [B] (written at that index) -> final-normed hidden [B, 1, H]. attn:
+    `layer_attention_fns`; cache: [ks, vs, cs], each the layers' arrays, updated in place (the
+    list entries); budget_blocks, covered [B] as `_decode_attention`. own_attention: layers whose
+    attention the caller supplies (exact.py's verify-guided drafts), with attn's arguments and
+    results."""
+    ks, vs, cs = cache
+    lengths = positions + 1
+
+    def layer(i, q, k, v, *finish):
+        fn = (own_attention or {}).get(i) or attn[cfg.sparse_layer(i)]
+        out, ks[i], vs[i], cs[i] = fn(q, k, v, ks[i], vs[i], cs[i], lengths, budget_blocks,
+                                      covered, *finish)
+        return out
+
+    return fused.decode_layers(model, layer, tokens, positions, cfg=cfg, spec=spec)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "group_size", "spec"))
@@ -135,8 +216,11 @@ def prefill_program(graphdef, params, prompt_tokens, prompt_lengths, rng, first_
                                done=jnp.isin(state.token, stop_ids) | (t_new <= 1))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "bin_size", "spec"),
-                   donate_argnames=("state",))
+DECODE_JIT = dict(static_argnames=("graphdef", "cfg", "bin_size", "spec"),
+                  donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, **DECODE_JIT)
 def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
                     bin_size: int, spec: ShardingSpec | None) -> tuple[Trajectories, tuple]:
     """The decode `while_loop`. `state` is donated: the cache is updated in place. The final
@@ -148,7 +232,8 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     max_selected = min(cfg.max_budget, s_max) // cfg.block_size
     stop_ids = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)
 
-    attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected)
+    attn_fns = layer_attention_fns(cfg, spec, mcfg.num_key_value_heads, max_selected,
+                                   mcfg.rms_norm_eps)
 
     def cond(st: DecodeState):
         return (st.step < t_new) & ~jnp.all(st.done)
@@ -160,16 +245,8 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         budget_blocks = jnp.minimum(budget // cfg.block_size, max_selected).astype(jnp.int32)
         covered = budget >= lengths          # dense for this row (the dense rung, short rows)
         k_new, v_new, c_new = list(cache.k), list(cache.v), list(cache.centroids)
-
-        def attend(i, q, k, v):
-            with jax.named_scope("kv_write"):
-                k_new[i] = write_token(k_new[i], k[:, 0], cache.lengths)
-                v_new[i] = write_token(v_new[i], v[:, 0], cache.lengths)
-            out, c_new[i] = attn_fns[cfg.sparse_layer(i)](q[:, 0], k_new[i], v_new[i], c_new[i],
-                                                      lengths, budget_blocks, covered)
-            return out[:, None]
-
-        hidden = model.run_layers(model.embed(st.token[:, None]), cache.lengths[:, None], attend)
+        hidden = decode_step_hidden(model, attn_fns, [k_new, v_new, c_new], st.token,
+                                    cache.lengths, budget_blocks, covered, cfg=cfg, spec=spec)
         active = ~st.done
         with jax.named_scope("lm_head"):
             logits = model.logits(hidden[:, 0])
@@ -195,6 +272,12 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     # (multihost.local_rows) and the learner consumes the global arrays as they are.
     traj = jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
     return traj, (st.cache, st.step, st.token, st.done, st.rng, st.sample_ids)
+
+
+def decode_program_for(cfg: RolloutConfig):
+    """`decode_program` compiled with cfg's GPU decode options
+    (`RolloutConfig.decode_compiler_options`: itself at the defaults)."""
+    return compiler_options.with_options(decode_program, DECODE_JIT, cfg.decode_compiler_options)
 
 
 def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: RolloutConfig,
@@ -240,6 +323,6 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
     COMPILES.note("rollout/decode", rows=state.tokens.shape[0],
                   prompt_width=state.prompt_tokens.shape[1], max_new_tokens=cfg.max_new_tokens,
                   mode=cfg.mode, max_budget=cfg.max_budget, dtype=jnp.dtype(model.dtype).name)
-    traj, _ = decode_program(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
-                              bin_size=bin_size, spec=spec)
+    traj, _ = decode_program_for(cfg)(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
+                                      bin_size=bin_size, spec=spec)
     return traj

@@ -147,8 +147,8 @@ def _lower(model, p: Program, *, spec, budgets, bin_size: int, rng):
     slots = paged.Slots(*(_rows(np.zeros(s, t), spec) for t in (i32, i32, i32, bool, i32)),
                         _rows(np.zeros((s, width), i32), spec))
     # exact_sparse: the chunk of draft + verify rounds the scheduler dispatches in that mode.
-    chunk = (paged_exact.decode_chunk_program if p.cfg.mode == RolloutMode.EXACT_SPARSE
-             else paged.decode_chunk_program)
+    chunk = (paged_exact.decode_chunk_program_for(p.cfg) if p.cfg.mode == RolloutMode.EXACT_SPARSE
+             else paged.decode_chunk_program_for(p.cfg))
     return chunk.lower(
         graphdef, params, kv, slots, jnp.asarray(np.asarray(budgets, np.int32)), rng,
         cfg=p.cfg, steps=sh["steps"], bin_size=bin_size, spec=spec)

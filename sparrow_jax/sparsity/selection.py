@@ -26,12 +26,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import dispatch, pallas_triton_select
+from pallas_kernels.reference import SelectedPages, physical_pages
 from sparrow_jax.sparsity.block_scores import centroid_scores, quest_scores
 
 log = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
 
-__all__ = ["select_from_scores", "select_blocks", "selected_blocks",
+__all__ = ["select_from_scores", "select_blocks", "select_pages", "selected_blocks",
            "selected_keys", "order_key", "kth_largest_key", "prefix_count", "compact_ids",
            "select_from_scores_reference"]
 
@@ -337,6 +338,33 @@ def select_blocks(q: jax.Array, centroids: jax.Array, lengths: jax.Array,
     budget = jnp.broadcast_to(budget[:, None] if budget.ndim == 1 else budget, (b, hkv))
     return select_from_scores(scores, lengths, budget, max_selected=max_selected,
                               block_size=block_size, backend=backend)
+
+
+def select_pages(q: jax.Array, centroid_pool: jax.Array, page_table: jax.Array,
+                 lengths: jax.Array, budget_blocks: jax.Array, *, max_selected: int,
+                 block_size: int = 16, backend: str = "xla", interpret: bool = False
+                 ) -> SelectedPages:
+    """`select_blocks` on a paged cache, up to the pages the attention reads: q [B, Hq, D],
+    centroid_pool [G, Hkv, N, D] (row b's centroids in pool b // (B // G), at its pages),
+    page_table [B, P], lengths [B], budget_blocks [B] -> SelectedPages [B, Hkv, max_selected]
+    (the kernels' own form: `pallas_kernels.paged_covered_decode`).
+
+    Where selection runs on Pallas Triton (`selection_backend`) this is one kernel
+    (`pallas_triton_select.select_pages_triton`: it reads each row's centroids through its page
+    table, scores, selects and looks the pages up); elsewhere the XLA form: the centroids
+    gathered [B, Hkv, P, D], `select_blocks`, `physical_pages`. The same ids wherever the
+    scores are equal (the kernel sums each score's D products in its own order)."""
+    if selection_backend(backend, interpret=interpret) == "pallas_triton":
+        budget = jnp.broadcast_to(jnp.asarray(budget_blocks, jnp.int32), lengths.shape)
+        return pallas_triton_select.select_pages_triton(
+            q, centroid_pool, page_table, lengths, budget, width=max_selected,
+            block_size=block_size, radix_bits=TRITON_RADIX_BITS, interpret=interpret)[0]
+    b, n_pages = q.shape[0], centroid_pool.shape[2]
+    pool = jnp.arange(b) // (b // centroid_pool.shape[0])
+    cents = centroid_pool[pool[:, None], :, jnp.clip(page_table, 0, n_pages - 1)]  # [B, P, Hkv, D]
+    idx, num = select_blocks(q, cents.swapaxes(1, 2), lengths, budget_blocks,
+                             max_selected=max_selected, block_size=block_size)
+    return SelectedPages(physical_pages(page_table, idx), idx, num)
 
 
 def selected_blocks(scores: jax.Array, positions: jax.Array, budget_blocks: jax.Array, *,
