@@ -179,3 +179,28 @@ def test_the_profile_stage_reads_what_the_rollout_stages_write():
                                   len(contexts))]
         written |= {f"{d}/{c}-{p}" for c in contexts for p in ("dense", "sparse_1024_0_1")}
     assert set(by["profile"].argv[:-1]) == written and len(written) == 6
+
+
+def test_the_decode_options_and_exact_groups_each_fit_one_call():
+    """`--only decode_options` times the paged decode under each GPU compile setting of
+    RolloutConfig (defaults first), `--only exact_gpu` the exact-sparse round; each group fits
+    one 9-minute call, neither runs in a check without `--only`, and each setting reaches the
+    bench as the gin binding RolloutConfig parses."""
+    from sparrow_jax.rollout.config import RolloutConfig
+    from sparrow_jax.tools import device_check as dc
+    full = {s.name: s for s in dc.stages(False, "run")}
+    for group in ("decode_options", "exact_gpu"):
+        names = dc.GROUPS[group]
+        assert set(names) <= set(dc.ON_REQUEST)
+        assert sum(full[n].timeout_s for n in names) <= 9 * 60, group
+    assert dc.GROUPS["decode_options"][0] == "opt_default"
+    assert "--gin_param" not in full["opt_default"].argv[full["opt_default"].argv.index("8192"):]
+    for name, binds in dc.DECODE_OPTIONS.items():
+        argv = full[name].argv
+        for bind in binds:
+            assert argv[argv.index(bind) - 1] == "--gin_param"
+            field, value = (x.strip() for x in bind.split("=", 1))
+            RolloutConfig(**{field.split(".")[1]: eval(value)})     # a value it accepts
+    assert "exact" in full["exact_round"].argv and "qwen3-1.7b" in full["exact_round"].argv
+    quick = [s.name for s in dc.stages(True, "run") if s.name in dc.ON_REQUEST]
+    assert quick == [s for s in full if s in dc.ON_REQUEST]

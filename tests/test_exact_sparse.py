@@ -431,3 +431,18 @@ def test_acceptance_metrics_with_a_gamma_per_bin():
     one = exact_step.acceptance_metrics(traj, budgets, gamma=1, **kw)
     draft = 1.6 * one["exact/kv_read_model"] - 1.0
     assert m["exact/kv_read_model"] == pytest.approx((0.8 * draft + 1.0) / 1.6)
+
+
+def test_verify_guided_drafts_are_refused_on_the_fused_gpu_decode(sharp, monkeypatch):
+    """The fused GPU decode (Pallas Triton: `fused.fewest_kernels`, here pretended on CPU) hands
+    its layers raw heads, which the guided layers cannot take yet: both exact engines stop with
+    one line naming the setting when the program is built, not a wrong answer."""
+    from sparrow_jax.rollout import fused
+    monkeypatch.setattr(fused, "fewest_kernels", lambda backend: True)
+    toks, lens = random_prompts([9, 12], seed=0)
+    cfg = RolloutConfig(mode="exact_sparse", gamma=2, max_new_tokens=8, temperature=0.0,
+                        draft_scorer="verify", **KW)
+    for engine in ("static", "paged"):
+        with pytest.raises(ValueError, match="draft_scorer = 'verify' does not run on the fus"):
+            generate(sharp, toks, lens, cfg=dataclasses.replace(cfg, engine=engine),
+                     budgets=BUDGETS)

@@ -173,9 +173,9 @@ def _precompile(model, state, cfg, budgets, bin_size: int) -> tuple[float, Any]:
     from sparrow_jax.rollout import static
     graphdef, params = nnx.split(model)
     t0 = time.perf_counter()
-    compiled = static.decode_program.lower(graphdef, params, state,
-                                           jnp.asarray(budgets, jnp.int32), cfg=cfg,
-                                           bin_size=bin_size, spec=None).compile()
+    compiled = static.decode_program_for(cfg).lower(graphdef, params, state,
+                                                    jnp.asarray(budgets, jnp.int32), cfg=cfg,
+                                                    bin_size=bin_size, spec=None).compile()
     return time.perf_counter() - t0, compiled
 
 

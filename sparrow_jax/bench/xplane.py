@@ -164,8 +164,11 @@ DECODE_SCOPES = ("block_select", "centroid_update", "sparse_attention", "dense_a
                  "kv_write", "qkv_proj", "o_proj", "mlp", "lm_head", "sample")
 
 
-# The one-kernel block selection's GPU kernel name, and its phase.
-_PALLAS_PHASE = ("sparrow_block_select_triton", "block_select")
+# The Pallas Triton kernels' name prefixes and their phases (a Pallas kernel has no HLO twin to
+# name it): the one-kernel block selection, the fused decode's page selection and K/V write.
+PALLAS_PHASES = (("sparrow_block_select_triton", "block_select"),
+                 ("sparrow_select_pages_triton", "block_select"),
+                 ("sparrow_write_token_triton", "kv_write"))
 
 
 def hlo_op_names(hlo_text: str) -> dict[str, str]:
@@ -216,8 +219,9 @@ def breakdown(trace: dict, hlo_text: str, program: str = "decode_program",
     for e in events:
         op = names.get(e["name"]) or names.get(e["args"].get("hlo_op", ""), "")
         key = next((sc for sc in scopes if f"/{sc}/" in f"{op}/"), None)
-        if key is None and e["name"].startswith(_PALLAS_PHASE[0]):
-            key = _PALLAS_PHASE[1]            # a Pallas kernel has no HLO twin to name it
+        if key is None:
+            key = next((phase for prefix, phase in PALLAS_PHASES
+                        if e["name"].startswith(prefix)), None)
         if key is None:
             key = "other: " + (e["name"] if e["name"].startswith("sparrow_") or not op
                                else op.split("/")[-1])

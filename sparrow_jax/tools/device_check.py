@@ -29,6 +29,13 @@ not the check):
             samples, long-tailed lengths, tokens/s and % of the bytes limit, dense vs sparse
     limit_step `sparrow bench step` on that config at 4 layers: dense and sparse RL steps
             side by side, seconds by phase and their ratio
+  decode_options (a group, only when `--only` names it; 4 x 130 s): the paged decode of the
+            shipped 1.7B config at batch 32, 8K, with the defaults, command buffers off, command
+            buffers on the decode loop, split-K off (RolloutConfig.decode_command_buffers,
+            decode_split_k): tokens/s and % of the bytes limit side by side
+  exact_gpu (only when `--only` names it; 300 s) exact_round: `sparrow bench rollout --workload
+            exact` at Qwen3-1.7B shapes, batch 32 at 8K: the round's draft / verify / accept
+            cost beside dense and approximate sparse
   promise   `sparrow promise configs/experiment_promise_gpu.gin` (issue 56; at most 9 minutes
             on one H200): a model trained from scratch on the device, then the registered dense /
             controller / exact RL arms from it, its own report, checkpoint file and pooled
@@ -41,6 +48,8 @@ at toy sizes, for CPU (CI runs it: tests/test_device_check.py).
   python -m sparrow_jax.tools.device_check [--quick] [--out DIR] [--only doctor,rollout]
   python -m sparrow_jax.tools.device_check --only gpu_limit
   python -m sparrow_jax.tools.device_check --only promise
+  python -m sparrow_jax.tools.device_check --only decode_options     (520 s: a call of its own)
+  python -m sparrow_jax.tools.device_check --only exact_gpu          (300 s)
 """
 
 from __future__ import annotations
@@ -94,10 +103,20 @@ _SMALL_POOL = ("--gin_param", "RolloutConfig.pool_bytes = 67108864",
                "--gin_param", "RolloutConfig.prefill_chunk = 64")
 GPU_CONFIG = "configs/qwen3_1p7b_gpu.gin"
 # Stages `--only NAME` selects together.
-GROUPS = {"gpu_limit": ("limit_rollout", "limit_kernels", "limit_rl", "limit_step")}
+GROUPS = {"gpu_limit": ("limit_rollout", "limit_kernels", "limit_rl", "limit_step"),
+          "decode_options": ("opt_default", "opt_command_buffers_off",
+                             "opt_command_buffers_loop", "opt_split_k1"),
+          "exact_gpu": ("exact_round",)}
 # Stages that run only when `--only` names them (a call of their own: the promise stage takes
-# a whole 9-minute call and writes its own report and results file).
-ON_REQUEST = ("promise",)
+# a whole 9-minute call and writes its own report and results file; the decode options and the
+# exact round are measured after gpu_limit, each group within one 9-minute call).
+ON_REQUEST = ("promise", *GROUPS["decode_options"], *GROUPS["exact_gpu"])
+# The fused GPU decode's compile settings (RolloutConfig.decode_command_buffers,
+# decode_split_k; issue 55), each timed on its own beside the defaults in one call.
+DECODE_OPTIONS = {"opt_default": (),
+                  "opt_command_buffers_off": ("RolloutConfig.decode_command_buffers = 'off'",),
+                  "opt_command_buffers_loop": ("RolloutConfig.decode_command_buffers = 'loop'",),
+                  "opt_split_k1": ("RolloutConfig.decode_split_k = 1",)}
 
 
 def gpu_limit_stages(quick: bool, run_dir: str) -> list[Stage]:
@@ -161,6 +180,44 @@ def gpu_limit_stages(quick: bool, run_dir: str) -> list[Stage]:
                              "--new_tokens", "1024", "--json", "--out", f"{run_dir}-step"), 180,
               "dense vs sparse RL step of the shipped 1.7B GPU config at 4 layers, by phase"),
     ]
+
+
+def on_request_stages(quick: bool) -> list[Stage]:
+    """The decode_options group (the paged decode of the shipped 1.7B GPU config at batch 32,
+    8K, under each of DECODE_OPTIONS: tokens/s and % of its bytes limit side by side across the
+    group's stages; 4 x 130 s) and the exact_gpu group (the exact-sparse round's draft / verify
+    / accept cost at Qwen3-1.7B shapes, batch 32 at 8K, beside dense and approximate sparse, so
+    its speed at any acceptance can be predicted; 300 s). Quick: toy sizes for CPU."""
+    if quick:
+        toy = ("--layers", "3", "--hidden", "64", "--heads", "4", "--kv_heads", "2",
+               "--head_dim", "16", "--vocab", "128", "--dtype", "float32")
+        rollout = ("bench", "rollout", "--", GPU_CONFIG, "--json", *toy, "--engine", "paged",
+                   "--schedule", "config", "--context", "128", "--batch", "2", "--new_tokens",
+                   "17", "--repeats", "1", *_SMALL_POOL,
+                   "--gin_param", "RolloutConfig.chunk_steps = 8",
+                   "--gin_param", "make_schedule.name = None",
+                   "--gin_param", f"make_schedule.budgets = {[48] * 20}",
+                   "--gin_param", "make_schedule.bin_size = 16",
+                   "--gin_param", "RolloutConfig.max_budget = 64")
+        exact = ("bench", "rollout", "--", "--json", *toy, "--workload", "exact", "--context",
+                 "256", "--budget", "64", "--gamma", "2", "--batch", "2", "--new_tokens", "16",
+                 "--repeats", "1")
+        timeout, exact_timeout, shape = 300, 300, "toy model"
+    else:
+        rollout = ("bench", "rollout", "--", GPU_CONFIG, "--json", "--preset", "qwen3-1.7b",
+                   "--dtype", "bfloat16", "--engine", "paged", "--schedule", "config",
+                   "--context", "8192", "--batch", "32", "--new_tokens", "65", "--repeats", "2")
+        exact = ("bench", "rollout", "--", "--json", "--preset", "qwen3-1.7b", "--dtype",
+                 "bfloat16", "--workload", "exact", "--context", "8192", "--budget", "1024",
+                 "--gamma", "2", "4", "--dense_layers", "0,1", "--batch", "32",
+                 "--new_tokens", "64", "--repeats", "2")
+        timeout, exact_timeout, shape = 130, 300, "1.7B, batch 32 at 8K"
+    options = [Stage(name, rollout + tuple(a for b in binds for a in ("--gin_param", b)),
+                     timeout, f"paged decode, {shape}, {', '.join(binds) or 'defaults'}")
+               for name, binds in DECODE_OPTIONS.items()]
+    return [*options, Stage("exact_round", exact, exact_timeout,
+                            "exact sparse rounds (draft / verify / accept) beside dense and "
+                            f"approximate sparse, {shape}")]
 
 
 PROMISE_CONFIG = "configs/experiment_promise_gpu.gin"
@@ -227,6 +284,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "", report: str = "",
                   "sparrow_jax.tools.config_smoke"),
             *gpu_limit_stages(True, run_dir),
             promise_stage(True, run_dir, report, device),
+            *on_request_stages(True),
         ]
     return [
         Stage("doctor", ("doctor",), 150, "every kernel backend vs the XLA reference; rollouts"),
@@ -261,6 +319,7 @@ def stages(quick: bool, run_dir: str, profile_dir: str = "", report: str = "",
               "64 rollouts x 4096 tokens", "sparrow_jax.tools.config_smoke"),
         *gpu_limit_stages(False, run_dir),
         promise_stage(False, run_dir, report, device),
+        *on_request_stages(False),
     ]
 
 
