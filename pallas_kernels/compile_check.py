@@ -158,6 +158,19 @@ def _compile(fn, args, needle: str) -> str:
     return f"ok ({needle})"
 
 
+def _check_views(label: str, view: dict, sh: SingleDeviceSharding, needle: str) -> None:
+    """A backend's kernel views (`_views`) compile for one device, each module holding its
+    custom call `needle`: sparse at every SHAPES row and dtype, dense in bf16, paged."""
+    for name, b, hq, hkv, d, s, budget in SHAPES:
+        for dtype in _dtypes(name):
+            _check(f"{label} sparse {name} {jnp.dtype(dtype).name}", lambda: _compile(
+                view["sparse"], _args(sh, b, hq, hkv, d, s, budget, dtype), needle))
+        _check(f"{label} dense {name} bf16", lambda: _compile(
+            view["dense"], _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False), needle))
+    _check(f"{label} paged {PAGED_SHAPE[0]} bfloat16", lambda: _compile(
+        view["paged"], _paged_args(sh), needle))
+
+
 def check_tpu() -> None:
     from jax.experimental import topologies
     from pallas_kernels import pallas_tpu
@@ -167,17 +180,7 @@ def check_tpu() -> None:
         dev = topo.devices[0]
         sh = SingleDeviceSharding(dev)
         tag = f"tpu[{topo_name} {dev.device_kind}]"
-        for name, b, hq, hkv, d, s, budget in SHAPES:
-            for dtype in _dtypes(name):
-                dn = jnp.dtype(dtype).name
-                _check(f"{tag} pallas_tpu sparse {name} {dn}", lambda: _compile(
-                    view["sparse"], _args(sh, b, hq, hkv, d, s, budget, dtype),
-                    "tpu_custom_call"))
-            _check(f"{tag} pallas_tpu dense {name} bf16", lambda: _compile(
-                view["dense"], _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
-                "tpu_custom_call"))
-        _check(f"{tag} pallas_tpu paged {PAGED_SHAPE[0]} bfloat16", lambda: _compile(
-            view["paged"], _paged_args(sh), "tpu_custom_call"))
+        _check_views(f"{tag} pallas_tpu", view, sh, "tpu_custom_call")
         # Negative control: one 32K-token tile (page) per step needs > 32 MiB of VMEM buffers.
         _, b, hq, hkv, d, s, _ = SHAPES[0]
         _check(f"{tag} negative control (VMEM overflow)", lambda: _compile(
@@ -233,17 +236,7 @@ def _check_cuda(sh: SingleDeviceSharding) -> None:
     tag = "cuda[H100 sm_90]"
     view = _views(ptriton.paged_block_sparse_decode_triton, ptriton.dense_tiling)
     _check(f"{tag} pallas_triton lowering target", _lowering_target)
-    for name, b, hq, hkv, d, s, budget in SHAPES:
-        for dtype in _dtypes(name):
-            dn = jnp.dtype(dtype).name
-            _check(f"{tag} pallas_triton sparse {name} {dn}", lambda: _compile(
-                view["sparse"], _args(sh, b, hq, hkv, d, s, budget, dtype),
-                "__gpu$xla.gpu.triton"))
-        _check(f"{tag} pallas_triton dense {name} bf16", lambda: _compile(
-            view["dense"], _args(sh, b, hq, hkv, d, s, budget, jnp.bfloat16, False),
-            "__gpu$xla.gpu.triton"))
-    _check(f"{tag} pallas_triton paged {PAGED_SHAPE[0]} bfloat16", lambda: _compile(
-        view["paged"], _paged_args(sh), "__gpu$xla.gpu.triton"))
+    _check_views(f"{tag} pallas_triton", view, sh, "__gpu$xla.gpu.triton")
     # Block selection as one kernel: the 1.7B decode rows (batch 4 x 8 KV heads) at an 8K and
     # a 32K cache (513 / 2049 blocks of 16, 64 selected) and 512 rows at 128K (8193 blocks, 256).
     from pallas_kernels import pallas_triton_select

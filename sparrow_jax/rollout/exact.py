@@ -43,15 +43,16 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import dense_attention, fused, speculative
-from sparrow_jax.rollout.config import DraftScorer, RolloutConfig
+from sparrow_jax.rollout import dense_attention, speculative
+from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.static import DECODE_JIT, decode_step_hidden, layer_attention_fns
 from sparrow_jax.rollout.kv_cache import KVCache, write_token
 from sparrow_jax.rollout.state import (DecodeState, Trajectories, budget_for_lengths, constrain)
 from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.rollout.verify import (accept_round, approximate_round, cascade_attention,
-                                        draft_sample, guide_scores, round_blocks)
+                                        draft_sample, guide_scores, round_blocks,
+                                        verify_guided_layers)
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import block_scores, selection
 
@@ -196,11 +197,7 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
                                    mcfg.rms_norm_eps)
     sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
     # Verify-guided drafts: the sparse layers' block scores from the verify passes.
-    guided_layers = tuple(i for i, sp in enumerate(sparse_layers)
-                          if sp and cfg.draft_scorer == DraftScorer.VERIFY)
-    if guided_layers and fused.fewest_kernels(cfg.backend):
-        raise ValueError("RolloutConfig.draft_scorer = 'verify' does not run on the fused GPU "
-                         "decode (backend pallas_triton) yet; use draft_scorer = 'centroid'")
+    guided_layers = verify_guided_layers(cfg, mcfg.num_hidden_layers)
     guided_fn = guided_attention_fn(cfg, spec, mcfg.num_key_value_heads, max_selected)
     rows = jnp.arange(b)[:, None]
     gammas = cfg.round_gammas                     # the draft lengths a round can run (static)

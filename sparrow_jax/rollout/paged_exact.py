@@ -46,11 +46,12 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from sparrow_jax.model.qwen3 import Qwen3ForCausalLM
-from sparrow_jax.rollout import dense_attention, fused, paged
-from sparrow_jax.rollout.config import DraftScorer, RolloutConfig
+from sparrow_jax.rollout import dense_attention, paged
+from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.state import budget_for_lengths
 from sparrow_jax.rollout.verify import (accept_round, approximate_round, cascade_attention,
-                                        draft_sample, guide_scores, round_blocks)
+                                        draft_sample, guide_scores, round_blocks,
+                                        verify_guided_layers)
 from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import block_scores, selection
@@ -204,11 +205,7 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
     max_selected = min(cfg.max_budget // bs, p)
     attn = paged.layer_attention_fns(cfg, spec, hkv, max_selected, mcfg.rms_norm_eps)
     sparse_layers = [cfg.sparse_layer(i) for i in range(mcfg.num_hidden_layers)]
-    guided_layers = tuple(i for i, sp in enumerate(sparse_layers)
-                          if sp and cfg.draft_scorer == DraftScorer.VERIFY)
-    if guided_layers and fused.fewest_kernels(cfg.backend):
-        raise ValueError("RolloutConfig.draft_scorer = 'verify' does not run on the fused GPU "
-                         "decode (backend pallas_triton) yet; use draft_scorer = 'centroid'")
+    guided_layers = verify_guided_layers(cfg, mcfg.num_hidden_layers)
     verify_layer, verify_mass_layer = (jax.jit(_shard(functools.partial(
         _verify_layer, block_size=bs, backend=cfg.backend, mass=m), spec, hkv,
         "verify_mass" if m else "verify")) for m in (False, True))

@@ -24,8 +24,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.rollout import speculative
-from sparrow_jax.rollout.config import RolloutConfig
+from sparrow_jax.rollout import fused, speculative
+from sparrow_jax.rollout.config import DraftScorer, RolloutConfig
 from sparrow_jax.rollout.sampling import first_argmax, sampling_logprobs, topk_logprobs
 
 
@@ -162,7 +162,6 @@ def approximate_round(q_logp: jax.Array, drafts: jax.Array, *, generated: jax.Ar
     `RolloutConfig.approximate_from_bin`): each row keeps its G drafts, drafts [B, G] sampled
     from q_logp [B, G, V] (the draft's log-probs, recorded), cut at a stop and the length cap."""
     b, g = drafts.shape
-    j = jnp.arange(g)[None, :]
     top = topk_logprobs(q_logp, cfg.record_topk, temperature=1.0)           # q is scaled
     return _kept(drafts, q_logp, top, jnp.zeros((b, g), bool),
                  jnp.full((b, g), jnp.nan, jnp.float32), jnp.full((b,), g, jnp.int32),
@@ -192,6 +191,18 @@ def _kept(tokens, logp, top, accepted, alpha, kept, *, generated, active, cfg) -
 # the last verify pass gave it plus this share of its score before (older passes' queries are
 # further from the next drafts).
 VERIFY_MASS_DECAY = 0.5
+
+
+def verify_guided_layers(cfg: RolloutConfig, num_layers: int) -> tuple[int, ...]:
+    """The layers whose drafts rank blocks by the verify passes' mass: the sparse ones, with
+    `draft_scorer = "verify"`. Refused on the fused GPU decode (`fused.fewest_kernels`), whose
+    layers get raw heads the guided attention cannot take yet."""
+    layers = tuple(i for i in range(num_layers)
+                   if cfg.sparse_layer(i) and cfg.draft_scorer == DraftScorer.VERIFY)
+    if layers and fused.fewest_kernels(cfg.backend):
+        raise ValueError("RolloutConfig.draft_scorer = 'verify' does not run on the fused GPU "
+                         "decode (backend pallas_triton) yet; use draft_scorer = 'centroid'")
+    return layers
 
 
 def guide_scores(scores, masses, active: jax.Array) -> tuple[jax.Array, ...]:
