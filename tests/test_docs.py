@@ -452,6 +452,13 @@ _REGISTRY = {
         (Hardware(), ByTest("tests/test_device_check.py::test_quick_device_check_writes_its_report"),
          ByTest("tests/test_device_check.py::test_only_a_group_runs_its_stages"),
          ByTest("tests/test_device_check.py::test_the_stated_timeouts_are_the_stages_own")),
+    # docs/devices/README.md: the fused decode's compile settings and the exact round (55, 57)
+    "launch/device_check.sh --only decode_options":
+        (Hardware(), ByTest("tests/test_device_check.py::"
+                            "test_the_decode_options_and_exact_groups_each_fit_one_call"),),
+    "launch/device_check.sh --only exact_gpu":
+        (Hardware(), ByTest("tests/test_device_check.py::"
+                            "test_the_decode_options_and_exact_groups_each_fit_one_call"),),
     # docs/devices/README.md, docs/experiment.md: the promise in one GPU call (issue 56)
     "launch/device_check.sh --only promise":
         (Hardware(), ByTest("tests/test_promise.py::test_the_cpu_twin_runs_end_to_end_and_two_runs_pool"),

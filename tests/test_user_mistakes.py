@@ -568,7 +568,7 @@ def test_a_failed_stage_names_its_cause_and_another_check_is_not_written_over_it
     from sparrow_jax.tools import device_check as dc
 
     monkeypatch.setattr(dc, "device_summary", lambda: {"host": "h", "kind": "cpu", "jax": "x"})
-    monkeypatch.setattr(dc, "stages", lambda quick, run_dir, profile_dir="": [
+    monkeypatch.setattr(dc, "stages", lambda quick, run_dir, profile_dir="", **where: [
         dc.Stage("doctor", ("-c", "import no_such_module_58"), 60, "a stage that fails",
                  module="sparrow_jax.tools.no_such_tool_58"),
         dc.Stage("kernels", ("--help",), 60, "a stage that passes")])
