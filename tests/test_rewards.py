@@ -173,6 +173,31 @@ def test_worker_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):
         RewardPool(lambda *a, **k: 1.0, processes=1)
 
 
+def test_a_worker_killed_by_a_job_signal_at_start_up_hands_the_signal_to_the_trainer(
+        tmp_path, monkeypatch):
+    """Ctrl-C to the process group can reach a worker before it ignores job signals (seen
+    under load 3.5 s into `sparrow train`'s start-up: the run then ended with a reward error,
+    status 1, not the start-up line and 130). A worker that died by SIGINT / SIGTERM before
+    reporting ready raises that signal in the trainer, whose own handler decides."""
+    import signal
+
+    from sparrow_jax.runtime.faults import RunError
+
+    (tmp_path / "worker_ctrl_c.py").write_text(_WORKER_ONLY_FAILURE.format(
+        name="worker_ctrl_c", failure="import signal; signal.signal(signal.SIGINT, "
+                                      "signal.SIG_DFL); os.kill(os.getpid(), signal.SIGINT)"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        with RewardPool("worker_ctrl_c:worker_ctrl_c", processes=1) as pool:
+            with pytest.raises(RunError, match=r"killed by SIGINT"):
+                pool.wait_ready()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert got == [signal.SIGINT]
+
+
 def test_a_busy_worker_does_not_outlive_its_trainer(tmp_path):
     """Workers ignore Ctrl-C and SIGTERM (the trainer stops them); a trainer that dies without
     stopping them (kill -9, a second Ctrl-C) must not leave one behind, even one stuck in a

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import signal
 import time
 import traceback
 from typing import Sequence
@@ -24,7 +25,8 @@ import gin
 import numpy as np
 
 from sparrow_jax.rewards.registry import RewardFn, reward_entry
-from sparrow_jax.rewards.workers import Worker, as_reward, describe_exit
+from sparrow_jax.rewards.workers import JOB_SIGNALS, Worker, as_reward, describe_exit
+from sparrow_jax.runtime import interrupts
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,11 @@ class RewardPool:
                                  f"processes ({type(e).__name__}: {e}); define it at module "
                                  f"level, or score in-process (processes=0)") from e
         self._workers: list[Worker] = []
-        self._workers = [self._spawn() for _ in range(processes)]
+        # A start-up signal ends the trainer at once (runtime.interrupts): the workers go with
+        # it, killed, also one still reading its start-up data (else a traceback of its own).
+        self._undo_at_exit = interrupts.at_exit(self.kill_now) if processes > 0 else None
+        for _ in range(processes):
+            self._workers.append(self._spawn())
         self.total = collections.Counter()
 
     def _spawn(self) -> Worker:
@@ -150,8 +156,15 @@ class RewardPool:
             msg = w.conn.recv()
         except (EOFError, OSError):
             # Died before it could say why (os._exit, a crash in an extension's import).
+            code = w.exit_code()
+            if code is not None and -code in JOB_SIGNALS:
+                # A job signal (Ctrl-C, SIGTERM) went to the process group and reached the
+                # worker before it could ignore it (seen under load, 3.5 s into a start-up):
+                # the trainer got it too, so its own handler decides (one line, 130 / 143),
+                # not a reward error. Re-raised here in case this thread has not run it yet.
+                signal.raise_signal(-code)
             raise self._startup_failure(
-                f"it died before reporting ready ({describe_exit(w.exit_code())}); any output "
+                f"it died before reporting ready ({describe_exit(code)}); any output "
                 f"of its own is above") from None
         if msg == ("ready",):
             w.ready = True
@@ -190,6 +203,9 @@ class RewardPool:
         self.close()
 
     def close(self) -> None:
+        if getattr(self, "_undo_at_exit", None) is not None:
+            self._undo_at_exit()
+            self._undo_at_exit = None
         for w in self._workers:
             try:
                 w.conn.send(None)
