@@ -19,6 +19,7 @@ import pickle
 import signal
 import time
 import traceback
+import weakref
 from typing import Sequence
 
 import gin
@@ -132,7 +133,10 @@ class RewardPool:
         self._workers: list[Worker] = []
         # A start-up signal ends the trainer at once (runtime.interrupts): the workers go with
         # it, killed, also one still reading its start-up data (else a traceback of its own).
-        self._undo_at_exit = interrupts.at_exit(self.kill_now) if processes > 0 else None
+        # (A weak reference: the registration must not keep an unclosed pool from `__del__`.)
+        kill_now = weakref.WeakMethod(self.kill_now)
+        self._undo_at_exit = (interrupts.at_exit(lambda: (kill_now() or (lambda: None))())
+                              if processes > 0 else None)
         for _ in range(processes):
             self._workers.append(self._spawn())
         self.total = collections.Counter()
