@@ -236,3 +236,37 @@ def test_a_busy_worker_does_not_outlive_its_trainer(tmp_path):
         time.sleep(0.05)
     else:
         raise AssertionError("the reward worker outlived its trainer")
+
+
+def test_a_worker_starts_with_job_signals_blocked_also_the_first_one(tmp_path):
+    """The first spawn launches multiprocessing's resource tracker, whose start *unblocks*
+    SIGINT and SIGTERM in the calling thread (CPython 3.11-3.12): started inside the block, it
+    let the first worker start with Ctrl-C open until `worker_main` ignores it (issue 58: a
+    Ctrl-C 3.5 s into `sparrow train`'s start-up killed a worker still importing, about half
+    the runs on a loaded machine). A fresh process (no tracker yet) reports its first
+    child's signal mask, and its own after the block."""
+    import subprocess
+    import sys
+    script = tmp_path / "first_spawn.py"
+    script.write_text(   # the spawned child imports this script too: hence the __main__ guard
+        "import multiprocessing, signal\n"
+        "from sparrow_jax.rewards.workers import job_signals_blocked\n"
+        "def report(conn):\n"
+        "    conn.send(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = multiprocessing.get_context('spawn')\n"
+        "    mine, theirs = ctx.Pipe()\n"
+        "    with job_signals_blocked():\n"
+        "        child = ctx.Process(target=report, args=(theirs,))\n"
+        "        child.start()\n"
+        "    print(mine.recv(), sorted(int(s) for s in signal.pthread_sigmask(\n"
+        "        signal.SIG_BLOCK, [])))\n"
+        "    child.join()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [os.path.dirname(os.path.dirname(__file__)),
+                              *os.environ.get("PYTHONPATH", "").split(os.pathsep)])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    child_mask, parent_mask = out.stdout.strip().split("] [")
+    assert {2, 15} <= {int(s) for s in child_mask.strip("[]").split(",") if s.strip()}, out.stdout
+    assert parent_mask.strip("[]") == "", out.stdout      # the block is undone after

@@ -360,19 +360,16 @@ def _await(log: Path, text: str, proc: subprocess.Popen, timeout: float = 300) -
         time.sleep(0.02)
 
 
-@pytest.mark.slow       # not a CI guard while it is flaky under load (below)
 def test_a_signal_in_start_up_ends_the_run_in_one_line_and_leaves_nothing(world):
     """Ctrl-C and SIGTERM to `sparrow train`'s process group (two reward workers in it) at
     moments from launch to the first step: status 130 / 143, one line, no traceback, the
     workers gone, no checkpoint, no metrics of a step, no temporary file, the lock released.
     Not under GNU `timeout` (it signals the group a second time).
 
-    Known open race (2026-11-28): on a loaded 2-core machine (beside another pytest worker) it
-    fails in about half the runs, alone it passes - a worker still starting (spawn) receives
-    the group's signal although the trainer blocks job signals around its start, or prints a
-    traceback when the trainer leaves mid-hand-off; the 3.5 s and "precision: " moments. A
-    worker killed by the signal now hands it to the trainer (tests/test_rewards.py) and a
-    start-up exit kills the workers first; what still lets the signal through is not found."""
+    It failed about half the runs on a loaded 2-core machine until 2026-11-28 (a worker still
+    starting caught the signal: the resource tracker's start unblocked it, tests/test_rewards.py;
+    and a signal handled between a worker's start and its registration left it behind,
+    rewards/pool.py `_spawn`): passed 8 of 8 since, 5 of them beside two CPU-bound processes."""
     outcomes = []
     for i, (sig, moment) in enumerate(MOMENTS):
         run = world / f"signal_{i}"

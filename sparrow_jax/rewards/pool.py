@@ -26,7 +26,8 @@ import gin
 import numpy as np
 
 from sparrow_jax.rewards.registry import RewardFn, reward_entry
-from sparrow_jax.rewards.workers import JOB_SIGNALS, Worker, as_reward, describe_exit
+from sparrow_jax.rewards.workers import (JOB_SIGNALS, Worker, as_reward, describe_exit,
+                                         job_signals_blocked)
 from sparrow_jax.runtime import interrupts
 
 log = logging.getLogger(__name__)
@@ -138,11 +139,25 @@ class RewardPool:
         self._undo_at_exit = (interrupts.at_exit(lambda: (kill_now() or (lambda: None))())
                               if processes > 0 else None)
         for _ in range(processes):
-            self._workers.append(self._spawn())
+            self._spawn()
         self.total = collections.Counter()
 
-    def _spawn(self) -> Worker:
-        return Worker(self._ctx, self._payload)
+    def _spawn(self, k: int | None = None) -> None:
+        """Starts a worker as self._workers[k] (appended when k is None).
+
+        A job signal must not come between the start and the registration: the child would
+        outlive an exit at once that kills the registered workers (`kill_now`), or read a
+        half-written start-up hand-off (an EOFError traceback of its own). Blocking the
+        signal in this thread is not enough - the kernel hands a process-directed signal to
+        any thread that does not block it (XLA's, the data loader's) and Python runs the
+        handler in this thread at its next bytecode - so `interrupts.critical` defers a
+        start-up exit to the end of the block as well."""
+        with interrupts.critical(), job_signals_blocked():
+            worker = Worker(self._ctx, self._payload)
+            if k is None:
+                self._workers.append(worker)
+            else:
+                self._workers[k] = worker
 
     def _startup_failure(self, cause: str, worker_traceback: str | None = None) -> Exception:
         """The error that stops a run whose reward worker could not start (one line)."""
@@ -300,7 +315,7 @@ class RewardPool:
     def _replace(self, k: int, tally: _Tally) -> None:
         # A stuck worker cannot be interrupted cooperatively; kill it and start a fresh one.
         self._workers[k].kill()
-        self._workers[k] = self._spawn()
+        self._spawn(k)
         tally.restarts += 1
 
 

@@ -11,6 +11,7 @@ Messages from worker to pool: ("ready",) once, or ("failed", traceback) and exit
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import multiprocessing
@@ -21,7 +22,7 @@ import pickle
 import signal
 import threading
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -93,20 +94,37 @@ def worker_main(conn: Any, payload: bytes) -> None:
             conn.send((idx, False, traceback.format_exc()[-TRACEBACK_CHARS:]))
 
 
+@contextlib.contextmanager
+def job_signals_blocked() -> Iterator[None]:
+    """JOB_SIGNALS blocked in this thread (the main thread; elsewhere nothing changes): a worker
+    started inside inherits the block until `worker_main` ignores them.
+
+    multiprocessing's resource tracker, which a spawn or forkserver start launches the first
+    time, *unblocks* SIGINT and SIGTERM once it has started (resource_tracker.ensure_running,
+    CPython 3.11-3.12): launched inside this block it would reopen the window for the first
+    worker (issue 58: a Ctrl-C 3.5 s into a start-up killed a worker still importing, about
+    half the runs on a loaded machine). So it is started first, outside the block."""
+    if not (hasattr(signal, "pthread_sigmask")
+            and threading.current_thread() is threading.main_thread()):
+        yield
+        return
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class Worker:
-    """One worker process and the pool's end of its pipe; `job` is (item index, deadline)."""
+    """One worker process and the pool's end of its pipe; `job` is (item index, deadline).
+    Construct it inside `job_signals_blocked()` (RewardPool does)."""
 
     def __init__(self, ctx: Any, payload: bytes):
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=worker_main, args=(child, payload), daemon=True)
-        block = (hasattr(signal, "pthread_sigmask")
-                 and threading.current_thread() is threading.main_thread())
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS) if block else None
-        try:
-            self.process.start()
-        finally:
-            if block:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        self.process.start()
         child.close()
         self.ready = False
         self.job: tuple[int, float] | None = None
