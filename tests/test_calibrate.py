@@ -13,7 +13,7 @@ import pytest
 
 from sparrow_jax import cli
 from sparrow_jax.sparsity.cost_model import ModelShape
-from sparrow_jax.sparsity.exact_cost import plan_exact
+from sparrow_jax.sparsity.exact_cost import plan_exact, plan_modes
 from sparrow_jax.sparsity.schedule import load_schedule
 
 GRID = (48, 64, 128)
@@ -117,6 +117,21 @@ def test_calibrate_end_to_end(setup, capsys):
     assert report["exact_plan"]["gammas"] == list(want.gammas)
     assert report["exact_plan"]["budgets"] == list(want.budgets)
     assert f"RolloutConfig.gamma_by_bin = {want.gammas}" in printed
+    # The plan across modes: the same lossless plan, approximate bins only where certified and
+    # as a suffix, its budgets as rollout_plan_schedule.json, and what it chose printed.
+    plan = report["rollout_plan"]
+    want_modes = plan_modes(ModelShape(**report["model_shape"]), "h100",
+                            (np.arange(6) + 0.5) * 32, means, certified.budgets,
+                            batch=report["cost_batch"], weights=plan["weights"])
+    assert plan["modes"] == [m.value for m in want_modes.modes]
+    assert plan["approximate_from_bin"] == want_modes.approximate_from_bin
+    assert list(load_schedule(str(out / "rollout_plan_schedule.json")).budgets) == plan["budgets"]
+    k = plan["approximate_from_bin"]
+    if k:
+        assert all(b == certified.budgets[j] for j, b in enumerate(plan["budgets"]) if j >= k)
+        assert f"RolloutConfig.approximate_from_bin = {k}" in printed
+    else:
+        assert "plan across modes: no approximate bins" in printed
 
 
 @pytest.mark.parametrize("extra, message", [

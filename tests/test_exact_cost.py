@@ -135,3 +135,97 @@ def test_mean_alpha_by_bin_against_a_loop():
         sel = [a for a, p, m in zip(alpha.ravel(), pos.ravel(), mask.ravel())
                if m and min(p // 64, 5) == j]
         assert (np.isnan(got[j]) and not sel) or got[j] == pytest.approx(np.mean(sel))
+
+
+def _lossless(speedup, gammas=None):
+    """An ExactPlan with the given per-bin speed-ups (gamma 1 where > 1, else dense)."""
+    from sparrow_jax.sparsity.exact_cost import ExactPlan
+    gammas = gammas or tuple(1 if s > 1 else 0 for s in speedup)
+    return ExactPlan(gammas, tuple(512 if g else DENSE_BUDGET for g in gammas),
+                     tuple(2.0 if g else 1.0 for g in gammas), tuple(speedup),
+                     tuple(f"lossless {j}" for j in range(len(speedup))))
+
+
+def test_choose_modes_picks_the_best_certified_suffix_by_hand():
+    """Approximate bins are a suffix (bin >= 1) of certified bins; the suffix with the best
+    overall predicted speed-up wins, by hand:
+    lossless 1.0 / 1.2 / 1.3 / 1.4, approximate 3.0 / 1.25 / 1.0 / 2.5 where certified.
+    All four certified, one token each: from bin 1: 4 / (1 + 0.8 + 1 + 0.4) = 1.25; from bin 2:
+    4 / (1 + 1/1.2 + 1 + 0.4) = 1.2371; from bin 3: 4 / (1 + 1/1.2 + 1/1.3 + 0.4) = 1.3322
+    (best); none: 4 / (1 + 1/1.2 + 1/1.3 + 1/1.4) = 1.2060."""
+    from sparrow_jax.sparsity.exact_cost import BinMode, choose_modes
+    lossless = _lossless((1.0, 1.2, 1.3, 1.4))
+    fast = (3.0, 1.25, 1.0, 2.5)
+    plan = choose_modes(lossless, (256,) * 4, fast)
+    assert plan.approximate_from_bin == 3
+    assert plan.modes == (BinMode.DENSE, BinMode.EXACT, BinMode.EXACT, BinMode.APPROXIMATE)
+    assert plan.gammas == (0, 1, 1, 0) and plan.budgets == (DENSE_BUDGET, 512, 512, 256)
+    assert plan.speedup == pytest.approx((1.0, 1.2, 1.3, 2.5))
+    assert plan.overall_speedup() == pytest.approx(4 / (1 + 1 / 1.2 + 1 / 1.3 + 0.4))
+    assert plan.lossless_overall_speedup() == pytest.approx(4 / (1 + 1 / 1.2 + 1 / 1.3 + 1 / 1.4))
+    assert "starts at bin 1 at the earliest" in plan.reasons[0]
+    assert "slower overall" in plan.reasons[1] and "predicted no faster" in plan.reasons[2]
+    assert "certified at budget 256" in plan.reasons[3]
+    # Weights move the choice: most tokens in bin 1 -> the suffix from bin 1 pays.
+    heavy = choose_modes(lossless, (256,) * 4, fast, weights=(1, 10, 1, 1))
+    assert heavy.approximate_from_bin == 1
+    # So do dense costs (a bin's tokens cost more at longer contexts).
+    assert choose_modes(lossless, (256,) * 4, fast, dense_cost=(1, 10, 1, 1)
+                        ).approximate_from_bin == 1
+    # An uncertified bin breaks the suffix: bins before it stay lossless.
+    gap = choose_modes(lossless, (256, 256, DENSE_BUDGET, 256), fast)
+    assert gap.approximate_from_bin == 3
+    assert "not certified" in gap.reasons[2] and "later bin is not certified" in gap.reasons[1]
+    # Nothing certified at the end (as calibration's dense last bin): no approximate bins.
+    none = choose_modes(lossless, (256, 256, 256, DENSE_BUDGET), fast)
+    assert none.approximate_from_bin == 0 and BinMode.APPROXIMATE not in none.modes
+    assert none.speedup == lossless.speedup and none.gammas == lossless.gammas
+    # A tie keeps the bins lossless.
+    tie = choose_modes(_lossless((1.0, 2.0)), (256, 256), (5.0, 2.0))
+    assert tie.approximate_from_bin == 0
+    with pytest.raises(ValueError, match="certified"):
+        choose_modes(lossless, (256,) * 3, fast)
+    with pytest.raises(ValueError, match="non-negative"):
+        choose_modes(lossless, (256,) * 4, fast, weights=(1, -1, 1, 1))
+
+
+def test_plan_modes_against_enumerated_suffixes(caplog):
+    """plan_modes on modelled costs: the lossless plan is plan_exact's, each certified bin's
+    approximate speed-up a sparse step's at its budget over a dense step's, and the chosen
+    suffix the best of all valid ones by enumeration (bins weighed by tokens x dense cost)."""
+    from sparrow_jax.sparsity.exact_cost import plan_modes
+    ctx = [2048, 8192, 16384, 32768]
+    alphas = {128: [0.5, 0.6, 0.6, 0.7], 512: [0.9, 0.9, 0.92, 0.95]}
+    cert = (DENSE_BUDGET, 512, 512, 128)
+    weights = (100, 50, 20, 5)
+    plan = plan_modes(TOY, HW, ctx, alphas, cert, gammas=(1, 2, 4), batch=8, weights=weights)
+    assert plan.lossless == plan_exact(TOY, HW, ctx, alphas, gammas=(1, 2, 4), batch=8)
+    _, _, dense = modelled_costs(TOY, HW, ctx, [128], [1], batch=8)
+    fast = {}
+    for j, b in enumerate(cert):
+        if b < DENSE_BUDGET:
+            draft = modelled_costs(TOY, HW, ctx[j:j + 1], [b], [1], batch=8)[0]
+            fast[j] = dense[j] / draft[0, 0]
+    wc = np.asarray(weights) * dense
+
+    def overall(k):
+        speed = [fast[j] if j >= k else plan.lossless.speedup[j] for j in range(4)]
+        return wc.sum() / np.dot(wc, 1 / np.asarray(speed))
+    best = max([4, 3, 2, 1], key=lambda k: (overall(k), -k) if k < 4 else (overall(4), 0))
+    assert plan.approximate_from_bin == (0 if best == 4 else best)
+    assert plan.overall_speedup() == pytest.approx(overall(best))
+    assert plan.approximate_from_bin >= 1          # the long bins' sparse steps pay here
+    with caplog.at_level(logging.INFO):
+        plan.log(bin_size=4096)
+    assert "rollout plan, bin 3 (12288-16384 tokens): approximate sparse, budget 128" in caplog.text
+
+
+def test_tokens_by_bin_against_a_loop():
+    from sparrow_jax.sparsity.exact_cost import tokens_by_bin
+    r = np.random.default_rng(2)
+    lengths = np.stack([r.integers(0, 100, 30), r.integers(0, 200, 30)], 1)
+    want = np.zeros(4)
+    for p, n in lengths:
+        for pos in range(p, p + n):
+            want[min(pos // 64, 3)] += 1
+    assert tokens_by_bin(lengths, bin_size=64, num_bins=4) == pytest.approx(want)

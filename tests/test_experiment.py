@@ -120,6 +120,30 @@ def test_exact_sparse_arm_beside_dense(base):
     assert evals[0]["eval_dense/reward"] == dense0["eval_dense/reward"]     # same start
 
 
+@pytest.mark.slow
+def test_exact_sparse_arm_with_approximate_bins(base, capfd):
+    """A plan across modes (issue 57: `sparrow calibrate`'s rollout_plan lines): exact_sparse
+    with bins 2+ approximate (`RolloutConfig.approximate_from_bin`; the tiny rows' tokens sit in
+    bins 0-2). Those tokens are unverified drafts recorded with their budget; the verified ones
+    are still the dense policy's (recorded = learner logprobs to 1e-5), and the learner's TIS
+    sees the rest."""
+    root, cfg = base
+    arms = ("{'mixed': [\"TrainConfig.rollout_mode = 'exact_sparse'\", "
+            "\"RolloutConfig.gamma = 2\", \"RolloutConfig.approximate_from_bin = 2\", "
+            "\"TrainConfig.adapt_schedule = False\", \"TrainConfig.eval_at_start = False\"]}")
+    assert _run([str(cfg), "--gin_param", f"ExperimentConfig.arms = {arms}",
+                 "--gin_param", "ExperimentConfig.report = 'comparison_mixed'"]) == 0
+    out = root / "out"
+    assert "length bins 2+ decode approximately sparse" in capfd.readouterr().err
+    steps = [r for r in read_jsonl(out / "mixed") if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 0 < r["exact/approximate_frac"] < 1, {k: v for k, v in r.items() if "exact" in k}
+        assert r["exact/logp_max_abs_diff"] < 1e-5 and r["exact_rounds/bin_01"] > 0
+        assert "exact_rounds/bin_02" not in r          # no verify rounds in approximate bins
+        assert r["loss/tis_weight_mean"] > 0
+
+
 def test_exact_experiment_config_parses_every_arm():
     """configs/experiment_exact.gin on top of the paired experiment: dense@seed (the paired
     experiment's own arms, reused) and exact@seed with the same seed, fixed draft budgets."""

@@ -90,6 +90,21 @@ def test_gamma_by_bin_that_cannot_apply_is_refused():
     assert ok.rollout.gamma_by_bin == plan
 
 
+def test_approximate_bins_that_cannot_apply_are_refused():
+    """`approximate_from_bin` (a plan across modes) is refused outside exact_sparse, and past the
+    schedule's last bin (no bin would decode approximately: a setting silently ignored)."""
+    with pytest.raises(ConfigError, match="approximate_from_bin = 3 is part of a plan for "
+                                          "exact_sparse rollouts, but the mode is 'sparse'"):
+        _resolve(rollout=RolloutConfig(approximate_from_bin=3))
+    with pytest.raises(ConfigError, match="approximate_from_bin = 20 but the schedule has 20 "
+                                          "length bins"):
+        _resolve(train=_train(rollout_mode="exact_sparse"),
+                 rollout=RolloutConfig(mode="exact_sparse", gamma=2, approximate_from_bin=20))
+    ok = _resolve(train=_train(rollout_mode="exact_sparse"),
+                  rollout=RolloutConfig(mode="exact_sparse", gamma=2, approximate_from_bin=3))
+    assert any("length bins 3+ decode approximately sparse" in n for n in ok.notes)
+
+
 # -- one mode, one quantile --------------------------------------------------------------------
 def test_run_mode_is_one_setting():
     assert run_plan.run_mode("sparse", "exact_sparse", train_bound=False,

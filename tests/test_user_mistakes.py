@@ -496,8 +496,14 @@ def test_the_printed_exact_plan_pastes_into_a_training_config(world, capsys, mon
     # A plan dense in every bin (no draft beats dense decoding) pastes too.
     dense = world / "dense_exact_schedule.json"
     Schedule.dense(4, bin_size=16).to_json(dense)
+    # So does a plan across modes (approximate bins 2+ at certified budgets).
+    mixed = world / "rollout_plan_schedule.json"
+    Schedule((48, 48, 48, 48), 16, 16, "plan").to_json(mixed)
+    mixed_lines = exact_plan_config((1, 1, 0, 0), str(mixed), approximate_from_bin=2)
+    assert "RolloutConfig.approximate_from_bin = 2" in mixed_lines
     for name, lines in (("pasted", pasted),
-                        ("pasted_dense", exact_plan_config((0, 0, 0, 0), str(dense)))):
+                        ("pasted_dense", exact_plan_config((0, 0, 0, 0), str(dense))),
+                        ("pasted_mixed", mixed_lines)):
         rc, output = _in_process(["train", str(_config_with(world, name, lines))], "sparrow",
                                  capsys, monkeypatch)
         assert rc == LOADS, output[-3000:]

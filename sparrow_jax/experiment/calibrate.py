@@ -376,21 +376,33 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
                                   block_size=rcfg.block_size)
         s["pred_speedup"] = cost_model.predict_speedup(shape, hw, const, lengths, **cost_kw)
 
-    # Exact sparse rollout's plan per bin (sparsity/exact_cost.py, RolloutConfig.gamma_by_bin).
-    exact_plan = exact_cost.plan_exact(shape, hw, (np.arange(cfg.num_bins) + 0.5) * cfg.bin_size, {
-        b: np.where(s["counts"] >= cfg.min_bin_tokens, s["mean_alpha_by_bin"], np.nan)
-        for b, s in zip(grid, per_budget)}, batch=cfg.cost_batch)
+    # Exact sparse rollout's plan per bin (sparsity/exact_cost.py, RolloutConfig.gamma_by_bin),
+    # lossless, and the one planner across modes: the lossless plan with a suffix of bins
+    # approximate where the controller's rule certified a budget and that is predicted faster
+    # over the tokens this model generates per bin.
+    weights = exact_cost.tokens_by_bin(lengths, bin_size=cfg.bin_size, num_bins=cfg.num_bins)
+    rollout_plan = exact_cost.plan_modes(
+        shape, hw, (np.arange(cfg.num_bins) + 0.5) * cfg.bin_size, {
+            b: np.where(s["counts"] >= cfg.min_bin_tokens, s["mean_alpha_by_bin"], np.nan)
+            for b, s in zip(grid, per_budget)}, certified.budgets, batch=cfg.cost_batch,
+        weights=weights)
+    exact_plan = rollout_plan.lossless
     exact_plan.log(cfg.bin_size)
+    rollout_plan.log(cfg.bin_size)
     os.makedirs(cfg.output_dir, exist_ok=True)
     paths = {k: os.path.join(cfg.output_dir, f) for k, f in (
         ("schedule", "schedule.json"), ("heatmap", "heatmap.png"), ("report", "report.json"),
         ("certified", "certified_schedule.json"), ("one_lower", "one_rung_lower_schedule.json"),
-        ("exact", "exact_schedule.json"))}
+        ("exact", "exact_schedule.json"), ("plan", "rollout_plan_schedule.json"))}
     schedule.to_json(paths["schedule"])
     # The exact plan's draft budgets as a schedule (dense bins at the dense rung): what
     # `make_schedule.path` of an exact_sparse training run reads (exact_plan_config).
     Schedule(exact_plan.budgets, cfg.bin_size, rcfg.block_size,
              f"exact-{name}").to_json(paths["exact"])
+    # The plan across modes' budgets: draft budgets where exact, certified ones where
+    # approximate (what its printed gin lines point make_schedule.path to).
+    Schedule(rollout_plan.budgets, cfg.bin_size, rcfg.block_size,
+             f"plan-{name}").to_json(paths["plan"])
     certified.to_json(paths["certified"])
     cert["one_rung_lower"].to_json(paths["one_lower"])
     cert["one_rung_lower"] = cert["one_rung_lower"].to_dict()
@@ -411,6 +423,10 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
                           "lower_margin")}},
         "predicted_speedup": speedup, "hardware": hw.name, "cost_batch": cfg.cost_batch,
         "exact_plan": dataclasses.asdict(exact_plan),
+        "rollout_plan": {**{k: v for k, v in dataclasses.asdict(rollout_plan).items()
+                            if k != "lossless"},
+                         "overall_speedup": rollout_plan.overall_speedup(),
+                         "lossless_overall_speedup": rollout_plan.lossless_overall_speedup()},
         "model_shape": dataclasses.asdict(shape),
         "lengths": {"source": "dense" if floor else f"budget {grid[-1]}",
                     "mean_prompt": float(lengths[:, 0].mean()),
@@ -425,16 +441,21 @@ def run_calibration(cfg: CalibrateConfig, rcfg: RolloutConfig | None = None) -> 
     return report
 
 
-def exact_plan_config(gammas: Sequence[int], schedule_path: str) -> list[str]:
+def exact_plan_config(gammas: Sequence[int], schedule_path: str,
+                      approximate_from_bin: int = 0) -> list[str]:
     """The gin lines that train with calibration's exact_sparse plan: its draft length per bin
     (`RolloutConfig.gamma_by_bin`, 0 = dense decoding there), `RolloutConfig.gamma` its largest
     entry (the cache slack; 1 for a plan dense in every bin), the static engine (where plans
-    are measured; the paged engine runs a plan per bin too since issue 57) and the plan's
-    draft budgets as the schedule."""
+    are measured; the paged engine runs a plan per bin too since issue 57), the plan's
+    budgets as the schedule and, for a plan across modes with approximate bins, the first of
+    them (`RolloutConfig.approximate_from_bin`)."""
     gammas = tuple(int(g) for g in gammas)
-    return ["TrainConfig.rollout_mode = 'exact_sparse'", "RolloutConfig.engine = 'static'",
-            f"RolloutConfig.gamma = {max(gammas) or 1}", f"RolloutConfig.gamma_by_bin = {gammas}",
-            f"make_schedule.path = {schedule_path!r}"]
+    lines = ["TrainConfig.rollout_mode = 'exact_sparse'", "RolloutConfig.engine = 'static'",
+             f"RolloutConfig.gamma = {max(gammas) or 1}",
+             f"RolloutConfig.gamma_by_bin = {gammas}"]
+    if approximate_from_bin:
+        lines.append(f"RolloutConfig.approximate_from_bin = {int(approximate_from_bin)}")
+    return lines + [f"make_schedule.path = {schedule_path!r}"]
 
 
 def output_settings(cfg: CalibrateConfig, rcfg: RolloutConfig) -> dict[str, Any]:
@@ -489,5 +510,19 @@ def main(args: argparse.Namespace) -> int:
           "bindings):")
     for line in exact_plan_config(ex["gammas"], report["files"]["exact"]):
         print(f"  {line}")
+    plan = report["rollout_plan"]
+    if plan["approximate_from_bin"]:
+        k = plan["approximate_from_bin"]
+        print(f"faster, not lossless - the plan across modes: bins {k}+ approximate sparse at "
+              f"the certified budgets {list(plan['budgets'][k:])} (unverified drafts, "
+              f"corrected by the learner's TIS; the controller does not watch them in an "
+              f"exact_sparse run), x dense {[round(x, 2) for x in plan['speedup']]}, "
+              f"{plan['overall_speedup']:.2f}x over this model's tokens per bin against "
+              f"{plan['lossless_overall_speedup']:.2f}x lossless; to train with it instead:")
+        for line in exact_plan_config(plan["gammas"], report["files"]["plan"], k):
+            print(f"  {line}")
+    else:
+        print("plan across modes: no approximate bins (none certified in a suffix of bins, "
+              "or not predicted faster): the lossless plan above")
     print(f"wrote {', '.join(report['files'].values())} in {time.time() - start:.0f} s")
     return 0

@@ -13,11 +13,17 @@ or modelled (`modelled_costs`: the eFLOPs of cost_model.py, where the verify of 
 tokens pays the linear layers' FLOPs per token but reads the weights and the whole KV once).
 The static engine runs the chosen gamma per bin (`RolloutConfig.gamma_by_bin`, rollout/exact.py);
 a fixed gamma (`RolloutConfig.gamma`) stays the simple setting.
+
+`plan_modes` is the one planner across modes (issue 57): per bin dense, exact sparse (gamma,
+draft budget) or approximate sparse - unverified drafts at the budget the controller's rule
+certified there (`RolloutConfig.approximate_from_bin`) - whichever is predicted fastest among
+the safe choices. Approximate bins run as a suffix of the bins, so it picks the suffix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -180,3 +186,153 @@ def plan_exact(model: ModelShape | str, hardware: Hardware | str, bin_ctx: Seque
                                           block_size=block_size, batch=batch)
     return choose_per_bin(budgets, [alpha_by_budget[b] for b in budgets], draft,
                           dict(zip(gammas, verify)), dense)
+
+
+class BinMode(str, enum.Enum):
+    """How a length bin decodes in an exact_sparse run's plan."""
+    DENSE = "dense"                 # gamma 0: a dense step
+    EXACT = "exact"                 # gamma drafts, verified densely: the dense policy's samples
+    APPROXIMATE = "approximate"     # unverified drafts at a certified budget (TIS corrects)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModePlan:
+    """Per length bin: the mode, the draft length (0 where dense; 0 in approximate bins, whose
+    rounds draft RolloutConfig.gamma + 1 tokens), the budget (DENSE_BUDGET where dense; the
+    certified one where approximate), the predicted speed-up over dense decoding and why; the
+    first approximate bin (0 = none: the `RolloutConfig.approximate_from_bin` setting) and the
+    lossless plan it started from."""
+    modes: tuple[BinMode, ...]
+    gammas: tuple[int, ...]
+    budgets: tuple[int, ...]
+    speedup: tuple[float, ...]
+    reasons: tuple[str, ...]
+    approximate_from_bin: int
+    lossless: ExactPlan
+    weights: tuple[float, ...]          # the tokens per bin and a dense token's cost there
+    dense_cost: tuple[float, ...]       # that the plan was chosen for (default 1 each)
+
+    def overall_speedup(self) -> float:
+        """Dense cost / planned cost of generating weights[j] tokens in bin j at dense_cost[j]
+        per dense token."""
+        w, c = np.asarray(self.weights), np.asarray(self.dense_cost)
+        return float(np.dot(w, c) / np.dot(w, c / np.asarray(self.speedup)))
+
+    def lossless_overall_speedup(self) -> float:
+        """The same for the lossless plan (no approximate bins)."""
+        return self.lossless.overall_speedup(self.weights, self.dense_cost)
+
+    def log(self, bin_size: int, logger: logging.Logger = log) -> None:
+        """One line per bin: what runs there, the predicted speed-up and why."""
+        for j, (m, g, b, s, why) in enumerate(zip(self.modes, self.gammas, self.budgets,
+                                                  self.speedup, self.reasons)):
+            what = {BinMode.DENSE: "dense decoding",
+                    BinMode.EXACT: f"exact sparse, gamma {g}, draft budget {b}",
+                    BinMode.APPROXIMATE: f"approximate sparse, budget {b}"}[m]
+            logger.info("rollout plan, bin %d (%d-%d tokens): %s, predicted %.2fx dense (%s)",
+                        j, j * bin_size, (j + 1) * bin_size, what, s, why)
+
+
+def choose_modes(lossless: ExactPlan, certified_budgets: Sequence[int],
+                 approximate_speedup: Any, weights: Sequence[float] | None = None,
+                 dense_cost: Sequence[float] | None = None) -> ModePlan:
+    """The lossless plan (dense or exact per bin, `choose_per_bin`) with a suffix of bins
+    switched to approximate decoding where that is predicted faster over all bins.
+
+    certified_budgets [bins]: the budget the controller's rule certified per bin (DENSE_BUDGET:
+    none there - approximate decoding is not safe in that bin); approximate_speedup [bins]: the
+    predicted speed-up over dense of a sparse step at that budget (ignored where not certified);
+    weights [bins]: the tokens generated per bin (default one each) and dense_cost [bins] a
+    dense token's cost there (default 1 each), which weigh the bins in the overall speed-up. Approximate bins form a suffix starting at bin >= 1 (the engines'
+    `approximate_from_bin`: every token before it is verified), so only suffixes of certified
+    bins are candidates; of those, the one with the best overall predicted speed-up, and on a
+    tie the shorter one (fewer unverified tokens)."""
+    n = len(lossless.gammas)
+    cert = np.asarray(certified_budgets, np.int64)
+    fast = np.asarray(approximate_speedup, np.float64)
+    if cert.shape != (n,) or fast.shape != (n,):
+        raise ValueError(f"choose_modes: {n} bins in the lossless plan, {cert.shape} certified "
+                         f"budgets, {fast.shape} approximate speed-ups")
+    safe = cert < DENSE_BUDGET
+    w = np.ones(n) if weights is None else np.asarray(weights, np.float64)
+    c = np.ones(n) if dense_cost is None else np.asarray(dense_cost, np.float64)
+    if w.shape != (n,) or c.shape != (n,) or np.any(w < 0) or np.any(c <= 0):
+        raise ValueError(f"choose_modes: weights and dense costs must be {n} non-negative "
+                         f"(costs positive) numbers, got {w} and {c}")
+    exact_speed = np.asarray(lossless.speedup, np.float64)
+    wc = w * c                                  # the dense cost of each bin's tokens
+
+    def overall(start: int) -> float:
+        speed = np.where(np.arange(n) >= start, fast, exact_speed)
+        return float(wc.sum() / np.dot(wc, 1.0 / speed)) if wc.sum() > 0 else 1.0
+
+    # Bin k can start the suffix when every bin from k on is certified.
+    starts = [k for k in range(1, n) if safe[k:].all()]
+    best, best_speed = n, overall(n)
+    for k in sorted(starts, reverse=True):      # shorter suffixes first: they win ties
+        if overall(k) > best_speed * (1 + 1e-9):
+            best, best_speed = k, overall(k)
+    modes, gammas, budgets, speedup, reasons = [], [], [], [], []
+    for j in range(n):
+        if j >= best:
+            modes.append(BinMode.APPROXIMATE)
+            gammas.append(0)
+            budgets.append(int(cert[j]))
+            speedup.append(float(fast[j]))
+            reasons.append(f"certified at budget {cert[j]}: {fast[j]:.2f}x dense against "
+                           f"{exact_speed[j]:.2f}x lossless ({lossless.reasons[j]})")
+            continue
+        g = lossless.gammas[j]
+        modes.append(BinMode.EXACT if g else BinMode.DENSE)
+        gammas.append(g)
+        budgets.append(lossless.budgets[j])
+        speedup.append(float(exact_speed[j]))
+        if j == 0 and safe[j]:
+            why = "approximate decoding starts at bin 1 at the earliest"
+        elif not safe[j]:
+            why = "approximate decoding not certified in this bin"
+        elif fast[j] <= exact_speed[j]:
+            why = f"approximate at budget {cert[j]} predicted no faster ({fast[j]:.2f}x)"
+        elif not safe[j:].all():
+            why = (f"approximate at budget {cert[j]} would be {fast[j]:.2f}x, but a later bin "
+                   "is not certified (approximate bins are a suffix)")
+        else:
+            why = (f"approximate at budget {cert[j]} would be {fast[j]:.2f}x, but starting "
+                   "the approximate bins here is slower overall")
+        reasons.append(f"{lossless.reasons[j]}; {why}")
+    return ModePlan(tuple(modes), tuple(gammas), tuple(budgets), tuple(speedup),
+                    tuple(reasons), best if best < n else 0, lossless,
+                    tuple(float(x) for x in w), tuple(float(x) for x in c))
+
+
+def plan_modes(model: ModelShape | str, hardware: Hardware | str, bin_ctx: Sequence[float],
+               alpha_by_budget: Mapping[int, Sequence[float]],
+               certified_budgets: Sequence[int], *, gammas: Sequence[int] = (1, 2, 4),
+               block_size: int = 16, batch: int = 256,
+               weights: Sequence[float] | None = None) -> ModePlan:
+    """`choose_modes` on modelled costs at bin_ctx [bins]: `plan_exact` for the lossless plan,
+    per certified bin a sparse step at its certified budget against a dense step, and the bins
+    weighed by weights [bins] (tokens generated there) times a dense token's cost there."""
+    lossless = plan_exact(model, hardware, bin_ctx, alpha_by_budget, gammas=gammas,
+                          block_size=block_size, batch=batch)
+    ctx = np.asarray(bin_ctx, np.float64)
+    cert = np.asarray(certified_budgets, np.int64)
+    fast = np.full(len(ctx), np.nan)
+    dense = modelled_costs(model, hardware, ctx, [DENSE_BUDGET], [1], block_size=block_size,
+                           batch=batch)[2]
+    for j in np.flatnonzero(cert < DENSE_BUDGET):
+        draft = modelled_costs(model, hardware, ctx[j:j + 1], [int(cert[j])], [1],
+                               block_size=block_size, batch=batch)[0]
+        fast[j] = float(dense[j] / draft[0, 0])
+    return choose_modes(lossless, cert, fast, weights, dense)
+
+
+def tokens_by_bin(lengths: Any, *, bin_size: int, num_bins: int) -> np.ndarray:
+    """Generated tokens per bin of cached length: lengths [N, 2] (prompt, response) -> [bins]
+    (response token t sits at cached position prompt + t; the last bin open-ended)."""
+    arr = np.asarray(lengths, np.int64).reshape(-1, 2)
+    edges = np.arange(num_bins + 1, dtype=np.int64) * bin_size
+    edges[-1] = np.iinfo(np.int64).max // 2
+    start, end = arr[:, :1], arr[:, :1] + arr[:, 1:]        # [N, 1]: positions [start, end)
+    overlap = np.clip(np.minimum(end, edges[1:]) - np.maximum(start, edges[:-1]), 0, None)
+    return overlap.sum(0).astype(np.float64)

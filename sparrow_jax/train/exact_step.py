@@ -75,8 +75,10 @@ def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int | Sequence[int
 
 
 def logprob_agreement(traj: Trajectories, logp_old) -> dict[str, float]:
-    """max |recorded logprob - the learner's dense logprob| over generated tokens: the recorded
-    logprobs are the dense policy's, so this is f32 rounding (TIS weight exp(diff) = 1)."""
-    mask = _global(traj.mask)
+    """max |recorded logprob - the learner's dense logprob| over verified tokens: the recorded
+    logprobs are the dense policy's, so this is f32 rounding (TIS weight exp(diff) = 1). An
+    approximate bin's tokens (`RolloutConfig.approximate_from_bin`; they record their budget)
+    carry the draft's logprob, which the learner's TIS corrects as in sparse mode: left out."""
+    verified = _global(traj.mask) & (_global(traj.budgets) == 0)
     diff = np.abs(_global(traj.logprobs) - _global(logp_old))
-    return {"exact/logp_max_abs_diff": float(diff[mask].max()) if mask.any() else 0.0}
+    return {"exact/logp_max_abs_diff": float(diff[verified].max()) if verified.any() else 0.0}

@@ -138,6 +138,17 @@ def resolve(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig,
             raise ConfigError([f"RolloutConfig.gamma_by_bin has {len(rollout.gamma_by_bin)} "
                                f"entries but the schedule has {schedule.num_bins} length bins: "
                                "give one per bin (the last holds beyond)"], "rollout")
+    if rollout.approximate_from_bin:
+        k = rollout.approximate_from_bin
+        if mode != RolloutMode.EXACT_SPARSE:
+            raise ConfigError([f"RolloutConfig.approximate_from_bin = {k} is part of a plan for "
+                               f"exact_sparse rollouts, but the mode is {str(mode)!r}: unset "
+                               "it or use rollout_mode 'exact_sparse'"], "rollout")
+        if k >= schedule.num_bins:
+            raise ConfigError([f"RolloutConfig.approximate_from_bin = {k} but the schedule has "
+                               f"{schedule.num_bins} length bins (0-{schedule.num_bins - 1}): "
+                               "no bin would decode approximately; unset it or name a bin"],
+                              "rollout")
     if mode == RolloutMode.SPARSE:
         also = 0
         if adapts:
@@ -167,6 +178,13 @@ def resolve(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig,
                      if rollout.gamma_by_bin else
                      f"exact_sparse rollout: gamma {rollout.gamma} drafts per dense verify "
                      f"pass, draft budgets {sorted(set(schedule.budgets))}")
+        if rollout.approximate_from_bin:
+            k = rollout.approximate_from_bin
+            notes.append(f"exact_sparse rollout: length bins {k}+ decode approximately sparse "
+                         f"at budgets {list(schedule.budgets[k:])} (unverified drafts, not the "
+                         "dense policy's samples: the learner's TIS corrects them; the "
+                         "controller does not run, so nothing re-certifies those budgets "
+                         "during the run)")
     # Dense and exact-sparse samples are the dense policy's: no sparse replay to compare.
     if (mode in (RolloutMode.DENSE, RolloutMode.EXACT_SPARSE)
             and learner.alpha_mode == AlphaMode.FULL):
