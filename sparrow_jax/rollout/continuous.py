@@ -344,7 +344,7 @@ class PagedRollout:
         table = cfg.traced_plan(len(budgets))[1]       # re-planning: the plan is an input
         self.kv, out_slots, rec = program(
             self.graphdef, self.params, self.kv, slots, jnp.asarray(decode_budgets(cfg, budgets)),
-            self.rng, None if table is None else jnp.asarray(table), cfg=self.program_cfg,
+            self.rng, *(() if table is None else (jnp.asarray(table),)), cfg=self.program_cfg,
             steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
         return Chunk(order, out_slots, self.sync.start_read(rec))
 

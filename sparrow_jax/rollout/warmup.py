@@ -152,7 +152,7 @@ def _lower(model, p: Program, *, spec, budgets, bin_size: int, rng):
     cfg, table = p.cfg.traced_plan(len(budgets))    # re-planning: the gamma table an input
     return chunk.lower(
         graphdef, params, kv, slots, jnp.asarray(np.asarray(budgets, np.int32)), rng,
-        None if table is None else jnp.asarray(table), cfg=cfg, steps=sh["steps"],
+        *(() if table is None else (jnp.asarray(table),)), cfg=cfg, steps=sh["steps"],
         bin_size=bin_size, spec=spec)
 
 
