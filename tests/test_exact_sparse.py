@@ -446,3 +446,63 @@ def test_verify_guided_drafts_are_refused_on_the_fused_gpu_decode(sharp, monkeyp
         with pytest.raises(ValueError, match="draft_scorer = 'verify' does not run on the fus"):
             generate(sharp, toks, lens, cfg=dataclasses.replace(cfg, engine=engine),
                      budgets=BUDGETS)
+
+
+@pytest.mark.slow       # ~30 s: three decode programs compile
+def test_traced_gamma_table_gives_the_static_plans_samples(sharp):
+    """Re-planning (`RolloutConfig.replan_gammas`) makes the per-bin gamma table an input of
+    the decode program: for the same plan it draws the same samples as the plan compiled in
+    (one more, unused, branch), counts its rounds per branch, and a second plan runs in the
+    same program (no compile)."""
+    from sparrow_jax.runtime.compile_cache import count_compiles
+    toks, lens = random_prompts([40, 70, 9, 23], seed=3)
+    kw = dict(max_new_tokens=40, temperature=1.0, gamma=2, **KW)
+    rng = jax.random.key(4)
+    compiled_in = generate(sharp, toks, lens, budgets=BUDGETS, bin_size=24, rng=rng,
+                           cfg=RolloutConfig(mode="exact_sparse", gamma_by_bin=(2, 0, 2), **kw))
+    traced_cfg = RolloutConfig(mode="exact_sparse", gamma_by_bin=(2, 0, 2),
+                               replan_gammas=(0, 1, 2), **kw)
+    assert traced_cfg.round_branches == ("gamma_0", "gamma_1", "gamma_2")
+    traced = generate(sharp, toks, lens, budgets=BUDGETS, bin_size=24, rng=rng, cfg=traced_cfg)
+    for field in ("tokens", "logprobs", "accepted", "response_lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(traced, field)),
+                                      np.asarray(getattr(compiled_in, field)), err_msg=field)
+    assert compiled_in.round_counts is None
+    counts = np.asarray(traced.round_counts)
+    assert counts.shape == (4, 3) and (counts == counts[0]).all()
+    assert counts[0, 1] == 0 and counts[0, 0] > 0 and counts[0, 2] > 0   # gamma 1: no bin
+    with count_compiles() as compiled:
+        other = generate(sharp, toks, lens, budgets=BUDGETS, bin_size=24, rng=rng,
+                         cfg=dataclasses.replace(traced_cfg, gamma_by_bin=(1, 1, 0)))
+    assert not [n for n in compiled if "decode" in n or "prefill" in n], compiled
+    c = np.asarray(other.round_counts)[0]
+    assert c[1] > 0 and c[2] == 0
+    rows = exact.acceptance_by_bin(other, gamma=(1, 1, 0), bin_size=24)
+    assert all(r["tokens_per_pass"] <= r["gamma"] + 1 for r in rows)
+
+
+def test_replan_settings_are_refused_by_name():
+    base = dict(mode="exact_sparse", gamma=2)
+    with pytest.raises(ValueError, match=r"replan_every=2 needs RolloutConfig.replan_gammas"):
+        RolloutConfig(replan_every=2, **base)
+    with pytest.raises(ValueError, match="replan_every=-1 must be >= 0"):
+        RolloutConfig(replan_every=-1, **base)
+    with pytest.raises(ValueError, match="at least two distinct draft lengths"):
+        RolloutConfig(replan_gammas=(2,), **base)
+    with pytest.raises(ValueError, match="at least two distinct draft lengths"):
+        RolloutConfig(replan_gammas=(0, 2, 2), **base)
+    with pytest.raises(ValueError, match=r"gamma=2 must be their largest \(4; it sizes the cache"):
+        RolloutConfig(replan_gammas=(0, 4), **base)
+    with pytest.raises(ValueError, match=r"gamma_by_bin runs gamma \[1\], not in "
+                                         r"RolloutConfig.replan_gammas=\(0, 2\)"):
+        RolloutConfig(replan_gammas=(0, 2), gamma_by_bin=(2, 1), **base)
+    with pytest.raises(ValueError, match="replan_min_rounds=0"):
+        RolloutConfig(replan_gammas=(0, 2), replan_min_rounds=0, **base)
+    # A plan below gamma is fine when re-planning (a later plan may use gamma).
+    cfg = RolloutConfig(replan_gammas=(0, 1, 2), gamma_by_bin=(1, 0), replan_every=3, **base)
+    assert cfg.replans and cfg.round_gammas == (0, 1, 2) and cfg.plans_per_bin
+    prog, table = cfg.traced_plan(4)
+    assert prog.gamma_by_bin == () and table.tolist() == [1, 0, 0, 0]
+    assert prog == dataclasses.replace(cfg, gamma_by_bin=(2, 2)).traced_plan(4)[0]
+    # Outside exact_sparse the programs take no table (train/plan.py refuses the setting).
+    assert not RolloutConfig(replan_gammas=(0, 4)).replans

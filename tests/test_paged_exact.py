@@ -212,3 +212,25 @@ def test_paged_exact_settings():
     assert max_pages(dataclasses.replace(cfg, mode="sparse")) == 5
     assert max_pages(dataclasses.replace(cfg, gamma=9, chunk_steps=10)) == 5
     assert max_pages(dataclasses.replace(cfg, gamma=10, chunk_steps=11)) == 6
+
+
+@pytest.mark.slow       # ~60 s: two exact chunk programs compile
+def test_paged_traced_gamma_table_gives_the_static_plans_samples(sharp):
+    """Re-planning (`replan_gammas`) on the paged engine: the per-bin gamma table is an input
+    of the decode chunk; for the same plan the samples equal the compiled-in plan's, and the
+    chunks' rounds per branch add up in `round_counts`."""
+    toks, lens = _prompts([40, 70, 32, 23], seed=5)
+    cfg = RolloutConfig(mode="exact_sparse", engine="paged", temperature=1.0,
+                        gamma_by_bin=(3, 0, 3), **KW)
+    rng = jax.random.key(6)
+    compiled_in = generate(sharp, toks, lens, budgets=BUDGETS, bin_size=24, rng=rng, cfg=cfg)
+    traced = generate(sharp, toks, lens, budgets=BUDGETS, bin_size=24, rng=rng,
+                      cfg=dataclasses.replace(cfg, replan_gammas=(0, 1, 3)))
+    for field in ("tokens", "logprobs", "accepted", "response_lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(traced, field)),
+                                      np.asarray(getattr(compiled_in, field)), err_msg=field)
+    counts = np.asarray(traced.round_counts)
+    assert counts.shape == (4, 3) and (counts == counts[0]).all()
+    assert counts[0, 1] == 0 and counts[0, 2] > 0       # gamma 1: in no bin
+    # Every chunk runs chunk_rounds rounds, whichever branch.
+    assert counts[0].sum() == continuous.LAST_STATS.chunks * chunk_rounds(cfg)

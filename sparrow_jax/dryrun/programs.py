@@ -149,6 +149,8 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
     rng = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=spec.sharding((), ()))
     budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))
+    # Re-planning exact_sparse: the per-bin gamma table is an input (RolloutConfig.traced_plan).
+    table = (budgets,) if rc.replans else ()
     traj = device_bytes(abstract_trajectories(shape, rows, spec))
     prompts = (sds((rows // n, shape.prompt_len), jnp.int32, spec), sds((rows // n,), jnp.int32, spec))
     return [Program("rollout.prefill", static.prefill_program, (graphdef, state, *prompts, rng),
@@ -156,9 +158,10 @@ def rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int) -> list[Pr
                     dict(cfg=rc, group_size=n, spec=spec), traj),
             Program("rollout.decode", exact.decode_program_for(rc)
                     if rc.mode == RolloutMode.EXACT_SPARSE else static.decode_program_for(rc),
-                    (graphdef, state, None, budgets),
-                    ("static", "state", "local", "local"),
-                    dict(cfg=rc, bin_size=shape.bin_size, spec=spec), traj)]
+                    (graphdef, state, None, budgets) + table,
+                    ("static", "state", "local", "local") + ("local",) * len(table),
+                    dict(cfg=rc.without_traced_plan, bin_size=shape.bin_size, spec=spec),
+                    traj)]
 
 
 def paged_layout(shape: StepShape, spec: ShardingSpec, rows: int,
@@ -199,7 +202,9 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
                                sharding=spec.sharding((), ()))
     budgets = sds((shape.num_bins,), jnp.int32, spec, (None,))
     i32 = jnp.int32
-    cfg = dataclasses.replace(rc, pool_bytes=0, pool_fraction=0.0, max_slots=0)
+    cfg = dataclasses.replace(rc.without_traced_plan, pool_bytes=0, pool_fraction=0.0,
+                              max_slots=0)
+    table = (budgets,) if rc.replans else ()     # the gamma table (as the budgets: [bins])
 
     def prefill(name, per_pool, width, fan, replay):
         r, bs = per_pool * data, rc.block_size
@@ -225,8 +230,9 @@ def paged_rollout_programs(shape: StepShape, spec: ShardingSpec, rows: int, hbm_
     decode = Program("rollout.paged_decode" + ("[exact_sparse]" if exact_mode else ""),
                      paged_exact.decode_chunk_program_for(cfg) if exact_mode
                      else paged.decode_chunk_program_for(cfg),
-                     (graphdef, state, kv, slots, budgets, rng),
-                     ("static", "state", "local", "local", "local", "local"),
+                     (graphdef, state, kv, slots, budgets, rng) + table,
+                     ("static", "state", "local", "local", "local", "local")
+                     + ("local",) * len(table),
                      dict(cfg=cfg, steps=rc.chunk_steps, bin_size=shape.bin_size, spec=spec))
     return [prefill("rollout.paged_prefill", groups_per_pool, shape.prompt_len, n, False),
             prefill("rollout.paged_prefill[resume]", 1, widest, 1, rc.mode == RolloutMode.SPARSE),

@@ -89,6 +89,18 @@ class RolloutConfig:
     # "verify" (the per-block attention mass of the last verify pass, per KV head; a row's
     # first round, and each paged decode chunk's, scores centroids).
     draft_scorer: DraftScorer = DraftScorer.CENTROID
+    # exact_sparse: re-planning the per-bin gamma inside a training run (docs/rollout.md,
+    # "Re-planning in a run"). replan_gammas: the draft lengths the decode programs compile a
+    # round for (0: a dense step), e.g. (0, 1, 2, 4); set, the per-bin gamma table is an input
+    # of the programs (`traced_plan`), so a new plan among these gammas runs without a compile.
+    # gamma must be their largest (it sizes the cache slack); gamma_by_bin (or gamma) is the
+    # first plan, its gammas among these.
+    # replan_every: `sparrow train` re-fits the plan every this many steps from the run's
+    # measured alpha and round costs (0: never; needs replan_gammas); a bin keeps its gamma
+    # until it saw replan_min_rounds verify rounds since the last re-fit.
+    replan_gammas: tuple[int, ...] = ()
+    replan_every: int = 0
+    replan_min_rounds: int = 32
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 16
     max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
@@ -165,6 +177,7 @@ class RolloutConfig:
             self._check_compress()
         if self.mode == RolloutMode.EXACT_SPARSE and self.gamma_by_bin:
             self._check_gamma_by_bin()
+        self._check_replan()
         if self.approximate_from_bin < 0:      # read by exact_sparse only (as gamma_by_bin)
             raise ValueError(f"RolloutConfig.approximate_from_bin={self.approximate_from_bin}: "
                              "a bin index >= 1 of an exact_sparse plan (0: none)")
@@ -222,17 +235,53 @@ class RolloutConfig:
         """Raises on a per-bin gamma plan the exact_sparse engines cannot run."""
         plan = self.gamma_by_bin
         # A plan dense in every bin (all 0, as calibration may find) drafts nothing: any gamma
-        # runs it (gamma only sizes the cache slack then).
-        if min(plan) < 0 or (max(plan) != self.gamma and max(plan) > 0):
+        # runs it (gamma only sizes the cache slack then). Re-planning may raise a bin's gamma
+        # up to `gamma` later: the plan may stay below it.
+        top_ok = max(plan) <= self.gamma if self.replan_gammas else max(plan) == self.gamma
+        if min(plan) < 0 or (not top_ok and max(plan) > 0):
             raise ValueError(f"RolloutConfig.gamma_by_bin={plan}: entries must be >= 0 and "
                              f"RolloutConfig.gamma={self.gamma} must be their largest "
                              f"({max(plan)}; it sizes the cache slack): set "
                              f"RolloutConfig.gamma = {max(plan)}")
 
+    def _check_replan(self) -> None:
+        """Raises on re-planning settings that cannot work (refused outside exact_sparse by
+        the run plan, train/plan.py, as gamma_by_bin is: gin may set the mode elsewhere)."""
+        cand, name = self.replan_gammas, "RolloutConfig.replan_gammas"
+        if self.replan_every < 0 or self.replan_min_rounds < 1:
+            raise ValueError(f"RolloutConfig.replan_every={self.replan_every} must be >= 0 (0: "
+                             f"never) and replan_min_rounds={self.replan_min_rounds} >= 1")
+        if self.replan_every and not cand:
+            raise ValueError(f"RolloutConfig.replan_every={self.replan_every} needs {name}: the "
+                             "draft lengths the decode programs compile, e.g. (0, 1, 2, 4)")
+        if not cand or self.mode != RolloutMode.EXACT_SPARSE:
+            return
+        if len(set(cand)) != len(cand) or len(cand) < 2 or min(cand) < 0:
+            raise ValueError(f"{name}={cand}: at least two distinct draft lengths >= 0 (0: a "
+                             "dense step), e.g. (0, 1, 2, 4)")
+        if max(cand) != self.gamma:
+            raise ValueError(f"{name}={cand}: RolloutConfig.gamma={self.gamma} must be their "
+                             f"largest ({max(cand)}; it sizes the cache slack): set "
+                             f"RolloutConfig.gamma = {max(cand)}")
+        # The first plan's verified bins (gamma, the largest candidate, without a plan).
+        missing = sorted(set(self.gamma_by_bin[:self.approximate_from_bin or None]) - set(cand))
+        if missing:
+            raise ValueError(f"RolloutConfig.gamma_by_bin runs gamma {missing}, not in {name}="
+                             f"{cand} (the rounds the programs compile): add it to {name}")
+
+    @property
+    def replans(self) -> bool:
+        """Whether the exact_sparse programs take the per-bin gamma table as an input
+        (`replan_gammas` set): their round branches are the candidates, whatever the plan."""
+        return bool(self.replan_gammas) and self.mode == RolloutMode.EXACT_SPARSE
+
     @property
     def round_gammas(self) -> tuple[int, ...]:
-        """The draft lengths an exact_sparse round can run: the distinct gamma_by_bin entries
-        of the verified bins (0: a dense step), or (gamma,)."""
+        """The draft lengths an exact_sparse round can run: `replan_gammas` when re-planning,
+        else the distinct gamma_by_bin entries of the verified bins (0: a dense step), or
+        (gamma,)."""
+        if self.replans:
+            return tuple(sorted(self.replan_gammas))
         verified = self.gamma_by_bin[:self.approximate_from_bin or None]
         return tuple(sorted(set(verified))) or (self.gamma,)
 
@@ -241,6 +290,36 @@ class RolloutConfig:
         """Whether an exact_sparse round's rows may differ in what they run (a gamma per bin,
         or approximate bins): the engines then pick each round's branch per batch."""
         return len(self.round_gammas) > 1 or bool(self.approximate_from_bin)
+
+    @property
+    def round_branches(self) -> tuple[str, ...]:
+        """The names of an exact_sparse program's round branches, in `lax.switch` order (what
+        `Trajectories.round_counts` counts): "gamma_<g>" per round gamma, then "approximate"
+        (unverified drafts) when the plan has approximate bins."""
+        names = tuple(f"gamma_{g}" for g in self.round_gammas)
+        return names + (("approximate",) if self.approximate_from_bin else ())
+
+    def gamma_table(self, num_bins: int) -> tuple[int, ...]:
+        """The gamma of each of num_bins length bins (or more, when gamma_by_bin is longer):
+        gamma_by_bin with its last entry held beyond, or gamma in every bin."""
+        plan = self.gamma_by_bin or (self.gamma,)
+        return tuple(plan[min(j, len(plan) - 1)] for j in range(max(num_bins, len(plan))))
+
+    def traced_plan(self, num_bins: int) -> tuple["RolloutConfig", np.ndarray | None]:
+        """(the exact_sparse programs' static config, their per-bin gamma table input).
+        Re-planning (`replans`): this config without gamma_by_bin - one program whatever the
+        plan - and `gamma_table(num_bins)` as an int32 array [bins]; otherwise (self, None):
+        the table is a constant of the program, as before re-planning existed."""
+        if not self.replans:
+            return self, None
+        return self.without_traced_plan, np.asarray(self.gamma_table(num_bins), np.int32)
+
+    @property
+    def without_traced_plan(self) -> "RolloutConfig":
+        """The static config a program of this rollout compiles with: re-planning, without
+        gamma_by_bin (the exact programs take it as an input; no other program reads it), so
+        that a new plan compiles nothing; otherwise self."""
+        return dataclasses.replace(self, gamma_by_bin=()) if self.replans else self
 
     @property
     def decode_compiler_options(self) -> tuple[tuple[str, str], ...]:

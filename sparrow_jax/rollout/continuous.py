@@ -103,6 +103,9 @@ class PagedRollout:
         self.sync = paged_multihost.Coordination(spec)
         self.dispatched = 0          # decode chunks dispatched (the digest check's chunk number)
         self.idle_since: float | None = None   # nothing in flight since (perf_counter)
+        # Re-planning exact_sparse: the rounds each round branch ran, over the chunks read.
+        self.round_counts = (np.zeros(len(cfg.round_branches), np.int32) if cfg.replans
+                             else None)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _length(self, s: Sample) -> int:
@@ -338,10 +341,11 @@ class PagedRollout:
         program = (paged_exact.decode_chunk_program_for(self.program_cfg)
                    if cfg.mode == RolloutMode.EXACT_SPARSE
                    else paged.decode_chunk_program_for(self.program_cfg))
+        table = cfg.traced_plan(len(budgets))[1]       # re-planning: the plan is an input
         self.kv, out_slots, rec = program(
             self.graphdef, self.params, self.kv, slots, jnp.asarray(decode_budgets(cfg, budgets)),
-            self.rng, cfg=self.program_cfg, steps=cfg.chunk_steps, bin_size=self.bin_size,
-            spec=self.spec)
+            self.rng, *(() if table is None else (jnp.asarray(table),)), cfg=self.program_cfg,
+            steps=cfg.chunk_steps, bin_size=self.bin_size, spec=self.spec)
         return Chunk(order, out_slots, self.sync.start_read(rec))
 
     def _grow_ahead(self, samples: list[Sample]) -> bool:
@@ -365,6 +369,8 @@ class PagedRollout:
         them, and later programs run after it). idle: nothing else is in flight."""
         # exact_sparse chunks (paged_exact.py) record accepted and alpha after `recorded`.
         toks, lps, buds, top_v, top_i, recorded, *exact = self.sync.finish_read(chunk.records)
+        if self.round_counts is not None:   # re-planning: the chunk's rounds per branch, last
+            self.round_counts += exact.pop()[0]
         if idle:
             self.idle_since = time.perf_counter()
         self.stats.chunks += 1
@@ -443,7 +449,9 @@ def generate(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rol
         logprobs=rec.logprobs, topk_logprobs=rec.topk_v, topk_ids=rec.topk_i,
         budgets=recorded_budgets(cfg, rec.budgets), cached_lengths=plens[:, None] + t[None],
         mask=t[None] < rows_lengths[:, None], response_lengths=rows_lengths,
-        accepted=rec.accepted, alpha=rec.alpha)
+        accepted=rec.accepted, alpha=rec.alpha,
+        round_counts=None if ro.round_counts is None else np.broadcast_to(
+            ro.round_counts, (ro.rows, ro.round_counts.size)).copy())
     # Host arrays (whole on every process) -> rows over the data axis: process p's rows on p's
     # devices, the static engine's layout.
     return jax.tree.map(jnp.asarray if spec is None else (lambda x: _place(x, spec)), traj)

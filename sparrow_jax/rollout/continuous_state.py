@@ -51,9 +51,11 @@ def page_bucket(n: int, cap: int, cfg: RolloutConfig | None = None) -> int:
 
 def program_config(cfg: RolloutConfig) -> RolloutConfig:
     """The programs' static config without the host-only settings (pool source, slot cap,
-    overlap flag, shape ladders): one compiled program per shape whatever they are."""
+    overlap flag, shape ladders) and a re-planned gamma table: one compiled program per shape
+    whatever they are."""
     mode = "sparse" if dense_rung(cfg) else cfg.mode
-    return dataclasses.replace(cfg, pool_bytes=0, pool_fraction=0.0, max_slots=0,
+    # Re-planning: the per-bin gamma table is an input of the exact chunk (compiles nothing).
+    return dataclasses.replace(cfg.without_traced_plan, pool_bytes=0, pool_fraction=0.0, max_slots=0,
                                overlap_chunks=True, slot_ladder=2, page_ladder=2,
                                min_table_pages=4, min_slots=1, dense_via_sparse=False,
                                mode=mode)

@@ -183,10 +183,14 @@ def guided_attention_fn(cfg: RolloutConfig, spec: ShardingSpec | None, num_kv_he
 
 
 @functools.partial(jax.jit, **DECODE_JIT)
-def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: RolloutConfig,
-                   bin_size: int, spec: ShardingSpec | None):
+def decode_program(graphdef, params, state: DecodeState, budgets, gamma_table=None, *,
+                   cfg: RolloutConfig, bin_size: int, spec: ShardingSpec | None):
     """The exact-sparse decode `while_loop` (one draft + verify round per iteration).
-    Returns (Trajectories, final carry) as static.decode_program does."""
+    gamma_table: None (the plan is cfg's, a constant of the program), or with re-planning
+    (`RolloutConfig.traced_plan`) the per-bin gamma [bins] int32, each among cfg.round_gammas:
+    an input, so that a new plan runs in the same program. Returns (Trajectories, final carry)
+    as static.decode_program does; with a gamma_table the trajectories' `round_counts` hold
+    the rounds each branch ran."""
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
     mcfg = model.config
     bs = cfg.block_size
@@ -201,8 +205,12 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     guided_fn = guided_attention_fn(cfg, spec, mcfg.num_key_value_heads, max_selected)
     rows = jnp.arange(b)[:, None]
     gammas = cfg.round_gammas                     # the draft lengths a round can run (static)
-    table = jnp.asarray(cfg.gamma_by_bin or (cfg.gamma,), jnp.int32)
+    table = (jnp.asarray(cfg.gamma_by_bin or (cfg.gamma,), jnp.int32) if gamma_table is None
+             else gamma_table)
     approx_from = cfg.approximate_from_bin
+    # Re-planning counts the rounds of each branch (the run fits their costs on them); else
+    # the carry is as before re-planning existed (the same program).
+    counting = gamma_table is not None
 
     def row_bin(lengths):
         return lengths // bin_size
@@ -310,7 +318,11 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         branch = jnp.where(jnp.any(verified),
                            jnp.searchsorted(jnp.asarray(gammas, jnp.int32), need), len(gammas))
         rounds = [round_of(g) for g in gammas] + ([approximate_only] if approx_from else [])
-        return jax.lax.switch(jnp.minimum(branch, len(rounds) - 1), rounds, carry)
+        branch = jnp.minimum(branch, len(rounds) - 1)
+        if not counting:
+            return jax.lax.switch(branch, rounds, carry)
+        out = jax.lax.switch(branch, rounds, carry[:-1])
+        return out + (carry[-1].at[branch].add(1),)
 
     def finish(st, acc_buf, alpha_buf, ks, vs, cs, rd, width: int, guide, unverified):
         """The round's records, lengths and done flags; rd's fields are [B, width];
@@ -345,7 +357,11 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
     nb = s_max // bs
     guide0 = (tuple(jnp.zeros((b, mcfg.num_key_value_heads, nb), jnp.float32)
                     for _ in guided_layers), jnp.zeros((b,), bool))
-    st, acc, alpha_buf, _ = jax.lax.while_loop(cond, body, (state, acc0, alpha0, guide0))
+    carry0 = (state, acc0, alpha0, guide0)
+    if counting:
+        carry0 += (jnp.zeros(len(cfg.round_branches), jnp.int32),)
+    final = jax.lax.while_loop(cond, body, carry0)
+    st, acc, alpha_buf = final[:3]
     steps = jnp.arange(t_new)
     mask = steps[None, :] < st.response_lengths[:, None]
     traj = Trajectories(
@@ -354,7 +370,8 @@ def decode_program(graphdef, params, state: DecodeState, budgets, *, cfg: Rollou
         budgets=jnp.where(mask, st.budgets, 0),
         cached_lengths=st.prompt_lengths[:, None] + steps[None, :], mask=mask,
         response_lengths=st.response_lengths, accepted=acc & mask,
-        alpha=jnp.where(mask, alpha_buf, jnp.nan))
+        alpha=jnp.where(mask, alpha_buf, jnp.nan),
+        round_counts=jnp.broadcast_to(final[-1], (b, final[-1].shape[0])) if counting else None)
     traj = jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1), spec), traj)
     return traj, (st.cache, st.step, st.token, st.done, st.rng, st.sample_ids)
 
@@ -372,12 +389,15 @@ def decode(model: Qwen3ForCausalLM, state: DecodeState, *, cfg: RolloutConfig, b
                          f"state has {state.cache.max_length} slots and {t_new} new tokens: "
                          "prefill with the exact_sparse config")
     graphdef, params = nnx.split(model)
+    # Re-planning: the plan is an input (a new one compiles nothing), cfg without it.
+    cfg, table = cfg.traced_plan(len(budgets))
     COMPILES.note("rollout/decode", rows=state.tokens.shape[0], prompt_width=plen,
                   max_new_tokens=cfg.max_new_tokens, mode=cfg.mode, gamma=cfg.gamma,
                   gamma_by_bin=cfg.gamma_by_bin, approximate_from_bin=cfg.approximate_from_bin,
-                  draft_scorer=cfg.draft_scorer, max_budget=cfg.max_budget,
-                  dtype=jnp.dtype(model.dtype).name)
-    traj, _ = decode_program_for(cfg)(graphdef, params, state, jnp.asarray(budgets), cfg=cfg,
+                  replan_gammas=cfg.replan_gammas, draft_scorer=cfg.draft_scorer,
+                  max_budget=cfg.max_budget, dtype=jnp.dtype(model.dtype).name)
+    traj, _ = decode_program_for(cfg)(graphdef, params, state, jnp.asarray(budgets),
+                                      None if table is None else jnp.asarray(table), cfg=cfg,
                                       bin_size=bin_size, spec=spec)
     return traj
 

@@ -184,7 +184,7 @@ def _shard(fn, spec: ShardingSpec | None, num_kv_heads: int, kind: str):
 
 @functools.partial(jax.jit, **paged.DECODE_CHUNK_JIT)
 def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots, budgets, rng,
-                         *, cfg: RolloutConfig, steps: int, bin_size: int,
+                         gamma_table=None, *, cfg: RolloutConfig, steps: int, bin_size: int,
                          spec: ShardingSpec | None):
     """`chunk_rounds(cfg)` draft + verify rounds of every active slot (a `fori_loop`).
 
@@ -192,7 +192,10 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
     tokens a chunk may grow a slot by), the records W = rounds * (gamma + 1) wide and compact
     (a slot's c recorded tokens are its first c entries, `recorded` marks them), two more:
     (tokens, logprobs, budgets (0: the recorded log-probs are the dense policy's), top-k
-    values/ids, recorded, accepted [S, W] bool, alpha [S, W] f32)."""
+    values/ids, recorded, accepted [S, W] bool, alpha [S, W] f32). gamma_table: as
+    `exact.decode_program`'s (re-planning: the per-bin gamma [bins] int32 an input); with it a
+    ninth record, the rounds each round branch ran in this chunk [S, R] int32 (the same in
+    every slot)."""
     model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
     mcfg = model.config
     g, bs = cfg.gamma, cfg.block_size
@@ -221,8 +224,10 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
             jnp.zeros((s, width, k_rec), jnp.int32), jnp.zeros((s, width), bool),
             jnp.zeros((s, width), bool), jnp.full((s, width), jnp.nan, jnp.float32))
     gammas = cfg.round_gammas
-    table = jnp.asarray(cfg.gamma_by_bin or (g,), jnp.int32)
+    table = (jnp.asarray(cfg.gamma_by_bin or (g,), jnp.int32) if gamma_table is None
+             else gamma_table)
     approx_from = cfg.approximate_from_bin
+    counting = gamma_table is not None        # re-planning: rounds per branch (as exact.py)
 
     def slot_gamma(lengths):
         return table[jnp.minimum(lengths // bin_size, table.shape[0] - 1)]
@@ -342,13 +347,21 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
         branch = jnp.where(jnp.any(verified),
                            jnp.searchsorted(jnp.asarray(gammas, jnp.int32), need), len(gammas))
         rounds = [round_of(n) for n in gammas] + ([approximate_only] if approx_from else [])
-        return jax.lax.switch(jnp.minimum(branch, len(rounds) - 1), rounds, carry)
+        branch = jnp.minimum(branch, len(rounds) - 1)
+        if not counting:
+            return jax.lax.switch(branch, rounds, carry)
+        return jax.lax.switch(branch, rounds, carry[:-1]) + (carry[-1].at[branch].add(1),)
 
     count0 = jnp.zeros((s,), jnp.int32)
     guide0 = (tuple(jnp.zeros((s, hkv, p), jnp.float32) for _ in guided_layers),
               jnp.zeros((s,), bool))
-    kv, slots, _, rec, _ = jax.lax.fori_loop(0, width // (g + 1), body,
-                                             (kv, slots, count0, rec0, guide0))
+    carry0 = (kv, slots, count0, rec0, guide0)
+    if counting:
+        carry0 += (jnp.zeros(len(cfg.round_branches), jnp.int32),)
+    final = jax.lax.fori_loop(0, width // (g + 1), body, carry0)
+    kv, slots, rec = final[0], final[1], final[3]
+    if counting:
+        rec = rec + (jnp.broadcast_to(final[-1], (s, final[-1].shape[0])),)
     return kv, slots, rec
 
 

@@ -42,6 +42,12 @@ class Trajectories:
     # where no draft was made: the first token and bonus tokens).
     accepted: jax.Array | None = None
     alpha: jax.Array | None = None
+    # exact_sparse mode with re-planning (`RolloutConfig.replans`) only, [B, R] int32: the
+    # rounds of each of the decode program's R round branches (`RolloutConfig.round_branches`)
+    # that the rollout call which produced the row ran - the same in every row of one call
+    # (a round is the batch's; a row cannot tell which it shared). What the run's round costs
+    # are fitted on (train/exact_replan.py).
+    round_counts: jax.Array | None = None
 
 
 def budget_for_lengths(budgets: jax.Array, lengths: jax.Array, bin_size: int) -> jax.Array:

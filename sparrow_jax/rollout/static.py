@@ -303,8 +303,9 @@ def start(model: Qwen3ForCausalLM, prompt_tokens, prompt_lengths, *, cfg: Rollou
         lengths_in = multihost.rows_to_global(prompt_lengths, spec)
     else:
         tokens_in, lengths_in = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
+    # A re-planned gamma table (exact_sparse) changes nothing here: no program per plan.
     return prefill_program(graphdef, params, tokens_in, lengths_in, rng,
-                            jnp.int32(first_sample), cfg=cfg,
+                            jnp.int32(first_sample), cfg=cfg.without_traced_plan,
                             group_size=group_size, spec=spec)
 
 

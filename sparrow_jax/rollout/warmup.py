@@ -149,9 +149,11 @@ def _lower(model, p: Program, *, spec, budgets, bin_size: int, rng):
     # exact_sparse: the chunk of draft + verify rounds the scheduler dispatches in that mode.
     chunk = (paged_exact.decode_chunk_program_for(p.cfg) if p.cfg.mode == RolloutMode.EXACT_SPARSE
              else paged.decode_chunk_program_for(p.cfg))
+    cfg, table = p.cfg.traced_plan(len(budgets))    # re-planning: the gamma table an input
     return chunk.lower(
         graphdef, params, kv, slots, jnp.asarray(np.asarray(budgets, np.int32)), rng,
-        cfg=p.cfg, steps=sh["steps"], bin_size=bin_size, spec=spec)
+        *(() if table is None else (jnp.asarray(table),)), cfg=cfg, steps=sh["steps"],
+        bin_size=bin_size, spec=spec)
 
 
 def warm(model, progs: Sequence[Program], *, spec: ShardingSpec | None, budgets,

@@ -26,9 +26,20 @@ def _global(x) -> np.ndarray:
     return multihost.all_rows(multihost.local_rows(x))
 
 
+def acceptance_rows(traj: Trajectories, *, gamma: int | Sequence[int], bin_size: int
+                    ) -> list[dict]:
+    """Every process's verified rounds per length bin (`exact.acceptance_by_bin_arrays`),
+    each row's last round left out (a stop or the length cap may have cut it short)."""
+    acc, alpha, mask, cached, used = (_global(traj.accepted), _global(traj.alpha),
+                                      _global(traj.mask), _global(traj.cached_lengths),
+                                      _global(traj.budgets))
+    return exact.acceptance_by_bin_arrays(acc, alpha, mask & (used == 0), cached, gamma=gamma,
+                                          bin_size=bin_size, drop_last_round=True)
+
+
 def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int | Sequence[int],
-                       bin_size: int,
-                       num_layers: int, num_sparse_layers: int) -> dict[str, float]:
+                       bin_size: int, num_layers: int, num_sparse_layers: int,
+                       rows: list[dict] | None = None) -> dict[str, float]:
     """Per length bin: the measured tokens per verify pass, the alpha prediction
     (1 - a^(gamma+1)) / (1 - a) from the bin's mean alpha, the mean alpha and the rounds; and
     overall: the share of tokens accepted from the draft, the mean alpha, and the whole model's
@@ -40,13 +51,14 @@ def acceptance_metrics(traj: Trajectories, budgets, *, gamma: int | Sequence[int
     Rounds counted: each row's verified rounds but its last, which a stop token or the length
     cap may have cut short (a cut round counted as a full one lowers the mean: 1-3% at 63
     tokens a row, docs/benchmarks.md); a row's unverified tokens (approximate bins, which
-    record their budget) are no rounds. `exact/approximate_frac`: their share of the tokens."""
+    record their budget) are no rounds. `exact/approximate_frac`: their share of the tokens.
+    rows: `acceptance_rows` of traj, when the caller has them."""
     acc, alpha, mask, cached, used = (_global(traj.accepted), _global(traj.alpha),
                                       _global(traj.mask), _global(traj.cached_lengths),
                                       _global(traj.budgets))
     verified = mask & (used == 0)
-    rows = exact.acceptance_by_bin_arrays(acc, alpha, verified, cached, gamma=gamma,
-                                          bin_size=bin_size, drop_last_round=True)
+    if rows is None:
+        rows = acceptance_rows(traj, gamma=gamma, bin_size=bin_size)
     m: dict[str, float] = {}
     for r in rows:
         b = f"bin_{r['bin']:02d}"

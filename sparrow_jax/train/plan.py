@@ -129,6 +129,11 @@ def resolve(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig,
     rollout = dataclasses.replace(rollout, mode=mode)
     controller = _one_quantile(train, controller, quantile_bound)
     adapts = train.adapt_schedule and mode == RolloutMode.SPARSE
+    if (rollout.replan_gammas or rollout.replan_every) and mode != RolloutMode.EXACT_SPARSE:
+        raise ConfigError([f"RolloutConfig.replan_gammas = {rollout.replan_gammas} / "
+                           f"replan_every = {rollout.replan_every} re-plan exact_sparse "
+                           f"rollouts, but the mode is {str(mode)!r}: unset them or use "
+                           "rollout_mode 'exact_sparse'"], "rollout")
     if rollout.gamma_by_bin:
         if mode != RolloutMode.EXACT_SPARSE:
             raise ConfigError([f"RolloutConfig.gamma_by_bin = {rollout.gamma_by_bin} is a plan "
@@ -173,6 +178,10 @@ def resolve(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig,
                             "saved)")
         rollout, note = rollout.fit_selection_width(schedule.budgets)
         notes += [note] if note else []
+        if rollout.replan_every:
+            notes.append(f"exact_sparse rollout: the gamma per length bin is re-fitted every "
+                         f"{rollout.replan_every} steps among {list(rollout.round_gammas)} from "
+                         "the run's measured alpha and round costs (train/exact_replan.py)")
         notes.append(f"exact_sparse rollout: gamma per length bin {list(rollout.gamma_by_bin)} "
                      f"(0: dense decoding), draft budgets {list(schedule.budgets)}"
                      if rollout.gamma_by_bin else

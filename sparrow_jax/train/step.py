@@ -31,7 +31,9 @@ from sparrow_jax.runtime.metrics import StepTimer
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import mismatch
 from sparrow_jax.sparsity.controller import ScheduleController
+from sparrow_jax.runtime import compile_cache
 from sparrow_jax.train import exact_step, schedule_step
+from sparrow_jax.train.exact_replan import Replanner
 from sparrow_jax.train.plan import RunPlan
 
 __all__ = ["Stages", "rl_step", "check_rewards"]
@@ -54,6 +56,9 @@ class Stages:
     controller: ScheduleController
     distiller: Distiller | None
     checkpoints: CheckpointManager     # a stop request while the rewards were scored
+    # exact_sparse re-planning (`RolloutConfig.replan_every`): the run's per-bin gamma plan,
+    # which `rollout` already runs; None when off.
+    replanner: Replanner | None = None
 
 
 def _scalars(prefix: str, d: Mapping[str, Any]) -> dict[str, float]:
@@ -74,9 +79,18 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
         actor = stages.actor.model()
 
         def generate(sub, i):
-            return generate_timed(actor, sub.prompt_ids, sub.prompt_lengths,
-                                  cfg=stages.rollout, budgets=budgets, bin_size=sched.bin_size,
-                                  group_size=n, rng=jax.random.fold_in(rng, i), spec=stages.spec)
+            compiled = compile_cache.compile_seconds()
+            traj, seconds = generate_timed(
+                actor, sub.prompt_ids, sub.prompt_lengths, cfg=stages.rollout, budgets=budgets,
+                bin_size=sched.bin_size, group_size=n, rng=jax.random.fold_in(rng, i),
+                spec=stages.spec)
+            # Re-planning: the call's rounds per branch and time, unless it compiled (its time
+            # would be the compile's; the run's first step compiles, so never counted).
+            if (stages.replanner is not None and step > 0
+                    and compile_cache.compile_seconds() == compiled):
+                counts = multihost.local_rows(traj.round_counts)[0]
+                stages.replanner.observe_call(step + 1, np.asarray(counts), seconds)
+            return traj, seconds
         traj, seconds = rollout_in_sub_batches(generate, batch, cfg.rollout_batch_prompts)
     # -- rewards ----------------------------------------------------------------------------
     samples = batch.per_sample(n)       # the rollout's rows: group_size per prompt
@@ -149,10 +163,16 @@ def rl_step(plan: RunPlan, stages: Stages, step: int, timer: StepTimer) -> dict[
         # The samples are the dense policy's: no mismatch, TIS weights 1 (checked here), and
         # the draft's acceptance per bin beside its alpha prediction.
         rc = stages.rollout
+        gamma = rc.gamma_by_bin or rc.gamma
+        rows = exact_step.acceptance_rows(traj, gamma=gamma, bin_size=sched.bin_size)
         m.update(exact_step.acceptance_metrics(
-            traj, budgets, gamma=rc.gamma_by_bin or rc.gamma, bin_size=sched.bin_size,
-            num_layers=layers, num_sparse_layers=sparse_layers))
+            traj, budgets, gamma=gamma, bin_size=sched.bin_size, num_layers=layers,
+            num_sparse_layers=sparse_layers, rows=rows))
         m.update(exact_step.logprob_agreement(traj, analysis.logp_old))
+        if stages.replanner is not None:     # the plan for the next steps, every N steps
+            stages.replanner.observe_rounds(rows)
+            done = stages.replanner.replan(step + 1) if stages.replanner.due(step + 1) else None
+            m.update(stages.replanner.metrics(done))
     return m
 
 

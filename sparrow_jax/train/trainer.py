@@ -42,7 +42,7 @@ from sparrow_jax.runtime import metrics
 from sparrow_jax.runtime.metrics import MetricsWriter, StepTimer, gin_config_markdown
 from sparrow_jax.runtime.sharding import ShardingSpec, make_mesh
 from sparrow_jax.sparsity.controller import ScheduleController
-from sparrow_jax.train import compile_plan, resume_config, schedule_step, step
+from sparrow_jax.train import compile_plan, exact_replan, resume_config, schedule_step, step
 from sparrow_jax.train.config import TrainConfig, gin_value
 from sparrow_jax.train.plan import RunPlan, log_plan
 from sparrow_jax.train.plan import from_gin as plan_from_gin
@@ -51,6 +51,8 @@ from sparrow_jax.rollout.config import RolloutMode
 __all__ = ["Trainer"]
 
 log = logging.getLogger(__name__)
+
+EXACT_PLAN_KEY = "exact_plan"      # in each checkpoint's JSON extra: the re-planned gamma plan
 
 
 def learner_speed(m: dict[str, float]) -> dict[str, float]:
@@ -128,6 +130,11 @@ class Trainer:
         self.rollout_cfg = rc = dataclasses.replace(rc, stop_token_ids=stops,
                                                     pad_token_id=tok.pad_token_id or 0)
         self.controller = ScheduleController(plan.schedule, plan.controller)
+        # exact_sparse re-planning: the per-bin gamma plan the rollouts run (its table is an
+        # input of the decode programs: a new plan compiles nothing).
+        self.replanner = exact_replan.for_run(
+            rc, plan.schedule, mcfg,
+            batch=(cfg.rollout_batch_prompts or cfg.prompts_per_step) * cfg.group_size)
         self.replay = plan.replay
         self.eval_modes = plan.eval_modes
         # Teacher-forced reference evaluation (exact p(T=1 sample = reference), greedy
@@ -174,7 +181,8 @@ class Trainer:
         return {"step": self.step, "data": self.data.get_state(),
                 "controller": self.controller.state_dict(), "seed": self.cfg.seed,
                 "faults": self.guard.state_dict(), faults.CHECKSUM_KEY: sums,
-                resume_config.DATA_KEY: self.data_sha256}
+                resume_config.DATA_KEY: self.data_sha256,
+                **({EXACT_PLAN_KEY: self.replanner.state_dict()} if self.replanner else {})}
 
     def save(self, force: bool = False) -> None:
         distill = self.distiller.state() if self.distiller else None
@@ -236,20 +244,30 @@ class Trainer:
                                                              self.controller.config)
         self.step = int(extra["step"])
         self.guard.load_state_dict(extra.get("faults"))
+        if self.replanner is not None and EXACT_PLAN_KEY in extra:
+            self.replanner.load_state_dict(extra[EXACT_PLAN_KEY])
+            log.info("exact_sparse plan restored from step %d: gamma per bin %s", latest,
+                     list(self.replanner.table))
         # Steps after the checkpoint are redone: their metrics lines go (no duplicates).
         dropped = self.writer.truncate_after(self.step)
         log.info("resumed from %s at step %d%s", self.ckpt.step_dir(latest), self.step,
                  f" (dropped {dropped} metrics.jsonl lines of later steps)" if dropped else "")
 
     # -- one RL step -------------------------------------------------------------------------
+    @property
+    def current_rollout(self):
+        """The rollout config the next rollout runs: with re-planning, the current plan's."""
+        return (self.replanner.rollout(self.rollout_cfg) if self.replanner
+                else self.rollout_cfg)
+
     def stages(self) -> step.Stages:
-        """The built stages of this run, as one RL step takes them (the controller as of now:
-        a resume replaces it)."""
+        """The built stages of this run, as one RL step takes them (the controller and the
+        exact_sparse plan as of now: a resume replaces them)."""
         return step.Stages(
-            data=self.data, tokenizer=self.tokenizer, actor=self.actor, rollout=self.rollout_cfg,
-            spec=self.spec, rewards=self.pool, diagnostics=self.diagnostics,
-            learner=self.learner, controller=self.controller, distiller=self.distiller,
-            checkpoints=self.ckpt)
+            data=self.data, tokenizer=self.tokenizer, actor=self.actor,
+            rollout=self.current_rollout, spec=self.spec, rewards=self.pool,
+            diagnostics=self.diagnostics, learner=self.learner, controller=self.controller,
+            distiller=self.distiller, checkpoints=self.ckpt, replanner=self.replanner)
 
     def rl_step(self, timer: StepTimer) -> dict[str, float]:
         return step.rl_step(self.plan, self.stages(), self.step, timer)
@@ -278,7 +296,7 @@ class Trainer:
             if self.eval_batch is None:          # the references alone
                 out.update(self.score_references(mode))
                 continue
-            rc = dataclasses.replace(self.rollout_cfg, mode=mode,
+            rc = dataclasses.replace(self.current_rollout, mode=mode,
                                      temperature=self.cfg.eval_temperature,
                                      max_slots=self.train_slots(),
                                      dense_via_sparse=self.rollout_cfg.mode == RolloutMode.SPARSE)
