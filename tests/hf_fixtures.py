@@ -287,3 +287,27 @@ def process_prompts(root: Path, pid: int, nproc: int) -> tuple[np.ndarray, np.nd
     lengths = prompts["lengths"][mine]
     return prompts["tokens"][mine][:, : int(lengths.max())], lengths
 
+
+
+def copies_of_shape(hlo: str, shape: tuple[int, ...]) -> int:
+    """How many `copy` instructions in an optimised HLO text produce an array of `shape` (any
+    dtype and layout): e.g. a KV cache or page pool copied instead of updated in place."""
+    import re
+    dims = ",".join(str(int(d)) for d in shape)
+    return len(re.findall(rf"= [a-z0-9]+\[{dims}\]\{{[^}}]*\}} copy\(", hlo))
+
+
+def spy_compiled_text(monkeypatch, module, name: str, out: list, shape_of) -> None:
+    """Replaces `module.name` (a `*_program_for(cfg)` factory of a jitted program) so every
+    program it returns also appends (its optimised HLO text, shape_of(args)) to `out` when
+    called (compiled once more for the text: tests only)."""
+    real = getattr(module, name)
+
+    def factory(cfg):
+        program = real(cfg)
+
+        def call(*args, **kwargs):
+            out.append((program.lower(*args, **kwargs).compile().as_text(), shape_of(args)))
+            return program(*args, **kwargs)
+        return call
+    monkeypatch.setattr(module, name, factory)

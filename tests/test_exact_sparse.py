@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from hf_fixtures import make_sharp_tiny_model, random_prompts
+from hf_fixtures import copies_of_shape, make_sharp_tiny_model, random_prompts, spy_compiled_text
 from sparrow_jax.rollout import RolloutConfig, dense_attention, exact, generate, speculative
 from sparrow_jax.rollout.sampling import sampling_logprobs
 from sparrow_jax.rollout.teacher_forced import replay_logprobs, trajectory_hidden
@@ -506,3 +506,22 @@ def test_replan_settings_are_refused_by_name():
     assert prog == dataclasses.replace(cfg, gamma_by_bin=(2, 2)).traced_plan(4)[0]
     # Outside exact_sparse the programs take no table (train/plan.py refuses the setting).
     assert not RolloutConfig(replan_gammas=(0, 4)).replans
+
+
+def test_a_per_bin_plan_updates_the_cache_in_place(sharp, monkeypatch):
+    """A plan with several round branches (per-bin gamma, approximate bins, a traced table)
+    must not copy the KV cache per round: under `lax.switch` XLA gave every branch its own
+    copy of each K/V buffer it writes (24 cache-sized copies in this program, the whole cache
+    per round); `verify.run_one_branch` runs the picked branch as a one-trip while loop, which
+    aliases the cache (tests/test_paged_exact.py: the paged twin, slow)."""
+    compiled: list = []
+    spy_compiled_text(monkeypatch, exact, "decode_program_for", compiled,
+                      lambda args: args[2].cache.k[0].shape)
+    toks, lens = random_prompts([40, 70, 9, 23], seed=2)
+    kw = dict(max_new_tokens=16, temperature=0.0, **KW)
+    # Four branches (dense steps, gamma 1, gamma 2, approximate); one program for CI time.
+    generate(sharp, toks, lens, budgets=BUDGETS, bin_size=32, cfg=RolloutConfig(
+        mode="exact_sparse", gamma=2, gamma_by_bin=(0, 2, 1), approximate_from_bin=3, **kw))
+    assert len(compiled) == 1
+    for hlo, cache_shape in compiled:
+        assert "while" in hlo and copies_of_shape(hlo, cache_shape) == 0, cache_shape

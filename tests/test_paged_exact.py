@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_fixtures import make_sharp_tiny_model, run_on_cpu_devices
+from hf_fixtures import (copies_of_shape, make_sharp_tiny_model, run_on_cpu_devices,
+                         spy_compiled_text)
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import (RolloutConfig, continuous, exact, generate, page_pool,
                                  warmup)
@@ -234,3 +235,23 @@ def test_paged_traced_gamma_table_gives_the_static_plans_samples(sharp):
     assert counts[0, 1] == 0 and counts[0, 2] > 0       # gamma 1: in no bin
     # Every chunk runs chunk_rounds rounds, whichever branch.
     assert counts[0].sum() == continuous.LAST_STATS.chunks * chunk_rounds(cfg)
+
+
+@pytest.mark.slow       # ~40 s: two exact chunk programs compiled twice
+def test_a_per_bin_plan_updates_the_page_pools_in_place(sharp, monkeypatch):
+    """As tests/test_exact_sparse.py's static twin: the paged exact chunk of a plan with
+    several round branches holds no copy of a page pool (each was copied per branch under
+    `lax.switch`; `verify.run_one_branch` aliases them)."""
+    from sparrow_jax.rollout import paged_exact
+    compiled: list = []
+    spy_compiled_text(monkeypatch, paged_exact, "decode_chunk_program_for", compiled,
+                      lambda args: args[2].k[0].shape)
+    toks, lens = _prompts([40, 70, 32, 23], seed=2)
+    cfg = RolloutConfig(temperature=0.0, mode="exact_sparse", engine="paged", **KW)
+    for extra in (dict(gamma_by_bin=(3, 0, 3)), dict(gamma_by_bin=(3, 3, 0),
+                                                     approximate_from_bin=2)):
+        generate(sharp, toks, lens, budgets=BUDGETS, group_size=2, bin_size=24,
+                 cfg=dataclasses.replace(cfg, **extra))
+    assert compiled
+    for hlo, pool_shape in compiled:
+        assert copies_of_shape(hlo, pool_shape) == 0, pool_shape

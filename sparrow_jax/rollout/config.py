@@ -293,7 +293,7 @@ class RolloutConfig:
 
     @property
     def round_branches(self) -> tuple[str, ...]:
-        """The names of an exact_sparse program's round branches, in `lax.switch` order (what
+        """The names of an exact_sparse program's round branches, in branch order (what
         `Trajectories.round_counts` counts): "gamma_<g>" per round gamma, then "approximate"
         (unverified drafts) when the plan has approximate bins."""
         names = tuple(f"gamma_{g}" for g in self.round_gammas)

@@ -19,8 +19,9 @@ Drafts choose their blocks by centroid score (`RolloutConfig.draft_scorer = "cen
 sparse mode does) or by the attention mass the last verify pass gave each block, per KV head
 (`"verify"`: the verify already computes every block's attention for gamma + 1 positions;
 `verify_forward(..., mass_layers=)` returns it, `verify.guide_scores` accumulates it). A plan
-per length bin (`gamma_by_bin`, `approximate_from_bin`) runs as a `lax.switch` over a round per
-distinct gamma, plus a round of unverified drafts when every active row is in an approximate bin.
+per length bin (`gamma_by_bin`, `approximate_from_bin`) runs, each round, one of a round per
+distinct gamma, or a round of unverified drafts when every active row is in an approximate bin
+(`verify.run_one_branch`: the cache updated in place, which `lax.switch` did not).
 
 This mode extends the static engine: it reuses static.py's prefill and per-layer decode
 attention; what does not touch the cache (the verify's cascade attention, draft sampling, the
@@ -52,7 +53,7 @@ from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.shapes import COMPILES
 from sparrow_jax.rollout.verify import (accept_round, approximate_round, cascade_attention,
                                         draft_sample, guide_scores, round_blocks,
-                                        verify_guided_layers)
+                                        run_one_branch, verify_guided_layers)
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import block_scores, selection
 
@@ -320,8 +321,8 @@ def decode_program(graphdef, params, state: DecodeState, budgets, gamma_table=No
         rounds = [round_of(g) for g in gammas] + ([approximate_only] if approx_from else [])
         branch = jnp.minimum(branch, len(rounds) - 1)
         if not counting:
-            return jax.lax.switch(branch, rounds, carry)
-        out = jax.lax.switch(branch, rounds, carry[:-1])
+            return run_one_branch(branch, rounds, carry)
+        out = run_one_branch(branch, rounds, carry[:-1])
         return out + (carry[-1].at[branch].add(1),)
 
     def finish(st, acc_buf, alpha_buf, ks, vs, cs, rd, width: int, guide, unverified):

@@ -22,7 +22,7 @@ blocks, never written). A preempted sample is recomputed by a dense prefill of i
 recorded tokens: the dense K/V the verify passes wrote, so it resumes where it stopped.
 
 A plan per length bin (`gamma_by_bin`, `approximate_from_bin`) runs as on the static engine: a
-round per distinct gamma in a `lax.switch`, each slot offering its own bin's drafts, and a
+round per distinct gamma (`verify.run_one_branch`), each slot offering its own bin's drafts, and a
 round of gamma + 1 unverified drafts when every active slot is in an approximate bin.
 Verify-guided drafts (`draft_scorer = "verify"`) carry each sparse layer's block scores
 [S, Hkv, P] from round to round within a chunk; a chunk's first round scores centroids (slots
@@ -51,7 +51,7 @@ from sparrow_jax.rollout.config import RolloutConfig
 from sparrow_jax.rollout.state import budget_for_lengths
 from sparrow_jax.rollout.verify import (accept_round, approximate_round, cascade_attention,
                                         draft_sample, guide_scores, round_blocks,
-                                        verify_guided_layers)
+                                        run_one_branch, verify_guided_layers)
 from sparrow_jax.runtime import compiler_options
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import block_scores, selection
@@ -349,8 +349,8 @@ def decode_chunk_program(graphdef, params, kv: paged.PagedKV, slots: paged.Slots
         rounds = [round_of(n) for n in gammas] + ([approximate_only] if approx_from else [])
         branch = jnp.minimum(branch, len(rounds) - 1)
         if not counting:
-            return jax.lax.switch(branch, rounds, carry)
-        return jax.lax.switch(branch, rounds, carry[:-1]) + (carry[-1].at[branch].add(1),)
+            return run_one_branch(branch, rounds, carry)
+        return run_one_branch(branch, rounds, carry[:-1]) + (carry[-1].at[branch].add(1),)
 
     count0 = jnp.zeros((s,), jnp.int32)
     guide0 = (tuple(jnp.zeros((s, hkv, p), jnp.float32) for _ in guided_layers),

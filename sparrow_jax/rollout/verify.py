@@ -221,3 +221,21 @@ def round_blocks(starts: jax.Array, new_len: jax.Array, *, span: int, block_size
     m = span // block_size + 2
     blk = starts[..., None] // block_size + jnp.arange(m)
     return blk, (blk + 1) * block_size <= new_len[..., None]
+
+
+def run_one_branch(index: jax.Array, branches: list[Callable], carry):
+    """branches[index](carry), each branch mapping carry to a value of its type - what
+    `lax.switch` does, without its copies of the KV cache.
+
+    A round updates the cache in place (the draft's and the verify's K/V writes). Inside a
+    `lax.switch`, XLA copies every buffer a branch writes (each branch computation gets its
+    own: 24 cache-sized copies in the tiny model's program of a 3-gamma plan, i.e. the whole KV
+    cache copied per round, against none for a fixed gamma). A while loop aliases its carry, so
+    here each branch is a loop that runs once when its index is picked and not at all
+    otherwise (a scalar compare per branch, for one branch's work)."""
+    which = jnp.asarray(index, jnp.int32)
+    for i, branch in enumerate(branches):
+        which, carry = jax.lax.while_loop(
+            lambda c, i=i: c[0] == i,
+            lambda c, branch=branch: (jnp.int32(-1), branch(c[1])), (which, carry))
+    return carry
