@@ -94,6 +94,23 @@ MAX_OUTSIDE_PER_CALL = 12          # per 32-step chunk
 
 
 @pytest.mark.compile
+@pytest.mark.slow       # ~1 min: one more H100 compile
+def test_exact_paged_chunk_of_a_per_bin_plan_copies_no_pool():
+    """The exact_sparse paged chunk with a per-bin plan (three round branches), compiled for
+    H100 at 3 layers: no page-pool copy. Under `lax.switch` this program held 24 copies of
+    bf16[8, 217872, 128] pools (~0.45 GB each: the pools copied every round; 2026-11-29);
+    `verify.run_one_branch` aliases them (the CPU twins: tests/test_exact_sparse.py,
+    tests/test_paged_exact.py)."""
+    report = _decode_ops("h100x8", "--layers", "3", "--no_kernels",
+                         "--gin_param", "TrainConfig.rollout_mode = 'exact_sparse'",
+                         "--gin_param", "RolloutConfig.gamma = 2",
+                         "--gin_param", "RolloutConfig.gamma_by_bin = (0, 1, 2)",
+                         "--gin_param", "TrainConfig.adapt_schedule = False")
+    assert report["program"] == "rollout.paged_decode[exact_sparse]", report["program"]
+    assert report["pool_copies"] == [], report["pool_copies"]
+
+
+@pytest.mark.compile
 def test_decode_step_kernels_do_not_grow(h100_decode):
     k = h100_decode["kernels_per_step"]
     listing = kernel_census.format_lists(k)
