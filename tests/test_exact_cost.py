@@ -229,3 +229,22 @@ def test_tokens_by_bin_against_a_loop():
         for pos in range(p, p + n):
             want[min(pos // 64, 3)] += 1
     assert tokens_by_bin(lengths, bin_size=64, num_bins=4) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("a,gamma,tokens,rows", [(0.968, 2, 31, 4), (0.8, 4, 100, 8),
+                                                 (0.5, 1, 200, 32), (0.95, 4, 31, 1)])
+def test_lockstep_rounds_against_a_simulation(a, gamma, tokens, rows):
+    """The expected rounds a batch runs in lock step until its slowest row has `tokens` tokens
+    (renewal-theory mean and spread, the expected maximum of `rows` normals) against a
+    simulation of the acceptance process: within 3%."""
+    from sparrow_jax.sparsity.exact_cost import expected_max_std_normal, lockstep_rounds
+    r = np.random.default_rng(3)
+    draws = 3000
+    # Tokens per round: 1 + accepted drafts (leading successes, at most gamma).
+    accept = r.random((draws, rows, tokens, gamma)) < a
+    per_round = 1 + np.cumprod(accept, axis=-1).sum(-1)              # [draws, rows, rounds]
+    rounds = (np.cumsum(per_round, axis=-1) < tokens).sum(-1) + 1    # rounds to reach tokens
+    sim = rounds.max(-1).mean()
+    assert lockstep_rounds(a, gamma, tokens, rows) == pytest.approx(sim, rel=0.03)
+    assert expected_max_std_normal(1) == 0.0
+    assert expected_max_std_normal(2) == pytest.approx(1 / np.sqrt(np.pi), rel=1e-4)

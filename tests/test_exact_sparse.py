@@ -351,6 +351,8 @@ def test_bench_exact_workload(capsys):
     # The cost model's pick from the costs measured alone: gamma 2 when it predicts a gain.
     assert set(plan["predicted_ratio"]) == {"2"} and plan["measured_best_gamma"] == 2
     assert plan["measured_ratio"]["2"] == ex["ratio"]
+    # In lock step (the batch waits for its slowest row) the prediction can only be lower.
+    assert 0 < plan["predicted_lockstep_ratio"]["2"] < plan["predicted_ratio"]["2"]
     if plan["predicted_ratio"]["2"] > 1:
         assert plan["chosen_gamma"] == 2
         assert plan["chosen_predicted"] == pytest.approx(plan["predicted_ratio"]["2"])

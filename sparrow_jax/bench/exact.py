@@ -31,7 +31,9 @@ divided by the measured tokens per round.
 Per dense-layer set, a "plan" line: the gamma (or dense decoding) that the cost model
 (`sparsity/exact_cost.choose_per_bin`) picks from costs measured alone (the sparse run's step
 as the draft step, a verify pass per gamma, the dense step) and the exact runs' mean alpha,
-with each gamma's predicted ratio to dense beside the measured one.
+with each gamma's predicted ratio to dense beside the measured one: per row (the planner's
+rate) and in lock step (the batch runs rounds until its slowest row is done,
+`exact_cost.lockstep_rounds`: the expected maximum of the rows' round counts).
 """
 
 from __future__ import annotations
@@ -204,17 +206,20 @@ def bench_context(model, context: int, args, base_cfg) -> list[dict[str, Any]]:
                        kv_bytes_per_token=(cfg.gamma * sparse_kv + dense_kv) / per_pass)
         results.append(row)
     return results + plan_rows(results, dense_ms=1e3 * med["dense"] / (args.new_tokens - 1),
-                               verify_ms=verify_ms)
+                               verify_ms=verify_ms, rows=args.batch, tokens=args.new_tokens - 1)
 
 
-def plan_rows(results: list[dict], *, dense_ms: float, verify_ms: dict[int, float]
-              ) -> list[dict]:
+def plan_rows(results: list[dict], *, dense_ms: float, verify_ms: dict[int, float],
+              rows: int = 1, tokens: int = 0) -> list[dict]:
     """Per dense-layer set: the gamma `exact_cost.choose_per_bin` picks (dense included) from
     costs measured alone - a sparse step at the budget (the draft step), a verify pass per
     gamma, a dense step - and the mean alpha of the exact runs, with each gamma's predicted
     ratio to dense beside its measured one (the check that the cost model picks the gamma
-    that measures best)."""
-    from sparrow_jax.sparsity.exact_cost import choose_per_bin, tokens_per_pass
+    that measures best). `predicted_ratio` is per row (the planner's rate); with `tokens`,
+    `predicted_lockstep_ratio` also counts the rounds the batch of `rows` runs in lock step
+    until its slowest row has `tokens` tokens (`exact_cost.lockstep_rounds`), as the bench's
+    loop does."""
+    from sparrow_jax.sparsity.exact_cost import choose_per_bin, lockstep_rounds, tokens_per_pass
     out = []
     for layers in sorted({tuple(r["dense_layers"]) for r in results if r["mode"] == "sparse"}):
         runs = [r for r in results if r["mode"] == "exact_sparse"
@@ -227,12 +232,15 @@ def plan_rows(results: list[dict], *, dense_ms: float, verify_ms: dict[int, floa
                               {r["gamma"]: verify_ms[r["gamma"]] for r in runs}, dense_ms)
         predicted = {r["gamma"]: float(tokens_per_pass(alpha, r["gamma"])) * dense_ms / (
             r["gamma"] * draft_ms + verify_ms[r["gamma"]]) for r in runs}
+        lockstep = {r["gamma"]: tokens * dense_ms / (
+            lockstep_rounds(alpha, r["gamma"], tokens, rows)
+            * (r["gamma"] * draft_ms + verify_ms[r["gamma"]])) for r in runs} if tokens else {}
         best = max(runs, key=lambda r: r["ratio"])
         out.append({"context": runs[0]["context"], "mode": "plan", "dense_layers": list(layers),
                     "alpha": alpha, "draft_ms": draft_ms, "dense_ms": dense_ms,
                     "verify_ms": {g: verify_ms[g] for g in predicted},
                     "chosen_gamma": plan.gammas[0], "chosen_predicted": plan.speedup[0],
-                    "predicted_ratio": predicted,
+                    "predicted_ratio": predicted, "predicted_lockstep_ratio": lockstep,
                     "measured_ratio": {r["gamma"]: r["ratio"] for r in runs},
                     "measured_best_gamma": best["gamma"]})
     return out
@@ -275,7 +283,8 @@ def run(model, args, base_cfg, device: str, backend: str) -> int:
         for r in bench_context(model, context, args, base_cfg):
             if r["mode"] == "plan":
                 layers = ",".join(map(str, r["dense_layers"])) or "none"
-                pairs = ", ".join(f"gamma {g}: {r['predicted_ratio'][g]:.2f}x predicted / "
+                pairs = ", ".join(f"gamma {g}: {r['predicted_ratio'][g]:.2f}x predicted "
+                                  f"({r['predicted_lockstep_ratio'][g]:.2f}x in lock step) / "
                                   f"{r['measured_ratio'][g]:.2f}x measured"
                                   for g in r["predicted_ratio"])
                 what = (f"gamma {r['chosen_gamma']}" if r["chosen_gamma"] else "dense decoding")

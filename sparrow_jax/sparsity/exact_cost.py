@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -42,6 +43,38 @@ def tokens_per_pass(alpha: Any, gamma: int) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         out = (1.0 - a ** (gamma + 1)) / (1.0 - a)
     return np.where(a >= 1.0, gamma + 1.0, out)
+
+
+def lockstep_rounds(alpha: float, gamma: int, tokens: int, rows: int) -> float:
+    """Expected verify rounds for a batch of `rows` rows, each to generate `tokens` tokens, when
+    the batch runs rounds in lock step until its slowest row is done (the static engine; a
+    paged decode chunk alike): E[max over rows of one row's rounds].
+
+    A round yields X tokens, P(X = k + 1) = a^k (1 - a) for k < gamma, P(X = gamma + 1) = a^gamma.
+    One row's rounds to reach n tokens, by renewal theory: mean n / E[X] + E[X^2] / (2 E[X]^2)
+    (the last round overshoots), variance n Var(X) / E[X]^3; the batch's maximum adds the
+    standard deviation times the expected maximum of `rows` standard normals. Per-row rates
+    (`tokens_per_pass`) leave this out: with few tokens per row and a few rows it is ~10% of
+    the rounds (the CPU bench's 32 tokens x 4 rows, docs/benchmarks.md)."""
+    a, g = float(alpha), int(gamma)
+    k = np.arange(g + 1)
+    p = np.where(k < g, a ** k * (1 - a), a ** g)       # P(X = k + 1)
+    mean = float(np.dot(p, k + 1))
+    second = float(np.dot(p, (k + 1) ** 2))
+    per_row = tokens / mean + second / (2 * mean ** 2)
+    sd = math.sqrt(max(tokens * (second - mean ** 2) / mean ** 3, 0.0))
+    return per_row + sd * expected_max_std_normal(rows)
+
+
+def expected_max_std_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n = 1), by quadrature."""
+    if n <= 1:
+        return 0.0
+    z = np.linspace(-9.0, 9.0, 6001)
+    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
+    pdf = np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+    trapezoid = getattr(np, "trapezoid", None) or np.trapz     # numpy 2 renamed it
+    return float(trapezoid(z * n * pdf * cdf ** (n - 1), z))
 
 
 def modelled_costs(model: ModelShape | str, hardware: Hardware | str, bin_ctx: Sequence[float],
