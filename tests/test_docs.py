@@ -493,6 +493,13 @@ _REGISTRY = {
     _ROLLOUT_BENCH + "--workload exact --context 16384 --budget 1024 --gamma 1 2 "
     "--dense_layers none --batch 16 --new_tokens 64 --repeats 2":
         (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
+    # docs/benchmarks.md: the planner against measured speed, 8K-32K (issue 57)
+    _ROLLOUT_BENCH + "--workload exact --context 8192 16384 --budget 1024 --gamma 1 2 "
+    "--dense_layers 0,1 --batch 4 --new_tokens 64 --repeats 3":
+        (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
+    _ROLLOUT_BENCH + "--workload exact --context 32768 --budget 1024 --gamma 1 2 "
+    "--dense_layers 0,1 --batch 4 --new_tokens 64 --repeats 3":
+        (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
     # docs/benchmarks.md: exact sparse acceptance vs alpha on the demo model (issue 42)
     "python -m sparrow_jax.bench.acceptance --num_prompts 16 --samples 4 --budgets 48 128 "
     "--dense_layers none --plot docs/images/exact_acceptance.png":
