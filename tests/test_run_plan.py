@@ -29,9 +29,9 @@ def _train(**kw) -> TrainConfig:
 
 
 def _resolve(train=None, rollout=None, schedule=None, learner=None, controller=None,
-             distill=None, **kw):
+             distill=None, loss=None, **kw):
     return run_plan.resolve(train or _train(), rollout or RolloutConfig(), learner or LearnerConfig(),
-                            LossConfig(), schedule or Schedule((512, 1024) + (2048,) * 18),
+                            loss or LossConfig(), schedule or Schedule((512, 1024) + (2048,) * 18),
                             controller or ControllerConfig(), distill or DistillConfig(),
                             ReferenceEvalConfig(), **kw)
 
@@ -88,6 +88,14 @@ def test_gamma_by_bin_that_cannot_apply_is_refused():
     ok = _resolve(train=_train(rollout_mode="exact_sparse"),
                   rollout=RolloutConfig(mode="exact_sparse", gamma=2, gamma_by_bin=plan))
     assert ok.rollout.gamma_by_bin == plan
+
+
+def test_a_kl_coefficient_without_a_reference_policy_is_refused():
+    """LossConfig.kl_coef weighs a KL to a reference policy that `sparrow train` never
+    computes: a non-zero value was silently ignored; now it is refused by name."""
+    with pytest.raises(ConfigError, match=r"LossConfig.kl_coef = 0.01 has no effect"):
+        _resolve(loss=LossConfig(kl_coef=0.01))
+    assert _resolve(loss=LossConfig(kl_coef=0.0))
 
 
 def test_approximate_bins_that_cannot_apply_are_refused():

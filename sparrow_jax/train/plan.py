@@ -129,6 +129,13 @@ def resolve(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig,
     rollout = dataclasses.replace(rollout, mode=mode)
     controller = _one_quantile(train, controller, quantile_bound)
     adapts = train.adapt_schedule and mode == RolloutMode.SPARSE
+    if loss.kl_coef != 0.0:
+        # grpo.policy_loss adds the k3 KL only beside a reference policy's logprobs, which the
+        # trainer never computes: the setting would be silently ignored.
+        raise ConfigError([f"LossConfig.kl_coef = {loss.kl_coef} has no effect in sparrow train: "
+                           "the learner keeps no reference policy to take a KL to (the recipe "
+                           "trains without a KL term); remove the setting or set it to 0"],
+                          "loss")
     if (rollout.replan_gammas or rollout.replan_every) and mode != RolloutMode.EXACT_SPARSE:
         raise ConfigError([f"RolloutConfig.replan_gammas = {rollout.replan_gammas} / "
                            f"replan_every = {rollout.replan_every} re-plan exact_sparse "
