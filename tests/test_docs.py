@@ -500,6 +500,15 @@ _REGISTRY = {
     _ROLLOUT_BENCH + "--workload exact --context 32768 --budget 1024 --gamma 1 2 "
     "--dense_layers 0,1 --batch 4 --new_tokens 64 --repeats 3":
         (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
+    # docs/benchmarks.md: verify-guided drafts on the long-task checkpoint (issue 57)
+    "python -m sparrow_jax.bench.acceptance --model checkpoints/long_sft --prompts "
+    "data/long/eval.jsonl --num_prompts 4 --samples 4 --budgets 64 128 --gamma 4 --bin_size 512 "
+    "--max_new_tokens 4464 --dense_layers none --draft_scorer centroid verify":
+        (ByTest("tests/test_exact_sparse.py::test_acceptance_bench_on_demo_model"),),
+    "python -m sparrow_jax.bench.acceptance --model checkpoints/long_sft --prompts "
+    "data/long/eval.jsonl --num_prompts 4 --samples 4 --budgets 256 --gamma 4 --bin_size 512 "
+    "--max_new_tokens 4464 --dense_layers 0,1 --draft_scorer centroid verify":
+        (ByTest("tests/test_exact_sparse.py::test_acceptance_bench_on_demo_model"),),
     # docs/benchmarks.md: exact sparse acceptance vs alpha on the demo model (issue 42)
     "python -m sparrow_jax.bench.acceptance --num_prompts 16 --samples 4 --budgets 48 128 "
     "--dense_layers none --plot docs/images/exact_acceptance.png":
