@@ -509,6 +509,14 @@ _REGISTRY = {
     "data/long/eval.jsonl --num_prompts 4 --samples 4 --budgets 256 --gamma 4 --bin_size 512 "
     "--max_new_tokens 4464 --dense_layers 0,1 --draft_scorer centroid verify":
         (ByTest("tests/test_exact_sparse.py::test_acceptance_bench_on_demo_model"),),
+    _ROLLOUT_BENCH + "--workload exact --context 16384 --budget 1024 --gamma 2 "
+    "--dense_layers none --batch 4 --new_tokens 64 --repeats 3 --gin_param "
+    "\"RolloutConfig.draft_scorer = 'centroid'\"":
+        (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
+    _ROLLOUT_BENCH + "--workload exact --context 16384 --budget 1024 --gamma 2 "
+    "--dense_layers none --batch 4 --new_tokens 64 --repeats 3 --gin_param "
+    "\"RolloutConfig.draft_scorer = 'verify'\"":
+        (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
     # docs/benchmarks.md: exact sparse acceptance vs alpha on the demo model (issue 42)
     "python -m sparrow_jax.bench.acceptance --num_prompts 16 --samples 4 --budgets 48 128 "
     "--dense_layers none --plot docs/images/exact_acceptance.png":
