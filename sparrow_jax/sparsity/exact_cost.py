@@ -29,6 +29,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from scipy import integrate, special
 
 from sparrow_jax.sparsity.cost_model import (Hardware, ModelShape, decode_token_cost,
                                              get_hardware, get_model_shape)
@@ -70,11 +71,10 @@ def expected_max_std_normal(n: int) -> float:
     """E[max of n independent standard normals] (0 for n = 1), by quadrature."""
     if n <= 1:
         return 0.0
-    z = np.linspace(-9.0, 9.0, 6001)
-    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
-    pdf = np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-    trapezoid = getattr(np, "trapezoid", None) or np.trapz     # numpy 2 renamed it
-    return float(trapezoid(z * n * pdf * cdf ** (n - 1), z))
+    # E[max] = integral of z n phi(z) Phi(z)^(n-1) dz.
+    def integrand(z: float) -> float:
+        return z * n * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi) * special.ndtr(z) ** (n - 1)
+    return float(integrate.quad(integrand, -np.inf, np.inf)[0])
 
 
 def modelled_costs(model: ModelShape | str, hardware: Hardware | str, bin_ctx: Sequence[float],

@@ -143,8 +143,10 @@ class Replanner:
         if not any(c.new != c.old for c in choices):
             lines.append(f"exact_sparse re-plan at step {step}: no bin changed (gamma per bin "
                          f"{list(self.table)})")
+        table = list(self.table)
         for c in choices:
-            self.table = self.table[:c.bin] + (c.new,) + self.table[c.bin + 1:]
+            table[c.bin] = c.new
+        self.table = tuple(table)
         self.alpha_sum[:] = 0
         self.rounds[:] = 0
         self.alpha_rounds[:] = 0

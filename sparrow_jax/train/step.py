@@ -25,13 +25,12 @@ from sparrow_jax.rollout.api import generate_timed
 from sparrow_jax.rollout.batching import rollout_in_sub_batches, trim_to_bucket
 from sparrow_jax.rollout.config import RolloutConfig, RolloutMode
 from sparrow_jax.rollout.state import Trajectories
-from sparrow_jax.runtime import faults, multihost
+from sparrow_jax.runtime import compile_cache, faults, multihost
 from sparrow_jax.runtime.checkpoint import CheckpointManager, last_checkpoint_phrase
 from sparrow_jax.runtime.metrics import StepTimer
 from sparrow_jax.runtime.sharding import ShardingSpec
 from sparrow_jax.sparsity import mismatch
 from sparrow_jax.sparsity.controller import ScheduleController
-from sparrow_jax.runtime import compile_cache
 from sparrow_jax.train import exact_step, schedule_step
 from sparrow_jax.train.exact_replan import Replanner
 from sparrow_jax.train.plan import RunPlan
