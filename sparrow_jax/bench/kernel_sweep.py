@@ -134,7 +134,7 @@ def best_vs_default(rows: list[dict]) -> list[str]:
     """Per (context, mode): the fastest setting and what the default costs beside it."""
     lines = []
     for key in sorted({(r["context"], r["mode"]) for r in rows}):
-        ok = [r for r in rows if (r["context"], r["mode"]) == key and r.get("ms")]
+        ok = [r for r in rows if (r["context"], r["mode"]) == key and r.get("ms") is not None]
         if not ok:
             continue
         best = min(ok, key=lambda r: r["ms"])

@@ -72,6 +72,10 @@ def chained(fn, reps: int):
     return jax.jit(many)
 
 
+class TimingUnresolved(RuntimeError):
+    """A chained timing whose difference is inside the noise: there is no time to report."""
+
+
 def seconds_per_call(fn, *args, iters: int, reps: int | None = None) -> float:
     """Seconds per call of fn(*args). On CPU (reps 1): the median wall time of one call. On an
     accelerator a ~0.1 ms kernel is shorter than a jit call's host dispatch and sync, so it is
@@ -82,7 +86,13 @@ def seconds_per_call(fn, *args, iters: int, reps: int | None = None) -> float:
         return _wall(fn, *args, iters=iters)
     t_one = _wall(chained(fn, 1), *args, iters=iters)
     t_many = _wall(chained(fn, reps), *args, iters=iters)
-    return max(t_many - t_one, 0.0) / (reps - 1)
+    if t_many <= t_one:
+        # Not a zero-time kernel: the difference is inside the timer's noise (seen on a loaded
+        # 2-core CI machine at reps 2). A 0 here would print as a time and divide ratios by 0.
+        raise TimingUnresolved(
+            f"{reps} chained calls took no longer than one ({t_many * 1e3:.4f} ms vs "
+            f"{t_one * 1e3:.4f} ms): the call is below the timer's noise; raise --reps or --iters")
+    return (t_many - t_one) / (reps - 1)
 
 
 def _ints(s: str) -> list[int]:
