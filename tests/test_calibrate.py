@@ -158,3 +158,100 @@ def test_missing_inputs(setup, tmp_path, case, message):
     paths = [] if case == "none" else ["--model", str(model), "--prompts", str(prompts)]
     with pytest.raises(SystemExit, match=message):
         cli.main(["calibrate", str(setup / "cal.gin"), *paths])
+
+
+# The plan across modes end to end: enough rows that the controller's rule certifies budgets
+# (its 95% bound needs ~60 rows with no exceedance), a target the random model meets at the
+# smallest budget, and 4 bins so that the certified bins 1-3 form the suffix the planner may
+# run unverified. On the h100 cost model approximate sparse at 48 tokens then beats exact
+# sparse's best (gamma 4 at alpha ~0.98) in the long bins.
+MODES_GIN = GIN.replace("num_prompts = 4", "num_prompts = 32").replace(
+    "num_bins = 6", "num_bins = 4")
+
+
+@pytest.fixture(scope="module")
+def modes_run(setup):
+    """`sparrow calibrate` whose plan across modes has approximate bins: (out dir, printed)."""
+    import contextlib
+    import io
+
+    from sparrow_jax.data import synthetic
+
+    synthetic.write_jsonl(str(setup / "prompts40.jsonl"), 40, 0, (1, 1), 20)
+    (setup / "modes.gin").write_text(MODES_GIN)
+    out = setup / "modes_out"
+    gin.clear_config()
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            assert cli.main(["--log_level=WARNING", "calibrate", str(setup / "modes.gin"),
+                             "--model", str(setup / "model"), "--prompts",
+                             str(setup / "prompts40.jsonl"), "--out", str(out), "--budgets",
+                             "48", "64", "128", "--target", "0.98"]) == 0
+    finally:
+        gin.clear_config()
+    return out, printed.getvalue()
+
+
+def _faster_lines(printed: str) -> list[str]:
+    """The gin lines under calibrate's "faster, not lossless" heading."""
+    lines = printed.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("faster, not lossless"))
+    return [x.strip() for x in lines[start + 1:] if x.startswith("  ")
+            and x.strip().startswith(("TrainConfig.", "RolloutConfig.", "make_schedule."))]
+
+
+def test_calibrate_plans_approximate_bins_where_certified(modes_run):
+    from sparrow_jax.experiment.calibrate import exact_plan_config
+
+    out, printed = modes_run
+    report = json.loads((out / "report.json").read_text())
+    plan, cert = report["rollout_plan"], report["certified"]
+    k = plan["approximate_from_bin"]
+    certified = list(load_schedule(str(out / "certified_schedule.json")).budgets)
+    # Approximate bins: a non-empty suffix, each at the budget the controller's rule certified,
+    # none where it certified nothing (dense bins), and not predicted slower than lossless.
+    assert k >= 1, plan["reasons"]
+    assert plan["modes"][k:] == ["approximate"] * (4 - k)
+    assert "approximate" not in plan["modes"][:k]
+    assert not set(range(k, 4)) & set(cert["dense_bins"])
+    assert plan["budgets"][k:] == certified[k:]
+    assert all(g == 0 for g in plan["gammas"][k:])    # an approximate bin verifies nothing
+    assert plan["overall_speedup"] >= plan["lossless_overall_speedup"]
+    assert list(load_schedule(str(out / "rollout_plan_schedule.json")).budgets) == \
+        plan["budgets"]
+    assert f"bins {k}+ approximate sparse at the certified budgets" in printed
+    assert _faster_lines(printed) == exact_plan_config(
+        tuple(plan["gammas"]), report["files"]["plan"], k)
+
+
+@pytest.mark.slow       # one RL step; the printed lines are checked above (CI)
+def test_the_printed_plan_across_modes_trains(modes_run, setup):
+    """What calibrate printed under "faster, not lossless", pasted into a training config,
+    trains: verified tokens in the dense bins, unverified (budget recorded) in the approximate."""
+    from hf_fixtures import TINY_TRAIN, gin_text
+
+    out, printed = modes_run
+    binds = {k: v for k, v in TINY_TRAIN.items() if not k.startswith("make_schedule.")}
+    binds.update({"TrainConfig.model_path": repr(str(setup / "model")),
+                  "TrainConfig.train_data": repr(str(setup / "prompts40.jsonl")),
+                  "TrainConfig.run_dir": repr(str(setup / "modes_train")),
+                  "TrainConfig.total_steps": "1"})
+    config = setup / "modes_train.gin"
+    config.write_text(gin_text(binds) + "\n".join(_faster_lines(printed)) + "\n")
+    gin.clear_config()
+    try:
+        assert cli.main(["--log_level=WARNING", "train", str(config)]) == 0
+    finally:
+        gin.clear_config()
+    rows = [json.loads(x) for x in (setup / "modes_train" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    m = rows[0]
+    # Tokens in bins 0-1 decoded densely (verified: the dense policy's, within f32), those in
+    # the approximate bins by unverified drafts at the certified budget.
+    assert 0 < m["exact/approximate_frac"] < 1, m
+    assert m["exact/logp_max_abs_diff"] < 1e-4
+    plan = json.loads((out / "report.json").read_text())["rollout_plan"]
+    k = plan["approximate_from_bin"]
+    assert m[f"budget/bin_{k:02d}"] == plan["budgets"][k]
