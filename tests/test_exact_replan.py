@@ -60,6 +60,23 @@ def test_replan_table_per_bin():
     assert [c.new for c in no_dense] == [1, 2]
 
 
+def test_a_dense_bin_is_probed_after_staying_dense():
+    """A dense bin (gamma 0) drafts nothing, so its alpha is never measured: with traffic and
+    probe_after re-fits spent dense, it runs the smallest compiled draft length once."""
+    gammas, costs = (0, 1, 2), (1.0, 1.3, 1.6)
+    alpha, rounds = [np.nan, np.nan, np.nan, np.nan], [100, 100, 3, 100]
+    out = round_costs.replan_table((0, 0, 0, 2), gammas, costs, alpha, rounds, min_rounds=10,
+                                   dense_refits=(4, 3, 9, 0), probe_after=4)
+    assert [c.new for c in out] == [1, 0, 0, 2]   # bin 1: too soon; 2: no traffic; 3: drafts
+    assert "probe: dense through 4 re-fits" in out[0].reason and np.isnan(out[0].speedup)
+    never = round_costs.replan_table((0,), gammas, costs, [np.nan], [100], min_rounds=10,
+                                     dense_refits=(50,), probe_after=0)
+    assert never[0].new == 0
+    no_draft = round_costs.replan_table((0,), (0,), (1.0,), [np.nan], [100], min_rounds=10,
+                                        dense_refits=(50,), probe_after=1)
+    assert no_draft[0].new == 0                  # nothing compiled to probe with
+
+
 def _replanner(**kw):
     rc = RolloutConfig(mode="exact_sparse", gamma=2, replan_gammas=(0, 1, 2), replan_every=2,
                        replan_min_rounds=10, gamma_by_bin=(1,), **kw)
@@ -99,6 +116,39 @@ def test_replanner_logs_changes_keeps_metrics_and_state(caplog):
     # Calls older than FIT_STEPS steps leave the fit.
     r.observe_call(2 + exact_replan.FIT_STEPS, [1, 1, 1], 0.1)
     assert [c[0] for c in r.calls] == [2 + exact_replan.FIT_STEPS]
+
+
+def test_replanner_probes_a_bin_that_went_dense_and_decides_again(caplog):
+    r = _replanner(replan_probe_after=2)
+    dense_steps = [{"bin": 0, "rounds": 50, "mean_alpha": float("nan")}]
+    # Re-fit 1: bin 0 measured a poor alpha -> dense. Re-fits 2-3: dense, nothing measured.
+    r.observe_rounds([{"bin": 0, "rounds": 50, "mean_alpha": 0.05}])
+    assert r.replan(2).changed[0].new == 0 and r.table[0] == 0
+    assert list(r.dense_refits[:1]) == [1]
+    r.observe_rounds(dense_steps)
+    assert not r.replan(4).changed and r.dense_refits[0] == 2
+    r.observe_rounds(dense_steps)
+    with caplog.at_level("INFO"):
+        probe = r.replan(6)
+    assert [(c.bin, c.new) for c in probe.probed] == [(0, 1)] and r.table[0] == 1
+    assert "bin 0 (0-16 tokens): gamma 0 -> 1 (50 dense rounds; probe: dense through 2" \
+        in caplog.text
+    assert r.metrics(probe)["exact_plan/bins_probed"] == 1 and r.dense_refits[0] == 0
+    # The probe's interval measured a high alpha: drafts pay now (at the timed round costs
+    # 10 / 12 / 14 ms).
+    for counts in ([3, 10, 0], [0, 5, 8], [6, 0, 4], [2, 2, 2]):
+        r.observe_call(8, counts, 0.1 + np.dot(counts, [0.010, 0.012, 0.014]))
+    r.observe_rounds([{"bin": 0, "rounds": 50, "mean_alpha": 0.97}])
+    assert r.replan(8).changed[0].new == 2
+    state = json.loads(json.dumps(r.state_dict()))
+    back = _replanner(replan_probe_after=2)
+    back.load_state_dict(state)
+    np.testing.assert_array_equal(back.dense_refits, r.dense_refits)
+    old = {k: v for k, v in state.items() if k != "dense_refits"}   # a checkpoint before probes
+    back.load_state_dict(old)
+    assert not back.dense_refits.any()
+    with pytest.raises(ValueError, match="replan_probe_after=-1 must be >= 0"):
+        RolloutConfig(mode="exact_sparse", gamma=2, replan_gammas=(0, 2), replan_probe_after=-1)
 
 
 def test_replanning_outside_exact_sparse_is_refused():

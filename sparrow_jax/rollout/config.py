@@ -98,9 +98,14 @@ class RolloutConfig:
     # replan_every: `sparrow train` re-fits the plan every this many steps from the run's
     # measured alpha and round costs (0: never; needs replan_gammas); a bin keeps its gamma
     # until it saw replan_min_rounds verify rounds since the last re-fit.
+    # replan_probe_after: a dense bin (gamma 0) drafts nothing, so nothing measures whether
+    # drafts would now pay there: a bin with traffic that stayed dense through this many
+    # re-fits runs the next interval at the smallest compiled draft length, to measure its
+    # alpha again (0: never; a dense bin then stays dense).
     replan_gammas: tuple[int, ...] = ()
     replan_every: int = 0
     replan_min_rounds: int = 32
+    replan_probe_after: int = 4
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 16
     max_budget: int = 4096               # static selection width in tokens (>= any schedule budget)
@@ -248,8 +253,9 @@ class RolloutConfig:
         """Raises on re-planning settings that cannot work (refused outside exact_sparse by
         the run plan, train/plan.py, as gamma_by_bin is: gin may set the mode elsewhere)."""
         cand, name = self.replan_gammas, "RolloutConfig.replan_gammas"
-        if self.replan_every < 0 or self.replan_min_rounds < 1:
-            raise ValueError(f"RolloutConfig.replan_every={self.replan_every} must be >= 0 (0: "
+        if self.replan_every < 0 or self.replan_min_rounds < 1 or self.replan_probe_after < 0:
+            raise ValueError(f"RolloutConfig.replan_every={self.replan_every} and "
+                             f"replan_probe_after={self.replan_probe_after} must be >= 0 (0: "
                              f"never) and replan_min_rounds={self.replan_min_rounds} >= 1")
         if self.replan_every and not cand:
             raise ValueError(f"RolloutConfig.replan_every={self.replan_every} needs {name}: the "

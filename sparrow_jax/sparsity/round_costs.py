@@ -110,16 +110,23 @@ def rate(alpha: float, gamma: int, round_cost: float) -> float:
 
 
 def replan_table(table: Sequence[int], gammas: Sequence[int], costs: Sequence[float],
-                 alpha, rounds, *, min_rounds: int, first_approximate: int = 0
+                 alpha, rounds, *, min_rounds: int, first_approximate: int = 0,
+                 dense_refits: Sequence[int] | None = None, probe_after: int = 0
                  ) -> list[BinChoice]:
     """table [bins] the gamma each bin runs now, gammas [G] the compiled round gammas and
     costs [G] one round of each (the first G of `RoundCosts.seconds`), alpha/rounds [bins]
     measured mean alpha (NaN: none) and verify rounds per bin; bins from first_approximate
-    (> 0) on are approximate (not re-planned). Returns one `BinChoice` per re-planned bin."""
+    (> 0) on are approximate (not re-planned). dense_refits [bins]: the re-fits each bin has
+    stayed dense through; a dense bin with rounds but no alpha (it drafted nothing) that
+    stayed dense through probe_after (> 0) re-fits is probed: set to the smallest compiled
+    draft length, so the next interval measures its alpha. Returns one `BinChoice` per
+    re-planned bin."""
     gammas = [int(g) for g in gammas]
     cost = dict(zip(gammas, (float(c) for c in costs)))
     a = np.asarray(alpha, np.float64)
     n = np.asarray(rounds, np.int64)
+    refits = np.zeros(len(table), np.int64) if dense_refits is None else np.asarray(dense_refits)
+    drafted = [g for g in gammas if g > 0]
     stop = first_approximate or len(table)
     out = []
     for j in range(min(stop, len(table))):
@@ -129,10 +136,16 @@ def replan_table(table: Sequence[int], gammas: Sequence[int], costs: Sequence[fl
                                  f"{n[j]} rounds < replan_min_rounds {min_rounds}: kept"))
             continue
         if not np.isfinite(a[j]):
-            out.append(BinChoice(j, old, old, float(a[j]), int(n[j]), 1.0,
-                                 "no alpha measured (no drafts in this bin): kept"))
+            if old == 0 and probe_after and drafted and refits[j] >= probe_after:
+                out.append(BinChoice(            # no prediction: speedup NaN
+                    j, old, min(drafted), float(a[j]), int(n[j]), float("nan"),
+                    f"probe: dense through {refits[j]} re-fits (replan_probe_after "
+                    f"{probe_after}), nothing measured its drafts; one interval at gamma "
+                    f"{min(drafted)} measures alpha"))
+            else:
+                out.append(BinChoice(j, old, old, float(a[j]), int(n[j]), 1.0,
+                                     "no alpha measured (no drafts in this bin): kept"))
             continue
-        drafted = [g for g in gammas if g > 0]
         plan = exact_cost.choose_per_bin(
             [0], [[a[j]]], [0.0], {g: cost[g] for g in drafted},
             cost[0] if 0 in cost else np.inf)

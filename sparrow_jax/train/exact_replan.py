@@ -12,7 +12,10 @@ non-negative least squares over the kept calls, else the modelled ratios of
 `exact_cost.modelled_costs` at the run's context, scaled to the calls - the log says which) and
 re-fits each verified bin's gamma among the compiled ones (`round_costs.replan_table`); it logs
 one line per changed bin with its reason (old -> new gamma, alpha, rounds, the round costs, the
-predicted speed-up), or one line that nothing changed. The new plan runs from the next step on
+predicted speed-up), or one line that nothing changed. A dense bin drafts nothing, so nothing
+measures its alpha: one that stayed dense through `replan_probe_after` re-fits with traffic is
+probed - the next interval runs it at the smallest compiled draft length, and the re-fit after
+decides from the alpha that measured. The new plan runs from the next step on
 without a compile (the decode programs take the table as an input). The plan and its evidence
 are in every checkpoint (`state_dict`), so a resume continues with the same plan.
 """
@@ -49,6 +52,11 @@ class Replan:
     def changed(self) -> tuple[round_costs.BinChoice, ...]:
         return tuple(c for c in self.choices if c.new != c.old)
 
+    @property
+    def probed(self) -> tuple[round_costs.BinChoice, ...]:
+        """Dense bins set to draft for one interval to measure alpha (no prediction)."""
+        return tuple(c for c in self.changed if not np.isfinite(c.speedup))
+
 
 class Replanner:
     """The run's per-bin gamma plan and the evidence for re-fitting it (module docstring)."""
@@ -58,6 +66,7 @@ class Replanner:
                  batch: int):
         self.every = rollout.replan_every
         self.min_rounds = rollout.replan_min_rounds
+        self.probe_after = rollout.replan_probe_after
         self.gammas = rollout.round_gammas
         self.branches = rollout.round_branches
         self.gamma = rollout.gamma
@@ -72,6 +81,7 @@ class Replanner:
         n = len(self.table)
         self.alpha_sum, self.rounds = np.zeros(n), np.zeros(n, np.int64)
         self.alpha_rounds = np.zeros(n, np.int64)
+        self.dense_refits = np.zeros(n, np.int64)   # re-fits each bin has stayed dense through
         self.calls: collections.deque = collections.deque()   # (step, counts [R], seconds)
 
     # -- evidence ----------------------------------------------------------------------------
@@ -124,7 +134,8 @@ class Replanner:
             alpha = np.where(self.alpha_rounds > 0, self.alpha_sum / self.alpha_rounds, np.nan)
         choices = round_costs.replan_table(
             self.table, self.gammas, costs.seconds[:len(self.gammas)], alpha, self.rounds,
-            min_rounds=self.min_rounds, first_approximate=self.first_approximate)
+            min_rounds=self.min_rounds, first_approximate=self.first_approximate,
+            dense_refits=self.dense_refits, probe_after=self.probe_after)
         unit, scale = ("ms", 1e3) if costs.in_seconds else ("modelled", 1.0)
         per_round = ", ".join(f"{b} {scale * c:.4g}" for b, c in zip(self.branches,
                                                                     costs.seconds))
@@ -135,10 +146,12 @@ class Replanner:
                  f"{source}; bins with under replan_min_rounds = {self.min_rounds} verify "
                  "rounds keep their gamma"]
         for c in choices:
-            if c.new != c.old:
-                lines.append(f"exact_sparse re-plan, bin {c.bin} ({c.bin * self.bin_size}-"
-                             f"{(c.bin + 1) * self.bin_size} tokens): gamma {c.old} -> {c.new} "
-                             f"(alpha {c.alpha:.3f} over {c.rounds} rounds, predicted "
+            where = (f"exact_sparse re-plan, bin {c.bin} ({c.bin * self.bin_size}-"
+                     f"{(c.bin + 1) * self.bin_size} tokens): gamma {c.old} -> {c.new}")
+            if c.new != c.old and not np.isfinite(c.speedup):
+                lines.append(f"{where} ({c.rounds} dense rounds; {c.reason})")
+            elif c.new != c.old:
+                lines.append(f"{where} (alpha {c.alpha:.3f} over {c.rounds} rounds, predicted "
                              f"{c.speedup:.2f}x the old gamma's tokens per second; {c.reason})")
         if not any(c.new != c.old for c in choices):
             lines.append(f"exact_sparse re-plan at step {step}: no bin changed (gamma per bin "
@@ -147,6 +160,7 @@ class Replanner:
         for c in choices:
             table[c.bin] = c.new
         self.table = tuple(table)
+        self.dense_refits = np.where(np.asarray(table) == 0, self.dense_refits + 1, 0)
         self.alpha_sum[:] = 0
         self.rounds[:] = 0
         self.alpha_rounds[:] = 0
@@ -166,13 +180,15 @@ class Replanner:
                     1e3 * s if c.in_seconds else s)
             m["exact_plan/costs_measured"] = float(c.measured)
             m["exact_plan/bins_changed"] = float(len(replan.changed))
+            m["exact_plan/bins_probed"] = float(len(replan.probed))
         return m
 
     # -- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"table": list(self.table), "alpha_sum": self.alpha_sum.tolist(),
                 "alpha_rounds": self.alpha_rounds.tolist(), "rounds": self.rounds.tolist(),
-                "calls": [list(c) for c in self.calls], "branches": list(self.branches)}
+                "calls": [list(c) for c in self.calls], "branches": list(self.branches),
+                "dense_refits": self.dense_refits.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's plan and evidence (of the same compiled gammas: the resume check
@@ -186,6 +202,8 @@ class Replanner:
         self.alpha_sum = np.asarray(state["alpha_sum"], np.float64)
         self.alpha_rounds = np.asarray(state["alpha_rounds"], np.int64)
         self.rounds = np.asarray(state["rounds"], np.int64)
+        # A checkpoint from before probing (2026-11-29) counts from its restore on.
+        self.dense_refits = np.asarray(state.get("dense_refits", [0] * len(table)), np.int64)
         self.calls = collections.deque((int(s), list(c), float(t))
                                        for s, c, t in state["calls"])
 
