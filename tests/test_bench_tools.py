@@ -48,7 +48,7 @@ def test_chained_timing_inside_the_noise_is_an_error_not_zero(monkeypatch):
     from sparrow_jax.bench import kernels
 
     walls = iter([2e-3, 1.9e-3])                    # one call, then 2 chained: "faster"
-    monkeypatch.setattr(kernels, "_wall", lambda fn, *a, iters: next(walls))
+    monkeypatch.setattr(kernels, "median_wall_seconds", lambda fn, *a, iters: next(walls))
     with pytest.raises(kernels.TimingUnresolved, match="below the timer's noise"):
         kernels.seconds_per_call(lambda x: x, jnp.ones(2), iters=1, reps=2)
     walls = iter([2e-3, 5e-3])

@@ -46,7 +46,7 @@ MODELS = {"1.7b": ("qwen3-1.7b", 16, 8, 128), "8b": ("qwen3-8b", 32, 8, 128)}
 BLOCK = 16
 
 
-def _wall(fn, *args, iters: int) -> float:
+def median_wall_seconds(fn, *args, iters: int) -> float:
     """Median wall time (s) of fn(*args) after a warmup call (which also compiles)."""
     jax.block_until_ready(fn(*args))
     times = []
@@ -83,9 +83,9 @@ def seconds_per_call(fn, *args, iters: int, reps: int | None = None) -> float:
     median of `iters` wall times, which cancels the fixed dispatch and sync cost."""
     reps = reps or (1 if jax.default_backend() == "cpu" else 16)
     if reps == 1:
-        return _wall(fn, *args, iters=iters)
-    t_one = _wall(chained(fn, 1), *args, iters=iters)
-    t_many = _wall(chained(fn, reps), *args, iters=iters)
+        return median_wall_seconds(fn, *args, iters=iters)
+    t_one = median_wall_seconds(chained(fn, 1), *args, iters=iters)
+    t_many = median_wall_seconds(chained(fn, reps), *args, iters=iters)
     if t_many <= t_one:
         # Not a zero-time kernel: the difference is inside the timer's noise (seen on a loaded
         # 2-core CI machine at reps 2). A 0 here would print as a time and divide ratios by 0.
