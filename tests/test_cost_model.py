@@ -171,3 +171,15 @@ def test_choose_block_size():
                                                       64: Schedule.constant(4096, block_size=64)})
     assert rows[0]["block_size"] == 16 and rows[0]["quality_matched"]
     assert choose_block_size(M, "h200", 1000, lengths, candidates=(16,))[0]["speedup"] > 1
+
+
+def test_matmul_rate_is_a_rate_on_data():
+    """`runtime.bandwidth.matmul_rate` (what `sparrow doctor` prints on an accelerator): chained
+    products stay finite (rescaled each time) and the rate is FLOPs over a positive time."""
+    import math
+
+    import jax.numpy as jnp
+
+    from sparrow_jax.runtime.bandwidth import matmul_rate
+    rate = matmul_rate(n=128, products=3, iters=2, dtype=jnp.float32)
+    assert math.isfinite(rate) and rate > 0

@@ -1,9 +1,11 @@
-"""The device's copy bandwidth, measured: the denominator of every bytes limit.
+"""The device's ceilings, measured: copy bandwidth (the denominator of every bytes limit) and
+the bf16 matrix rate (the learner's FLOP/s is a share of it).
 
 A decode step reads its weights and KV once; the fastest it can go is those bytes over the
 bandwidth a plain copy reaches on the same device (`sparsity.cost_model.decode_step_bytes`).
 `sparrow bench kernel`, `sparrow bench rollout` and `sparrow doctor` measure it with this one
-function, in the same process as the timings they compare against it.
+function, in the same process as the timings they compare against it. `sparrow doctor` also
+measures the matrix rate on an accelerator (`matmul_rate`), so every device report records both.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-__all__ = ["copy_bandwidth", "default_probe_bytes"]
+__all__ = ["copy_bandwidth", "default_probe_bytes", "matmul_rate"]
 
 
 def default_probe_bytes() -> int:
@@ -36,3 +38,26 @@ def copy_bandwidth(nbytes: int | None = None, iters: int = 10) -> float:
         x = jax.block_until_ready(f(x))
         times.append(time.perf_counter() - t0)
     return 2 * x.nbytes / statistics.median(times)
+
+
+def matmul_rate(n: int = 8192, products: int = 10, iters: int = 5,
+                dtype=jnp.bfloat16) -> float:
+    """FLOP/s of `products` chained n x n x n products in one program on random data (the
+    ceiling a learner's model FLOP/s is a share of), the median of `iters` timed calls after
+    one that compiles. Each product is rescaled by 1/sqrt(n) so the values stay O(1): a rate
+    on zeros or infinities is not a rate on data (an H200 multiplies zeros ~13% faster)."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
+    scale = jnp.asarray(n ** -0.5, dtype)
+
+    @jax.jit
+    def chain(a, b):
+        return jax.lax.fori_loop(0, products, lambda _, c: (c @ b) * scale, a)
+    jax.block_until_ready(chain(a, b))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(chain(a, b))
+        times.append(time.perf_counter() - t0)
+    return products * 2 * n ** 3 / statistics.median(times)

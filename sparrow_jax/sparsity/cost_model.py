@@ -157,13 +157,16 @@ class Hardware:
         return self.measured_flops or self.peak_flops
 
 
-# Public spec-sheet numbers (dense bf16, no sparsity; HBM bandwidth). The H200's measured bf16
-# matmul peak: ~790 TFLOP/s on the lent H200 of 2026-11-28 (its copy kernel: 3.59 TB/s).
+# Public spec-sheet numbers (dense bf16, no sparsity; HBM bandwidth). The H200's bf16 matrix
+# rate: ~790 TFLOP/s, an 8192^3 product on random data on the lent H200 machines (769-798 in the
+# lender's machine notes; our copy kernel there: 3.59 TB/s, 2026-11-28). Our own device reports
+# record it from the next run on: `sparrow doctor` prints `runtime.bandwidth.matmul_rate`.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", 989e12, 3.35e12,
                      device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100")),
     "h200": Hardware("h200", 989e12, 4.8e12, measured_flops=790e12,
-                     measured_on="one lent H200, 2026-11-28", device_kinds=("NVIDIA H200",)),
+                     measured_on="the lent H200 machines (8192^3 bf16, random data)",
+                     device_kinds=("NVIDIA H200",)),
     "tpu-v5e": Hardware("tpu-v5e", 197e12, 0.819e12, device_kinds=("TPU v5 lite", "TPU v5e")),
     "tpu-v5p": Hardware("tpu-v5p", 459e12, 2.765e12, device_kinds=("TPU v5", "TPU v5p")),
     "tpu-v6e": Hardware("tpu-v6e", 918e12, 1.64e12, device_kinds=("TPU v6 lite", "TPU v6e")),

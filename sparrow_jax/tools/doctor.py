@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from sparrow_jax.runtime.bandwidth import copy_bandwidth
+from sparrow_jax.runtime.bandwidth import copy_bandwidth, matmul_rate
 
 HEADS = {"qwen3-1.7b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
 BLOCK = 16
@@ -319,6 +319,8 @@ def main(args: argparse.Namespace) -> int:
         copy_bw = copy_bandwidth(1 << 28, 5)
         print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s (kernel 'copy BW' = its bytes / time "
               "as a fraction of this)")
+        print(f"bf16 matrix rate: {matmul_rate() / 1e12:.0f} TFLOP/s (8192^3 products on "
+              "random data: the learner's FLOP/s is a share of this)", flush=True)
     only = tuple(b for b in getattr(args, "backends", "").split(",") if b)
     unknown = set(only) - set(pk.BACKENDS)
     if unknown:
