@@ -493,6 +493,13 @@ _REGISTRY = {
     _ROLLOUT_BENCH + "--workload exact --context 16384 --budget 1024 --gamma 1 2 "
     "--dense_layers none --batch 16 --new_tokens 64 --repeats 2":
         (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
+    # docs/benchmarks.md: exact sparse at the shipped configs' dense-layer fraction (issue 57)
+    _ROLLOUT_BENCH + "--workload exact --layers 14 --context 8192 16384 --budget 1024 --gamma 2 4 "
+    "--dense_layers 0 --batch 4 --new_tokens 64 --repeats 3":
+        (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
+    _ROLLOUT_BENCH + "--workload exact --layers 14 --context 32768 --budget 1024 --gamma 2 4 "
+    "--dense_layers 0 --batch 4 --new_tokens 64 --repeats 3":
+        (ByTest("tests/test_exact_sparse.py::test_bench_exact_workload"),),
     # docs/benchmarks.md: the planner against measured speed, 8K-32K (issue 57)
     _ROLLOUT_BENCH + "--workload exact --context 8192 16384 --budget 1024 --gamma 1 2 "
     "--dense_layers 0,1 --batch 4 --new_tokens 64 --repeats 3":

@@ -31,30 +31,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from sparrow_jax.runtime.bandwidth import copy_bandwidth
+from sparrow_jax.runtime.bandwidth import copy_bandwidth, median_wall_seconds
 from sparrow_jax.sparsity import block_scores, selection
 
 MODELS = {"1.7b": ("qwen3-1.7b", 16, 8, 128), "8b": ("qwen3-8b", 32, 8, 128)}
 BLOCK = 16
-
-
-def median_wall_seconds(fn, *args, iters: int) -> float:
-    """Median wall time (s) of fn(*args) after a warmup call (which also compiles)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def chained(fn, reps: int):

@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-__all__ = ["copy_bandwidth", "default_probe_bytes", "matmul_rate"]
+__all__ = ["copy_bandwidth", "default_probe_bytes", "matmul_rate", "median_wall_seconds"]
 
 
 def default_probe_bytes() -> int:
@@ -40,6 +40,17 @@ def copy_bandwidth(nbytes: int | None = None, iters: int = 10) -> float:
     return 2 * x.nbytes / statistics.median(times)
 
 
+def median_wall_seconds(fn, *args, iters: int) -> float:
+    """Median wall time (s) of fn(*args) after a warmup call (which also compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def matmul_rate(n: int = 8192, products: int = 10, iters: int = 5,
                 dtype=jnp.bfloat16) -> float:
     """FLOP/s of `products` chained n x n x n products in one program on random data (the
@@ -54,10 +65,4 @@ def matmul_rate(n: int = 8192, products: int = 10, iters: int = 5,
     @jax.jit
     def chain(a, b):
         return jax.lax.fori_loop(0, products, lambda _, c: (c @ b) * scale, a)
-    jax.block_until_ready(chain(a, b))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(chain(a, b))
-        times.append(time.perf_counter() - t0)
-    return products * 2 * n ** 3 / statistics.median(times)
+    return products * 2 * n ** 3 / median_wall_seconds(chain, a, b, iters=iters)
