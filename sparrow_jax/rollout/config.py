@@ -253,10 +253,12 @@ class RolloutConfig:
         """Raises on re-planning settings that cannot work (refused outside exact_sparse by
         the run plan, train/plan.py, as gamma_by_bin is: gin may set the mode elsewhere)."""
         cand, name = self.replan_gammas, "RolloutConfig.replan_gammas"
-        if self.replan_every < 0 or self.replan_min_rounds < 1 or self.replan_probe_after < 0:
-            raise ValueError(f"RolloutConfig.replan_every={self.replan_every} and "
-                             f"replan_probe_after={self.replan_probe_after} must be >= 0 (0: "
+        if self.replan_every < 0 or self.replan_min_rounds < 1:
+            raise ValueError(f"RolloutConfig.replan_every={self.replan_every} must be >= 0 (0: "
                              f"never) and replan_min_rounds={self.replan_min_rounds} >= 1")
+        if self.replan_probe_after < 0:
+            raise ValueError(f"RolloutConfig.replan_probe_after={self.replan_probe_after} must "
+                             "be >= 0 (0: a dense bin is never probed)")
         if self.replan_every and not cand:
             raise ValueError(f"RolloutConfig.replan_every={self.replan_every} needs {name}: the "
                              "draft lengths the decode programs compile, e.g. (0, 1, 2, 4)")
