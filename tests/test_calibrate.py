@@ -54,9 +54,9 @@ def setup(tmp_path_factory):
     return root
 
 
-def _argv(root, *extra):
-    return ["--log_level=WARNING", "calibrate", str(root / "cal.gin"), "--model",
-            str(root / "model"), "--prompts", str(root / "prompts.jsonl"), *extra]
+def _argv(root, *extra, gin_file: str = "cal.gin", prompts: str = "prompts.jsonl"):
+    return ["--log_level=WARNING", "calibrate", str(root / gin_file), "--model",
+            str(root / "model"), "--prompts", str(root / prompts), *extra]
 
 
 def test_calibrate_end_to_end(setup, capsys):
@@ -167,6 +167,7 @@ def test_missing_inputs(setup, tmp_path, case, message):
 # sparse's best (gamma 4 at alpha ~0.98) in the long bins.
 MODES_GIN = GIN.replace("num_prompts = 4", "num_prompts = 32").replace(
     "num_bins = 6", "num_bins = 4")
+assert "num_prompts = 32" in MODES_GIN and "num_bins = 4" in MODES_GIN
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +185,9 @@ def modes_run(setup):
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            assert cli.main(["--log_level=WARNING", "calibrate", str(setup / "modes.gin"),
-                             "--model", str(setup / "model"), "--prompts",
-                             str(setup / "prompts40.jsonl"), "--out", str(out), "--budgets",
-                             "48", "64", "128", "--target", "0.98"]) == 0
+            assert cli.main(_argv(setup, "--out", str(out), "--budgets", "48", "64", "128",
+                                  "--target", "0.98", gin_file="modes.gin",
+                                  prompts="prompts40.jsonl")) == 0
     finally:
         gin.clear_config()
     return out, printed.getvalue()
@@ -229,14 +229,12 @@ def test_calibrate_plans_approximate_bins_where_certified(modes_run):
 def test_the_printed_plan_across_modes_trains(modes_run, setup):
     """What calibrate printed under "faster, not lossless", pasted into a training config,
     trains: verified tokens in the dense bins, unverified (budget recorded) in the approximate."""
-    from hf_fixtures import TINY_TRAIN, gin_text
+    from hf_fixtures import gin_text, tiny_train_bindings
 
     out, printed = modes_run
-    binds = {k: v for k, v in TINY_TRAIN.items() if not k.startswith("make_schedule.")}
-    binds.update({"TrainConfig.model_path": repr(str(setup / "model")),
-                  "TrainConfig.train_data": repr(str(setup / "prompts40.jsonl")),
-                  "TrainConfig.run_dir": repr(str(setup / "modes_train")),
-                  "TrainConfig.total_steps": "1"})
+    binds = tiny_train_bindings(setup, "modes_train", 1, make_schedule__budgets=None,
+                                make_schedule__bin_size=None,
+                                TrainConfig__train_data=repr(str(setup / "prompts40.jsonl")))
     config = setup / "modes_train.gin"
     config.write_text(gin_text(binds) + "\n".join(_faster_lines(printed)) + "\n")
     gin.clear_config()

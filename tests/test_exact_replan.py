@@ -68,6 +68,7 @@ def test_a_dense_bin_is_probed_after_staying_dense():
     out = round_costs.replan_table((0, 0, 0, 2), gammas, costs, alpha, rounds, min_rounds=10,
                                    dense_refits=(4, 3, 9, 0), probe_after=4)
     assert [c.new for c in out] == [1, 0, 0, 2]   # bin 1: too soon; 2: no traffic; 3: drafts
+    assert out[0].probe and not any(c.probe for c in out[1:])
     assert "probe: dense through 4 re-fits" in out[0].reason and np.isnan(out[0].speedup)
     never = round_costs.replan_table((0,), gammas, costs, [np.nan], [100], min_rounds=10,
                                      dense_refits=(50,), probe_after=0)

@@ -92,7 +92,9 @@ def fit_round_costs(counts, seconds, modelled: Sequence[float]) -> RoundCosts:
 @dataclasses.dataclass(frozen=True)
 class BinChoice:
     """A bin's re-fit: its gamma before and after, the evidence and the predicted speed-up
-    of the new gamma over the old (expected tokens per second of rounds), and why."""
+    of the new gamma over the old (expected tokens per second of rounds), and why. probe: a
+    dense bin set to draft for one interval so that its alpha is measured (no prediction:
+    speedup NaN)."""
     bin: int
     old: int
     new: int
@@ -100,6 +102,7 @@ class BinChoice:
     rounds: int
     speedup: float
     reason: str
+    probe: bool = False
 
 
 def rate(alpha: float, gamma: int, round_cost: float) -> float:
@@ -137,11 +140,11 @@ def replan_table(table: Sequence[int], gammas: Sequence[int], costs: Sequence[fl
             continue
         if not np.isfinite(a[j]):
             if old == 0 and probe_after and drafted and refits[j] >= probe_after:
-                out.append(BinChoice(            # no prediction: speedup NaN
+                out.append(BinChoice(
                     j, old, min(drafted), float(a[j]), int(n[j]), float("nan"),
                     f"probe: dense through {refits[j]} re-fits (replan_probe_after "
                     f"{probe_after}), nothing measured its drafts; one interval at gamma "
-                    f"{min(drafted)} measures alpha"))
+                    f"{min(drafted)} measures alpha", probe=True))
             else:
                 out.append(BinChoice(j, old, old, float(a[j]), int(n[j]), 1.0,
                                      "no alpha measured (no drafts in this bin): kept"))

@@ -55,7 +55,7 @@ class Replan:
     @property
     def probed(self) -> tuple[round_costs.BinChoice, ...]:
         """Dense bins set to draft for one interval to measure alpha (no prediction)."""
-        return tuple(c for c in self.changed if not np.isfinite(c.speedup))
+        return tuple(c for c in self.choices if c.probe)
 
 
 class Replanner:
@@ -148,7 +148,7 @@ class Replanner:
         for c in choices:
             where = (f"exact_sparse re-plan, bin {c.bin} ({c.bin * self.bin_size}-"
                      f"{(c.bin + 1) * self.bin_size} tokens): gamma {c.old} -> {c.new}")
-            if c.new != c.old and not np.isfinite(c.speedup):
+            if c.probe:
                 lines.append(f"{where} ({c.rounds} dense rounds; {c.reason})")
             elif c.new != c.old:
                 lines.append(f"{where} (alpha {c.alpha:.3f} over {c.rounds} rounds, predicted "
